@@ -1,0 +1,28 @@
+# The README's two commands: `make demo` and `make test`. Both create or update .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvpp-installed
+PYTEST_ARGS ?=
+
+.PHONY: venv test demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+# pytest exits 5 when it collects nothing; that is not a failure.
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
+
+demo: $(STAMP)
+	$(VENV)/bin/kvpp-fx plan --model deepseek-v3 --tp 8
+
+clean:
+	rm -rf $(VENV) build *.egg-info

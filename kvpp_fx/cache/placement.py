@@ -1,0 +1,257 @@
+"""Layer placement for KVPP: owners, scratch slots, bundle layout and the memory budget (pure maths).
+
+Invariants (from the reference implementation unless marked):
+- Every target layer has exactly one owner rank. Owners come from the sorted local layer indices,
+  ``base, rem = divmod(n, size)``; rank r takes the next ``base + (r < rem)`` indices, so ranges are
+  contiguous and lower ranks take the extra layer. The result does not depend on input order.
+- Draft/MTP layers get no owner and stay persistent on every rank, unless ``shard_draft_layers``.
+- The k-th target layer in execution order uses scratch slot ``k % depth`` on every rank that does not
+  own it. Owned layers count in k; local draft layers do not.
+- A bundle is laid out component-major: each component holds all ``num_blocks`` blocks, packed back to
+  back.
+- Every buffer (each owned bundle, each local draft cache, each scratch slot) is 2 MiB aligned, and
+  (ours) the padding is counted in the budget: ``bytes_for(num_blocks(a)) <= a`` always holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from kvpp_fx.cache.spec import LayerCacheSpec, ModelCacheSpec
+
+ALIGNMENT = 2 * 1024 * 1024
+DEFAULT_DEPTH = 2
+
+
+def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
+    return -(-nbytes // alignment) * alignment
+
+
+def assign_owners(layer_indices: Iterable[int], group_size: int) -> dict[int, int]:
+    """Map each layer index to the rank (0-based, within the group) that owns it."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}.")
+    ordered = sorted(layer_indices)
+    if len(set(ordered)) != len(ordered):
+        raise ValueError(f"layer indices must be unique, got {ordered}.")
+    base, rem = divmod(len(ordered), group_size)
+    owners: dict[int, int] = {}
+    start = 0
+    for rank in range(group_size):
+        count = base + (1 if rank < rem else 0)
+        for index in ordered[start:start + count]:
+            owners[index] = rank
+        start += count
+    return owners
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """One physical buffer of a rank: ``kind`` is "persistent", "draft" or "scratch"."""
+
+    kind: str
+    key: int  # the layer index for persistent/draft buffers, the slot for scratch buffers
+    bytes_per_block: int
+
+    @property
+    def name(self) -> str:
+        return f"scratch[{self.key}]" if self.kind == "scratch" else f"{self.kind}[layer {self.key}]"
+
+    def nbytes(self, num_blocks: int) -> int:
+        return align_up(num_blocks * self.bytes_per_block)
+
+
+@dataclass(frozen=True)
+class ComponentLayout:
+    name: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class KVPPPlan:
+    """Where each layer's cache lives within one KVPP group.
+
+    ``layers`` restricts the plan to a pipeline stage's local layers (default: all of ``spec``).
+    """
+
+    spec: ModelCacheSpec
+    group_size: int
+    depth: int = DEFAULT_DEPTH
+    shard_draft_layers: bool = False
+    layers: tuple[int, ...] | None = None
+    owners: Mapping[int, int] = field(init=False, compare=False, repr=False)
+    target_layers: tuple[int, ...] = field(init=False, compare=False)
+    local_draft_layers: tuple[int, ...] = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}.")
+        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
+            raise ValueError(f"scratch depth must be at least 1, got {self.depth!r}.")
+        local = self._local_layer_specs()
+        targets = tuple(l.index for l in local if not l.is_draft or self.shard_draft_layers)
+        drafts = tuple(l.index for l in local if l.is_draft and not self.shard_draft_layers)
+        object.__setattr__(self, "layers", tuple(l.index for l in local))
+        object.__setattr__(self, "target_layers", targets)
+        object.__setattr__(self, "local_draft_layers", drafts)
+        object.__setattr__(self, "owners", MappingProxyType(assign_owners(targets, self.group_size)))
+
+    def _local_layer_specs(self) -> tuple[LayerCacheSpec, ...]:
+        if self.layers is None:
+            chosen = self.spec.layers
+        else:
+            chosen = tuple(self.spec.layer(i) for i in self.layers)
+        # Execution order is ascending layer index; draft layers run after the target model.
+        return tuple(sorted(chosen, key=lambda l: (l.is_draft, l.index)))
+
+    # --- ownership and slots -------------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.group_size > 1
+
+    def owner(self, layer: int) -> int | None:
+        """The owner rank of a target layer; None for a local draft layer."""
+        if layer in self.owners:
+            return self.owners[layer]
+        if layer in self.local_draft_layers:
+            return None
+        raise KeyError(f"layer {layer} is not in this plan.")
+
+    def owned_layers(self, rank: int) -> tuple[int, ...]:
+        self._check_rank(rank)
+        return tuple(i for i in self.target_layers if self.owners[i] == rank)
+
+    def is_local(self, layer: int, rank: int) -> bool:
+        """Whether `rank` keeps `layer` persistently (owned target or local draft)."""
+        return layer in self.local_draft_layers or self.owner(layer) == rank
+
+    def slot(self, layer: int) -> int:
+        """The scratch slot of a target layer in the graph: ``k % depth`` over execution order."""
+        try:
+            k = self.target_layers.index(layer)
+        except ValueError:
+            raise KeyError(f"layer {layer} is not a target layer of this plan.") from None
+        return k % self.depth
+
+    def scratch_slot(self, layer: int, rank: int) -> int | None:
+        """The scratch slot `rank` reads `layer` from, or None where the layer is local to it."""
+        if self.is_local(layer, rank):
+            return None
+        return self.slot(layer)
+
+    def next_target(self, layer: int) -> int | None:
+        k = self.target_layers.index(layer)
+        return self.target_layers[k + 1] if k + 1 < len(self.target_layers) else None
+
+    # --- sizes -----------------------------------------------------------------------------------
+
+    def bundle_bytes_per_block(self, layer: int) -> int:
+        return self.spec.bytes_per_block(layer)
+
+    @property
+    def largest_target_bytes_per_block(self) -> int:
+        return max((self.bundle_bytes_per_block(i) for i in self.target_layers), default=0)
+
+    def needs_scratch(self, rank: int) -> bool:
+        return len(self.owned_layers(rank)) < len(self.target_layers)
+
+    def buffers(self, rank: int) -> tuple[BufferPlan, ...]:
+        """The physical buffers `rank` allocates, in allocation order."""
+        owned = [BufferPlan("persistent", i, self.bundle_bytes_per_block(i)) for i in self.owned_layers(rank)]
+        drafts = [BufferPlan("draft", i, self.bundle_bytes_per_block(i)) for i in self.local_draft_layers]
+        scratch = []
+        if self.needs_scratch(rank):
+            scratch = [BufferPlan("scratch", s, self.largest_target_bytes_per_block) for s in range(self.depth)]
+        return tuple(owned + drafts + scratch)
+
+    def replicated_buffers(self) -> tuple[BufferPlan, ...]:
+        """The buffers of the same stage without KVPP: every layer persistent on every rank."""
+        return tuple(
+            BufferPlan("draft" if i in self.local_draft_layers else "persistent", i, self.bundle_bytes_per_block(i))
+            for i in self.layers
+        )
+
+    def persistent_bytes_per_block(self, rank: int) -> int:
+        return sum(b.bytes_per_block for b in self.buffers(rank) if b.kind != "scratch")
+
+    def scratch_bytes_per_block(self, rank: int) -> int:
+        return sum(b.bytes_per_block for b in self.buffers(rank) if b.kind == "scratch")
+
+    def bytes_for(self, num_blocks: int, rank: int) -> int:
+        """Allocated bytes for `num_blocks` blocks on `rank`, 2 MiB padding included."""
+        return _cost(self.buffers(rank), num_blocks)
+
+    def num_blocks(self, available_bytes: int, rank: int | None = None) -> int:
+        """Most blocks that fit in `available_bytes` on `rank` (default: the worst rank)."""
+        if rank is None:
+            return min(self.num_blocks(available_bytes, r) for r in range(self.group_size))
+        return _max_blocks(self.buffers(rank), available_bytes)
+
+    def replicated_num_blocks(self, available_bytes: int) -> int:
+        return _max_blocks(self.replicated_buffers(), available_bytes)
+
+    def capacity_ratio(self, available_bytes: int) -> float:
+        """Blocks with KVPP (worst rank, as the engine takes it) / blocks replicated, same memory."""
+        replicated = self.replicated_num_blocks(available_bytes)
+        return self.num_blocks(available_bytes) / replicated if replicated else math.inf
+
+    def formula_capacity_ratio(self) -> float:
+        """The unaligned ratio: replicated bytes per block over the worst rank's bytes per block.
+
+        For uniform layers and no drafts this is ``L / (ceil(L/N) + depth)``.
+        """
+        replicated = sum(b.bytes_per_block for b in self.replicated_buffers())
+        worst = max(self.persistent_bytes_per_block(r) + self.scratch_bytes_per_block(r)
+                    for r in range(self.group_size))
+        return replicated / worst
+
+    def broadcast_bytes_per_forward(self, num_blocks: int) -> int:
+        """Bytes each forward with history broadcasts: every target bundle once, whole."""
+        if not self.enabled:
+            return 0
+        return sum(num_blocks * self.bundle_bytes_per_block(i) for i in self.target_layers)
+
+    def layout(self, layer: int, num_blocks: int) -> tuple[ComponentLayout, ...]:
+        """Component-major ``(offset, size)`` of each component in the layer's bundle."""
+        spec = self.spec.layer(layer)
+        out, offset = [], 0
+        for comp in spec.components:
+            size = num_blocks * comp.bytes_per_block(self.spec.block_size)
+            out.append(ComponentLayout(comp.name, offset, size))
+            offset += size
+        return tuple(out)
+
+    def with_(self, **changes) -> KVPPPlan:
+        fields = dict(spec=self.spec, group_size=self.group_size, depth=self.depth,
+                      shard_draft_layers=self.shard_draft_layers, layers=self.layers)
+        fields.update(changes)
+        return KVPPPlan(**fields)
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.group_size:
+            raise ValueError(f"rank {rank} is outside the group of size {self.group_size}.")
+
+
+def _cost(buffers: Iterable[BufferPlan], num_blocks: int) -> int:
+    return sum(b.nbytes(num_blocks) for b in buffers)
+
+
+def _max_blocks(buffers: tuple[BufferPlan, ...], available_bytes: int) -> int:
+    if available_bytes < 0:
+        raise ValueError(f"available bytes must be non-negative, got {available_bytes}.")
+    per_block = sum(b.bytes_per_block for b in buffers)
+    if per_block == 0:
+        return 0
+    lo, hi = 0, available_bytes // per_block  # padding only ever lowers the unaligned bound
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _cost(buffers, mid) <= available_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

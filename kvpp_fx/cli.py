@@ -1,0 +1,72 @@
+"""``kvpp-fx``: the command-line entry points (plan, graph, demo)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from kvpp_fx.cache.spec import INDEXER_DTYPES, KV_DTYPES, UnknownModelError
+
+
+class UsageError(Exception):
+    """A bad option: reported on one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump, no traceback
+        raise UsageError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from kvpp_fx.plan_report import build_plan, format_plan_table, parse_bytes, plan_report
+
+    available = parse_bytes(args.kv_memory)
+    plan = build_plan(args.model, tp=args.tp, pcp=args.pcp, block_size=args.block_size,
+                      kv_dtype=args.kv_dtype, mtp=args.mtp, shard_draft=args.shard_draft, depth=args.depth)
+    report = plan_report(plan, available)
+    print(json.dumps(report, indent=2) if args.json else format_plan_table(report))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvpp-fx", description="KV layer parallelism for MLA/SFA models.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    plan = sub.add_parser("plan", help="capacity planner: owners, blocks and ratio per rank")
+    plan.add_argument("--model", required=True, help="preset name or path to a HF config.json")
+    plan.add_argument("--tp", type=_positive_int, required=True)
+    plan.add_argument("--pcp", type=_positive_int, default=1)
+    plan.add_argument("--kv-memory", default="40GiB", help="KV cache memory per rank, e.g. 40GiB")
+    plan.add_argument("--block-size", type=_positive_int, default=128)
+    plan.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
+    plan.add_argument("--depth", type=_positive_int, default=2, help="scratch buffers per rank")
+    plan.add_argument("--mtp", action="store_true", help="include the config's nextn layers as drafts")
+    plan.add_argument("--shard-draft", action="store_true", help="give draft layers owners too")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(func=_cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except (UsageError, UnknownModelError, ValueError) as exc:
+        print(f"kvpp-fx: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""KVPP configuration and deployment validation.
+
+`KVPPConfig` is read from vLLM-style ``additional_config`` (``{"enable_kvpp": true}``). The KVPP group
+is the TP x PCP group of a pipeline stage; a group of size 1 means KVPP is off.
+
+`KVPPConfig.validate` checks a deployment before anything is allocated and raises `ValueError` with the
+reference implementation's messages, in the reference implementation's order. A deployment can be
+given as a `Deployment`, a plain dict with the same field names, or a ``vllm_config``-like object whose
+attributes are read when present.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+
+SUPPORTED_CONNECTOR = "MooncakeConnectorV2"
+SUPPORTED_SPEC_METHODS = (None, "mtp", "dspark")
+GRAPH_MODES = ("eager", "piecewise", "full")
+MODEL_KINDS = ("mla", "sfa", "hybrid", "mha")
+KV_ROLES = (None, "kv_producer", "kv_consumer", "kv_both")
+
+MSG_DCP = "KVPP and DCP cannot be enabled at the same time."
+MSG_CONNECTOR = "KVPP broadcast supports only MooncakeConnectorV2 for PD disaggregation."
+MSG_DECODE_NODE = "KVPP must be disabled on the decode-only node."
+MSG_GRAPH_MODE = "KVPP supports eager execution or PIECEWISE only."
+MSG_MODEL_KIND = "KVPP currently supports only non-hybrid MLA models."
+MSG_SPEC_METHOD = (
+    "KVPP currently supports speculative decoding only with method='mtp' or method='dspark'."
+)
+MSG_ADAPTIVE = "KVPP does not support DSpark adaptive verification."
+MSG_SPEC_TOKENS = "KVPP currently supports only a fixed number of speculative tokens."
+
+_LAX_BOOL = pydantic.TypeAdapter(bool)
+
+
+def parse_enable_kvpp(value: Any) -> bool:
+    """Parse ``additional_config.enable_kvpp`` with pydantic's lax bool rules."""
+    try:
+        return _LAX_BOOL.validate_python(value)
+    except pydantic.ValidationError:
+        raise ValueError(
+            f"additional_config.enable_kvpp must be a boolean, got {value!r}."
+        ) from None
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What validation needs to know about a deployment (plain data; no torch)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    pcp: int = 1
+    dcp: int = 1
+    graph_mode: str = "eager"
+    model_kind: str = "mla"
+    spec_method: str | None = None
+    spec_tokens_fixed: bool = True
+    adaptive_verification: bool = False
+    kv_connector: str | None = None
+    kv_role: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "pcp", "dcp"):
+            _positive_int(name, getattr(self, name))
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {self.graph_mode!r}.")
+        if self.model_kind not in MODEL_KINDS:
+            raise ValueError(f"model_kind must be one of {MODEL_KINDS}, got {self.model_kind!r}.")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}.")
+
+    @classmethod
+    def from_any(cls, source: Any) -> Deployment:
+        """A `Deployment`, a dict of its fields, or a ``vllm_config``-like object."""
+        if isinstance(source, Deployment):
+            return source
+        if isinstance(source, Mapping):
+            known = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(source) - known)
+            if unknown:
+                raise ValueError(f"unknown deployment fields: {', '.join(unknown)}.")
+            return cls(**source)
+        return cls.from_vllm_config(source)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> Deployment:
+        """Read a deployment from an object shaped like vLLM's ``VllmConfig``.
+
+        Each field is read by attribute when present; a missing attribute keeps the default.
+        """
+        parallel = getattr(vllm_config, "parallel_config", None)
+        fields: dict[str, Any] = {}
+        for name, attr in (
+            ("tp", "tensor_parallel_size"),
+            ("pp", "pipeline_parallel_size"),
+            ("dp", "data_parallel_size"),
+            ("pcp", "prefill_context_parallel_size"),
+            ("dcp", "decode_context_parallel_size"),
+        ):
+            value = getattr(parallel, attr, None)
+            if value is not None:
+                fields[name] = int(value)
+        fields["graph_mode"] = _graph_mode_of(vllm_config)
+        fields["model_kind"] = _model_kind_of(getattr(vllm_config, "model_config", None))
+        spec = getattr(vllm_config, "speculative_config", None)
+        if spec is not None:
+            fields["spec_method"] = _spec_method_of(getattr(spec, "method", None))
+            fields["spec_tokens_fixed"] = bool(getattr(spec, "num_speculative_tokens_fixed",
+                                                       not getattr(spec, "dynamic", False)))
+            fields["adaptive_verification"] = bool(getattr(spec, "adaptive_verification", False))
+        transfer = getattr(vllm_config, "kv_transfer_config", None)
+        if transfer is not None:
+            fields["kv_connector"] = getattr(transfer, "kv_connector", None)
+            fields["kv_role"] = getattr(transfer, "kv_role", None)
+        return cls(**fields)
+
+
+def _graph_mode_of(vllm_config: Any) -> str:
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "enforce_eager", False):
+        return "eager"
+    compilation = getattr(vllm_config, "compilation_config", None)
+    cudagraph_mode = getattr(compilation, "cudagraph_mode", None)
+    if cudagraph_mode is None:
+        return "eager"
+    name = str(getattr(cudagraph_mode, "name", cudagraph_mode)).upper()
+    if "FULL" in name:
+        return "full"
+    if "PIECEWISE" in name:
+        return "piecewise"
+    return "eager"
+
+
+def _model_kind_of(model_config: Any) -> str:
+    if model_config is None:
+        return "mla"
+    if getattr(model_config, "is_hybrid", False):
+        return "hybrid"
+    if not getattr(model_config, "use_mla", True):
+        return "mha"
+    hf_config = getattr(model_config, "hf_config", None)
+    if hf_config is not None and getattr(hf_config, "index_topk", None):
+        return "sfa"
+    return "mla"
+
+
+def _spec_method_of(method: Any) -> str | None:
+    if method is None:
+        return None
+    method = str(method)
+    # vLLM spells DeepSeek's MTP variants "deepseek_mtp", "mtp", ...: they are one method here.
+    return "mtp" if method.endswith("mtp") else method
+
+
+@dataclass(frozen=True)
+class KVPPConfig:
+    """Whether KVPP is on and how large its group is (TP x PCP)."""
+
+    enable_kvpp: bool = False
+    tp: int = 1
+    pcp: int = 1
+
+    def __post_init__(self) -> None:
+        _positive_int("tp", self.tp)
+        _positive_int("pcp", self.pcp)
+
+    @classmethod
+    def from_additional_config(
+        cls, additional_config: Mapping[str, Any] | None, *, tp: int = 1, pcp: int = 1
+    ) -> KVPPConfig:
+        if additional_config is not None and not isinstance(additional_config, Mapping):
+            raise ValueError(
+                f"additional_config must be a mapping, got {type(additional_config).__name__}."
+            )
+        raw = (additional_config or {}).get("enable_kvpp", False)
+        return cls(enable_kvpp=parse_enable_kvpp(raw), tp=tp, pcp=pcp)
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any) -> KVPPConfig:
+        parallel = getattr(vllm_config, "parallel_config", None)
+        return cls.from_additional_config(
+            getattr(vllm_config, "additional_config", None) or {},
+            tp=int(getattr(parallel, "tensor_parallel_size", 1) or 1),
+            pcp=int(getattr(parallel, "prefill_context_parallel_size", 1) or 1),
+        )
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.pcp if self.enable_kvpp else 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def validate(self, deployment: Any) -> None:
+        """Raise `ValueError` for the first rule the deployment breaks; a disabled config accepts all."""
+        if not self.enabled:
+            return
+        d = Deployment.from_any(deployment)
+        if d.dcp != 1:
+            raise ValueError(MSG_DCP)
+        if d.kv_connector is not None:
+            if d.kv_connector != SUPPORTED_CONNECTOR:
+                raise ValueError(MSG_CONNECTOR)
+            if d.kv_role == "kv_consumer":
+                raise ValueError(MSG_DECODE_NODE)
+        if d.graph_mode == "full":
+            raise ValueError(MSG_GRAPH_MODE)
+        if d.model_kind not in ("mla", "sfa"):
+            raise ValueError(MSG_MODEL_KIND)
+        if d.spec_method not in SUPPORTED_SPEC_METHODS:
+            raise ValueError(MSG_SPEC_METHOD)
+        if d.spec_method == "dspark" and d.adaptive_verification:
+            raise ValueError(MSG_ADAPTIVE)
+        if d.spec_method is not None and not d.spec_tokens_fixed:
+            raise ValueError(MSG_SPEC_TOKENS)

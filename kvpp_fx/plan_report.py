@@ -1,0 +1,132 @@
+"""The capacity report behind ``kvpp-fx plan``: a plain dict built from a `KVPPPlan`, and its table."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kvpp_fx.cache.placement import KVPPPlan
+from kvpp_fx.cache.spec import ModelCacheSpec, load_hf_config
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'64GiB', '40 GB', '1.5TiB', '123456' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read a memory size from {text!r} (try e.g. 40GiB).")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def layer_ranges(layers: tuple[int, ...] | list[int]) -> str:
+    """[0,1,2,5,6] -> '0-2,5-6'; [] -> '-'."""
+    if not layers:
+        return "-"
+    parts, start, prev = [], layers[0], layers[0]
+    for i in list(layers[1:]) + [None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ",".join(parts)
+
+
+def build_plan(model: str, *, tp: int, pcp: int = 1, block_size: int = 128, kv_dtype: str = "bf16",
+               mtp: bool = False, shard_draft: bool = False, depth: int = 2) -> KVPPPlan:
+    name, config = load_hf_config(model)
+    spec = ModelCacheSpec.from_hf_config(config, name=name, block_size=block_size, kv_dtype=kv_dtype,
+                                         include_mtp=mtp)
+    return KVPPPlan(spec, group_size=tp * pcp, depth=depth, shard_draft_layers=shard_draft)
+
+
+def plan_report(plan: KVPPPlan, available_bytes: int) -> dict[str, Any]:
+    block_size = plan.spec.block_size
+    blocks = plan.num_blocks(available_bytes)
+    ranks = []
+    for rank in range(plan.group_size):
+        rank_blocks = plan.num_blocks(available_bytes, rank)
+        ranks.append({
+            "rank": rank,
+            "owned_layers": list(plan.owned_layers(rank)),
+            "owned_ranges": layer_ranges(plan.owned_layers(rank)),
+            "local_draft_layers": list(plan.local_draft_layers),
+            "persistent_bytes_per_block": plan.persistent_bytes_per_block(rank),
+            "scratch_bytes_per_block": plan.scratch_bytes_per_block(rank),
+            "bytes_per_block": plan.persistent_bytes_per_block(rank) + plan.scratch_bytes_per_block(rank),
+            "blocks": rank_blocks,
+            "tokens": rank_blocks * block_size,
+            "allocated_bytes": plan.bytes_for(rank_blocks, rank),
+        })
+    replicated_blocks = plan.replicated_num_blocks(available_bytes)
+    worst = min(ranks, key=lambda r: r["blocks"])
+    report: dict[str, Any] = {
+        "model": plan.spec.name,
+        "group_size": plan.group_size,
+        "block_size": block_size,
+        "depth": plan.depth,
+        "kv_memory_bytes": available_bytes,
+        "target_layers": list(plan.target_layers),
+        "draft_layers": list(plan.spec.draft_layers),
+        "shard_draft_layers": plan.shard_draft_layers,
+        "ranks": ranks,
+        "replicated": {
+            "blocks": replicated_blocks,
+            "tokens": replicated_blocks * block_size,
+            "bytes_per_block": sum(b.bytes_per_block for b in plan.replicated_buffers()),
+        },
+        "engine_blocks": blocks,
+        "worst_rank": worst["rank"],
+        "capacity_ratio": plan.capacity_ratio(available_bytes),
+        "formula_capacity_ratio": plan.formula_capacity_ratio(),
+        "broadcast_bytes_per_forward": plan.broadcast_bytes_per_forward(blocks),
+    }
+    if plan.shard_draft_layers and plan.spec.draft_layers:
+        unsharded = plan.with_(shard_draft_layers=False)
+        base = unsharded.num_blocks(available_bytes)
+        report["draft_sharding_gain"] = blocks / base if base else None
+    return report
+
+
+def format_plan_table(report: dict[str, Any]) -> str:
+    lines = [
+        f"KVPP plan: {report['model']}  group={report['group_size']}  block_size={report['block_size']}"
+        f"  kv_memory={format_bytes(report['kv_memory_bytes'])}  scratch depth={report['depth']}",
+        f"target layers: {len(report['target_layers'])} ({layer_ranges(report['target_layers'])})"
+        f"  draft layers: {layer_ranges(report['draft_layers'])}"
+        + (" (sharded)" if report["shard_draft_layers"] and report["draft_layers"] else
+           " (local on every rank)" if report["draft_layers"] else ""),
+        "",
+        f"{'rank':>4}  {'owned layers':<16} {'persist B/blk':>14} {'scratch B/blk':>14} {'blocks':>10} {'tokens':>12}",
+    ]
+    for r in report["ranks"]:
+        owned = f"{r['owned_ranges']} ({len(r['owned_layers'])})"
+        lines.append(
+            f"{r['rank']:>4}  {owned:<16} {r['persistent_bytes_per_block']:>14,} "
+            f"{r['scratch_bytes_per_block']:>14,} {r['blocks']:>10,} {r['tokens']:>12,}"
+        )
+    rep = report["replicated"]
+    lines += [
+        f"{'repl':>4}  {'all':<16} {rep['bytes_per_block']:>14,} {0:>14,} {rep['blocks']:>10,} {rep['tokens']:>12,}",
+        "",
+        f"capacity ratio (worst rank {report['worst_rank']}): {report['capacity_ratio']:.3f}x"
+        f"   formula: {report['formula_capacity_ratio']:.3f}x",
+        f"broadcast per forward at full occupancy: {format_bytes(report['broadcast_bytes_per_forward'])}",
+    ]
+    if "draft_sharding_gain" in report:
+        lines.append(f"draft sharding gain over local drafts: {report['draft_sharding_gain']:.3f}x")
+    return "\n".join(lines)

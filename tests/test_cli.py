@@ -1,0 +1,68 @@
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from kvpp_fx.cli import main
+from kvpp_fx.plan_report import parse_bytes
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "kvpp_fx", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_plan_deepseek_v3_tp8_ratio_matches_formula(capsys):
+    assert main(["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "64GiB",
+                 "--block-size", "128", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    formula = 61 / (math.ceil(61 / 8) + 2)
+    assert abs(report["capacity_ratio"] - formula) / formula < 1e-3
+    assert report["worst_rank"] == 0
+    assert [len(r["owned_layers"]) for r in report["ranks"]] == [8, 8, 8, 8, 8, 7, 7, 7]
+    bpb = 576 * 2 * 128
+    assert report["replicated"]["bytes_per_block"] == 61 * bpb
+    assert report["ranks"][0]["bytes_per_block"] == (8 + 2) * bpb
+    for r in report["ranks"]:
+        assert r["tokens"] == r["blocks"] * 128
+        assert r["allocated_bytes"] <= 64 * 2**30
+
+
+def test_plan_table_names_the_ratio():
+    out = run_cli("plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "64GiB")
+    assert out.returncode == 0, out.stderr
+    assert "capacity ratio (worst rank 0): 6.10" in out.stdout
+    assert "repl" in out.stdout and "0-7 (8)" in out.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["plan", "--model", "llama-3", "--tp", "8"], "unknown model 'llama-3'"),
+    (["plan", "--model", "deepseek-v3", "--tp", "0"], "--tp"),
+    (["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "lots"], "memory size"),
+    (["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-dtype", "fp4"], "--kv-dtype"),
+    (["plan", "--tp", "8"], "--model"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_options_exit_2_with_one_line(args, needle):
+    out = run_cli(*args)
+    assert out.returncode == 2
+    assert out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_shard_draft_reports_gain(capsys):
+    assert main(["plan", "--model", "deepseek-v3", "--tp", "4", "--mtp", "--shard-draft", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["draft_layers"] == [61]
+    assert report["draft_sharding_gain"] > 1.0
+
+
+def test_parse_bytes():
+    assert parse_bytes("64GiB") == 64 * 2**30
+    assert parse_bytes("40 GB") == 40 * 10**9
+    assert parse_bytes("1.5MiB") == 3 * 2**19
+    assert parse_bytes("123") == 123

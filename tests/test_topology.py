@@ -1,0 +1,42 @@
+import itertools
+
+import pytest
+
+from kvpp_fx.topology import group_of, kvpp_groups
+
+
+def _coords(rank, ext, dp, pp, pcp, tp):
+    """Decompose a rank on the [ExtDP, DP, PP, PCP, TP] grid (TP fastest)."""
+    rank, t = divmod(rank, tp)
+    rank, c = divmod(rank, pcp)
+    rank, p = divmod(rank, pp)
+    e, d = divmod(rank, dp)
+    return e, d, p, c, t
+
+
+@pytest.mark.parametrize("ext,dp,pp,pcp,tp", [
+    (1, 1, 1, 1, 8), (1, 1, 2, 1, 2), (1, 2, 1, 1, 4), (1, 2, 2, 1, 2), (2, 1, 2, 2, 2), (1, 3, 2, 1, 1),
+])
+def test_groups_are_pcp_tp_blocks_of_one_stage_and_replica(ext, dp, pp, pcp, tp):
+    world = ext * dp * pp * pcp * tp
+    groups = kvpp_groups(world, tp=tp, pp=pp, dp=dp, pcp=pcp, external_dp=ext)
+    assert len(groups) == ext * dp * pp
+    assert sorted(itertools.chain(*groups)) == list(range(world))
+    for group in groups:
+        assert len(group) == pcp * tp
+        stage_and_replica = {_coords(r, ext, dp, pp, pcp, tp)[:3] for r in group}
+        assert len(stage_and_replica) == 1, f"group {group} crosses a stage or replica"
+        assert {_coords(r, ext, dp, pp, pcp, tp)[3:] for r in group} == set(
+            itertools.product(range(pcp), range(tp)))
+
+
+def test_tp2_pp2_layout():
+    assert kvpp_groups(4, tp=2, pp=2) == [[0, 1], [2, 3]]
+    assert group_of(3, kvpp_groups(4, tp=2, pp=2)) == [2, 3]
+
+
+def test_world_size_mismatch_is_named():
+    with pytest.raises(ValueError, match=r"world_size 6 does not match .* = 8"):
+        kvpp_groups(6, tp=4, pp=2)
+    with pytest.raises(ValueError, match="tp must be a positive integer"):
+        kvpp_groups(4, tp=0)
