@@ -1,0 +1,148 @@
+"""Named protocol errors of the runtime, on a one-rank group (no communication needed)."""
+
+import pytest
+import torch
+
+from kvpp_fx.cache.allocate import allocate_cache
+from kvpp_fx.cache.placement import KVPPPlan
+from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
+from kvpp_fx.runtime import errors as E
+from kvpp_fx.runtime.runtime import KVPPRuntime, current_runtime
+
+
+def make_runtime(num_layers=4, drafts=0):
+    comps = (ComponentSpec("kv", "float32", (8,)),)
+    layers = [LayerCacheSpec(i, comps) for i in range(num_layers)]
+    layers += [LayerCacheSpec(num_layers + j, comps, is_draft=True) for j in range(drafts)]
+    plan = KVPPPlan(ModelCacheSpec("toy", 4, tuple(layers)), group_size=1)
+    return KVPPRuntime.create(plan, allocate_cache(plan, 0, 4))
+
+
+def run_all(rt, layers):
+    rt.prefetch(layers[0], 0)
+    for k, layer in enumerate(layers):
+        rt.wait(layer, k % 2)
+        if k + 1 < len(layers):
+            rt.prefetch(layers[k + 1], (k + 1) % 2)
+
+
+def test_a_correct_forward_passes_and_returns_the_views():
+    with make_runtime() as rt:
+        with rt.forward(has_history=True):
+            assert current_runtime() is rt
+            rt.prefetch(0, 0)
+            view = rt.wait(0, 0)
+            assert view.data_ptr() == rt.view(0).data_ptr()
+            rt.prefetch(1, 1)
+            rt.wait(1, 1)
+            rt.prefetch(2, 0)
+            rt.wait(2, 0)
+            rt.prefetch(3, 1)
+            rt.wait(3, 1)
+        assert rt.stats()["forwards"][-1]["broadcasts"] == 0  # a group of one moves nothing
+
+
+def test_ops_outside_a_forward():
+    with make_runtime() as rt:
+        with pytest.raises(E.NoActiveForwardError):
+            rt.prefetch(0, 0)
+        with pytest.raises(E.NoActiveForwardError):
+            rt.wait(0, 0)
+    with pytest.raises(E.NoActiveForwardError):
+        current_runtime()
+
+
+def test_wait_for_a_layer_that_is_not_pending_names_both():
+    with make_runtime() as rt:
+        with pytest.raises(E.WaitMismatchError, match="wait for layer 1, but layer 0 is pending"):
+            with rt.forward(has_history=True):
+                rt.prefetch(0, 0)
+                rt.wait(1, 1)
+        with pytest.raises(E.WaitMismatchError, match="wait for layer 0, but nothing is pending"):
+            with rt.forward(has_history=True):
+                rt.wait(0, 0)
+
+
+def test_prefetch_while_pending_and_slot_busy():
+    with make_runtime() as rt:
+        with pytest.raises(E.PrefetchPendingError, match="layer 1 .* while layer 0 .* still pending"):
+            with rt.forward(has_history=True):
+                rt.prefetch(0, 0)
+                rt.prefetch(1, 1)
+        with pytest.raises(E.SlotBusyError, match="prefetch of layer 2 \\(slot 0\\) while layer 0"):
+            with rt.forward(has_history=True):
+                rt.prefetch(0, 0)
+                rt.prefetch(2, 0)
+
+
+def test_slot_that_disagrees_with_the_plan():
+    with make_runtime() as rt:
+        with pytest.raises(E.SlotMismatchError, match="layer 1 uses slot 1, the graph asked for slot 0"):
+            with rt.forward(has_history=True):
+                rt.prefetch(1, 0)
+
+
+def test_out_of_order_prefetch():
+    with make_runtime() as rt:
+        with pytest.raises(E.PrefetchOrderError, match="layer 1 prefetched after layer 2"):
+            with rt.forward(has_history=True):
+                rt.prefetch(2, 0)
+                rt.wait(2, 0)
+                rt.prefetch(1, 1)
+
+
+def test_draft_layers_are_not_broadcast_layers():
+    with make_runtime(drafts=1) as rt:
+        with pytest.raises(E.UnknownLayerError, match="layer 4 is not a broadcast layer"):
+            with rt.forward(has_history=True):
+                rt.prefetch(4, 0)
+        assert rt.view(4).numel() > 0  # the draft cache is still there, local
+
+
+def test_skipped_layer_detected_at_exit():
+    with make_runtime() as rt:
+        with pytest.raises(E.SkippedLayerError, match=r"without awaiting layers \[2, 3\]"):
+            with rt.forward(has_history=True):
+                rt.prefetch(0, 0)
+                rt.wait(0, 0)
+                rt.prefetch(1, 1)
+                rt.wait(1, 1)
+        with pytest.raises(E.SkippedLayerError, match=r"\[3\]"):  # a prefetch never awaited
+            with rt.forward(has_history=True):
+                run_all(rt, [0, 1, 2])
+                rt.prefetch(3, 1)
+
+
+def test_an_exception_inside_the_forward_propagates_unmasked_and_resets_state():
+    with make_runtime() as rt:
+        with pytest.raises(KeyError, match="boom"):
+            with rt.forward(has_history=True):
+                rt.prefetch(0, 0)
+                raise KeyError("boom")
+        with rt.forward(has_history=False):  # the next forward starts clean
+            run_all(rt, [0, 1, 2, 3])
+
+
+def test_nested_forward_and_closed_runtime():
+    rt = make_runtime()
+    with rt.forward(has_history=False):
+        with pytest.raises(E.NestedForwardError):
+            with rt.forward(has_history=False):
+                pass
+        run_all(rt, [0, 1, 2, 3])
+    rt.close()
+    with pytest.raises(E.ForwardClosedError):
+        with rt.forward(has_history=False):
+            pass
+
+
+def test_create_checks_group_and_storage():
+    comps = (ComponentSpec("kv", "float32", (8,)),)
+    spec = ModelCacheSpec("toy", 4, tuple(LayerCacheSpec(i, comps) for i in range(4)))
+    plan2 = KVPPPlan(spec, group_size=2)
+    with pytest.raises(ValueError, match="needs a process group"):
+        KVPPRuntime.create(plan2, allocate_cache(plan2, 0, 4), None)
+    plan1 = KVPPPlan(spec, group_size=1)
+    with pytest.raises(ValueError, match="another plan"):
+        KVPPRuntime.create(plan1, allocate_cache(KVPPPlan(spec, group_size=1), 0, 4))
+    torch.testing.assert_close(allocate_cache(plan1, 0, 4).byte_view(0), torch.zeros(4 * 4 * 32, dtype=torch.uint8))
