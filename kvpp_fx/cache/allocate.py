@@ -61,6 +61,16 @@ class CacheStorage:
         self.byte_view(layer)
         return self.typed[layer]
 
+    def handles(self, layer: int) -> dict[str, torch.Tensor]:
+        """Stand-ins for the graph's cache inputs: the typed views' shapes and dtypes, no bytes.
+
+        A compiled model takes these where a replicated run takes its caches; ``kvpp.wait`` swaps them
+        for the real views. Each is a zero-stride expansion of one element, so reading one returns
+        nothing meaningful and writing one fails: only a rebound graph can use the cache.
+        """
+        return {name: torch.empty((), dtype=view.dtype, device=view.device).expand(view.shape)
+                for name, view in self.typed_views(layer).items()}
+
 
 def allocate_cache(plan: KVPPPlan, rank: int, num_blocks: int,
                    device: torch.device | str = "cpu") -> CacheStorage:

@@ -103,6 +103,10 @@ class KVPPRuntime:
     def typed_views(self, layer: int) -> dict[str, torch.Tensor]:
         return self.storage.typed_views(layer)
 
+    def handles(self, layer: int) -> dict[str, torch.Tensor]:
+        """What a compiled model takes as the layer's caches; see `CacheStorage.handles`."""
+        return self.storage.handles(layer)
+
     # --- the forward context ------------------------------------------------------------------------
 
     @contextlib.contextmanager

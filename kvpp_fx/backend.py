@@ -1,0 +1,222 @@
+"""`kvpp_backend`: a Dynamo backend that applies the KVPP passes, then runs or compiles the result.
+
+    torch.compile(model, backend=kvpp_backend(plan, mode="piecewise", inner="aot_eager"))
+    torch.compile(model, backend="kvpp", options={"plan": plan, "mode": "eager"})
+
+- ``mode="eager"``: the rewritten GraphModule runs as is.
+- ``mode="piecewise"``: the graph is split at kvpp and cache ops; the eager pieces run as plain
+  Python, every other piece is compiled by ``inner`` ("eager", "aot_eager", "inductor", "torchair" or
+  any Dynamo backend callable).
+- ``mode="full"`` is refused: a full graph would capture the cache ops and the broadcasts.
+Graphs are written to ``dump_dir`` (or ``$KVPP_DUMP_DIR``): before and after the pass, each piece,
+and an index.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+from torch._dynamo.backends.registry import lookup_backend, register_backend
+
+from kvpp_fx.config import MSG_GRAPH_MODE
+from kvpp_fx.passes.insert import insert_kvpp_ops
+from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.passes.render import describe_pieces, normalize_code
+from kvpp_fx.passes.split import SplitResult, split_pieces
+from kvpp_fx.passes.verify import verify_graph
+
+logger = logging.getLogger(__name__)
+
+MODES = ("eager", "piecewise")
+DUMP_ENV = "KVPP_DUMP_DIR"
+
+
+class TorchairNotInstalledError(ImportError):
+    """``inner="torchair"`` needs Ascend's torchair package."""
+
+
+class KVPPBackendError(ValueError):
+    """Bad kvpp_backend options."""
+
+
+@dataclass
+class CompileRecord:
+    """What one compile did: for tests, dumps and benchmarks."""
+
+    mode: str
+    layers: tuple[int, ...]
+    graph_before: str
+    graph_after: str
+    pieces: list[tuple[str, str, str]] = field(default_factory=list)  # (name, kind, code)
+    piece_summary: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+    dump_dir: Path | None = None
+
+
+def resolve_inner(inner: str | Callable) -> Callable:
+    if callable(inner):
+        return inner
+    if inner == "torchair":
+        try:
+            torchair = importlib.import_module("torchair")
+        except ImportError:
+            raise TorchairNotInstalledError(
+                "inner='torchair' needs Ascend's torchair package (with torch_npu), which is not installed."
+            ) from None
+        return torchair.get_npu_backend()
+    if inner == "eager":
+        return lambda gm, example_inputs: gm
+    try:
+        return lookup_backend(inner)
+    except Exception as exc:
+        raise KVPPBackendError(f"unknown inner backend {inner!r}: {exc}") from None
+
+
+class _CompiledPiece(torch.nn.Module):
+    def __init__(self, fn: Callable, unwrap_single: bool) -> None:
+        super().__init__()
+        self.fn = fn
+        self.unwrap_single = unwrap_single
+
+    def forward(self, *args: Any) -> Any:
+        out = self.fn(*args)
+        return out[0] if self.unwrap_single else out
+
+
+def _make_tuple_output(gm: torch.fx.GraphModule) -> bool:
+    """AOT backends want tuple outputs; split_module returns a bare value for a single output."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    if isinstance(output.args[0], (tuple, list)):
+        return False
+    output.args = ((output.args[0],),)
+    gm.recompile()
+    return True
+
+
+class KVPPBackend:
+    """The Dynamo backend object returned by `kvpp_backend`."""
+
+    _counter = itertools.count()
+
+    def __init__(self, plan_or_layer_table: Any, *, mode: str = "eager", inner: str | Callable = "eager",
+                 dump_dir: str | os.PathLike | None = None, names: dict[str, int] | None = None) -> None:
+        if mode == "full":
+            raise ValueError(MSG_GRAPH_MODE)
+        if mode not in MODES:
+            raise KVPPBackendError(f"mode must be one of {MODES} (or 'full', which KVPP refuses), got {mode!r}.")
+        table = LayerTable.coerce(plan_or_layer_table)
+        if names:
+            table = LayerTable(table.target_layers, table.draft_layers, table.depth, names)
+        self.table = table
+        self.mode = mode
+        self.inner_name = inner if isinstance(inner, str) else getattr(inner, "__name__", repr(inner))
+        self.inner = resolve_inner(inner) if mode == "piecewise" else None
+        env_dump = os.environ.get(DUMP_ENV)
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else (Path(env_dump) if env_dump else None)
+        self.records: list[CompileRecord] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        t0 = time.perf_counter()
+        before = gm.code
+        result = insert_kvpp_ops(gm, self.table)
+        t1 = time.perf_counter()
+        record = CompileRecord(self.mode, result.layers, before, gm.code)
+        record.timings["insert_s"] = t1 - t0
+        if self.mode == "eager":
+            verify_graph(gm.graph, self.table)
+            record.timings["verify_s"] = time.perf_counter() - t1
+            compiled: Callable = gm
+        else:
+            split = split_pieces(gm)
+            t2 = time.perf_counter()
+            record.timings["split_s"] = t2 - t1
+            verify_graph(gm.graph, self.table, split.pieces)
+            t3 = time.perf_counter()
+            record.timings["verify_s"] = t3 - t2
+            record.pieces = [(p.name, p.kind, p.graph_module.code) for p in split.pieces]
+            record.piece_summary = describe_pieces(split.pieces)
+            compiled = self._compile_pieces(split, example_inputs)
+            record.timings["inner_compile_s"] = time.perf_counter() - t3
+        record.timings["total_s"] = time.perf_counter() - t0
+        self.records.append(record)
+        if self.dump_dir is not None:
+            record.dump_dir = self._dump(record)
+        return compiled
+
+    def _compile_pieces(self, split: SplitResult, example_inputs: Sequence[Any]) -> Callable:
+        if self.inner_name == "eager":
+            return split.split_gm
+        compiled_names = {p.name for p in split.pieces if not p.is_eager}
+        inner = self.inner
+        fake_mode = torch._guards.detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
+        fake_inputs = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+
+        class PieceCompiler(torch.fx.Interpreter):
+            def call_module(self, target, args, kwargs):
+                submod = self.fetch_attr(target)
+                if target not in compiled_names:
+                    return submod(*args, **kwargs)
+                single = _make_tuple_output(submod)
+                out = submod(*args, **kwargs)
+                split.split_gm.add_submodule(target, _CompiledPiece(inner(submod, list(args)), single))
+                return out[0] if single else out
+
+        with fake_mode:
+            PieceCompiler(split.split_gm).run(*fake_inputs)
+        return split.split_gm
+
+    def _dump(self, record: CompileRecord) -> Path:
+        root = self.dump_dir
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            root = root / f"rank{torch.distributed.get_rank()}"
+        out = root / f"graph_{next(self._counter):03d}"
+        out.mkdir(parents=True, exist_ok=True)
+        files = [("before_pass.py", "the Dynamo graph as captured", record.graph_before),
+                 ("after_pass.py", "after the KVPP insert pass", record.graph_after)]
+        for i, (name, kind, code) in enumerate(record.pieces):
+            files.append((f"piece_{i:02d}_{kind}_{name}.py", f"{kind} piece {name}", code))
+        for filename, _, code in files:
+            (out / filename).write_text(code.lstrip("\n"))
+        index = {"mode": record.mode, "layers": list(record.layers), "timings_s": record.timings,
+                 "files": [{"file": f, "what": what} for f, what, _ in files]}
+        (out / "index.json").write_text(json.dumps(index, indent=2))
+        logger.info("KVPP graph dump written to %s", out)
+        return out
+
+
+def kvpp_backend(plan_or_layer_table: Any, *, mode: str = "eager", inner: str | Callable = "eager",
+                 dump_dir: str | os.PathLike | None = None, names: dict[str, int] | None = None) -> KVPPBackend:
+    """A Dynamo backend that rewrites the graph for KVPP (see the module docstring)."""
+    return KVPPBackend(plan_or_layer_table, mode=mode, inner=inner, dump_dir=dump_dir, names=names)
+
+
+@register_backend(name="kvpp")
+def _kvpp_registered(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None):
+    """``backend="kvpp"``: options come from ``torch.compile(..., options={...})`` or the current runtime."""
+    options = dict(options or {})
+    plan = options.pop("plan", None) or options.pop("layer_table", None)
+    if plan is None:
+        from kvpp_fx.runtime.runtime import _CURRENT
+
+        runtime = _CURRENT.get()
+        if runtime is None:
+            raise KVPPBackendError(
+                "backend='kvpp' needs options={'plan': ...} or a compile inside `runtime.forward(...)`.")
+        plan = runtime.plan
+    unknown = set(options) - {"mode", "inner", "dump_dir", "names"}
+    if unknown:
+        raise KVPPBackendError(f"unknown kvpp backend options: {sorted(unknown)}.")
+    return kvpp_backend(plan, **options)(gm, example_inputs)
+
+

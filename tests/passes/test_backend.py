@@ -1,0 +1,96 @@
+"""kvpp_backend end to end: options, dumps, inductor pieces, and KVPP == replicated on 2 gloo ranks."""
+
+import json
+
+import pytest
+import torch
+
+from kvpp_fx.backend import KVPPBackendError, TorchairNotInstalledError, kvpp_backend
+from kvpp_fx.launch import run_ranks
+from kvpp_fx.runtime.runtime import KVPPRuntime
+from tests.passes import toy, workers
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("mode,inner", [("eager", "eager"), ("piecewise", "aot_eager")])
+def test_kvpp_equals_replicated_bit_for_bit(mode, inner):
+    results = run_ranks(workers.kvpp_run, 2, 4, mode, inner, timeout_s=180)
+    for rank, res in enumerate(results):
+        assert all(res["identical"]), (rank, res["max_diff"])
+        assert res["broadcasts"] == [0] + [4] * (len(workers.STEPS) - 1)  # none without history
+    assert [res["persistent"] for res in results] == [[0, 1], [2, 3]]
+
+
+def test_full_mode_is_refused_with_the_config_message():
+    with pytest.raises(ValueError, match="^KVPP supports eager execution or PIECEWISE only.$"):
+        kvpp_backend(toy.toy_plan(4), mode="full")
+    with pytest.raises(KVPPBackendError, match="mode must be one of"):
+        kvpp_backend(toy.toy_plan(4), mode="fast")
+
+
+def test_torchair_without_torchair_is_a_named_error():
+    with pytest.raises(TorchairNotInstalledError, match="torchair package"):
+        kvpp_backend(toy.toy_plan(4), mode="piecewise", inner="torchair")
+
+
+def test_unknown_inner_backend():
+    with pytest.raises(KVPPBackendError, match="unknown inner backend 'nope'"):
+        kvpp_backend(toy.toy_plan(4), mode="piecewise", inner="nope")
+
+
+def run_once(model, backend_or_name, plan, num_layers=4, options=None):
+    storage = toy.allocate(plan)
+    caches = toy.runtime_caches(storage, range(num_layers))
+    compiled = torch.compile(model, backend=backend_or_name, options=options, fullgraph=True)
+    x, *meta = toy.step_inputs(0, 5, 5)
+    with KVPPRuntime.create(plan, storage) as rt, rt.forward(has_history=False):
+        return compiled(x, caches, *meta)
+
+
+def test_registered_backend_name_takes_options_or_the_current_runtime(tmp_path):
+    plan = toy.toy_plan(4)
+    expected = toy.ToyMLA(4)(toy.step_inputs(0, 5, 5)[0], toy.replicated_caches(4), *toy.step_inputs(0, 5, 5)[1:])
+    out = run_once(toy.ToyMLA(4), "kvpp", plan, options={"plan": plan, "mode": "piecewise", "dump_dir": str(tmp_path)})
+    assert torch.equal(out, expected)
+    torch._dynamo.reset()
+    assert torch.equal(run_once(toy.ToyMLA(4), "kvpp", plan), expected)  # plan from the runtime
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown kvpp backend options"):
+        run_once(toy.ToyMLA(4), "kvpp", plan, options={"plan": plan, "colour": "red"})
+
+
+def test_dump_dir_writes_before_after_pieces_and_index(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVPP_DUMP_DIR", str(tmp_path))
+    plan = toy.toy_plan(4)
+    backend = kvpp_backend(plan, mode="piecewise")
+    run_once(toy.ToyMLA(4), backend, plan)
+    (graph_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    index = json.loads((graph_dir / "index.json").read_text())
+    files = [f["file"] for f in index["files"]]
+    assert files[:2] == ["before_pass.py", "after_pass.py"]
+    assert len(files) == 2 + 10 and sum("_eager_" in f for f in files) == 5
+    assert "kvpp.wait" not in (graph_dir / "before_pass.py").read_text()
+    assert "torch.ops.kvpp.wait.default(0, 0" in (graph_dir / "after_pass.py").read_text()
+    assert index["layers"] == [0, 1, 2, 3]
+
+
+@pytest.mark.inductor
+def test_inductor_pieces_keep_kvpp_calls_in_order():
+    plan = toy.toy_plan(2)
+    storage = toy.allocate(plan)
+    rt = KVPPRuntime.create(plan, storage)
+    calls = []
+    prefetch, wait = rt.prefetch, rt.wait
+    rt.prefetch = lambda layer, slot: (calls.append(f"prefetch({layer},{slot})"), prefetch(layer, slot))[1]
+    rt.wait = lambda layer, slot: (calls.append(f"wait({layer},{slot})"), wait(layer, slot))[1]
+    backend = kvpp_backend(plan, mode="piecewise", inner="inductor")
+    model = toy.ToyMLA(2)
+    reference = toy.ToyMLA(2)
+    x, *meta = toy.step_inputs(0, 5, 5)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with rt, rt.forward(has_history=True):
+        out = compiled(x, toy.runtime_caches(storage, range(2)), *meta)
+    assert calls == ["prefetch(0,0)", "wait(0,0)", "prefetch(1,1)", "wait(1,1)"]
+    torch.testing.assert_close(out, reference(x, toy.replicated_caches(2), *meta))
+    compiled_pieces = [p for p in backend.records[-1].pieces if p[1] == "compiled"]
+    assert len(compiled_pieces) == 3

@@ -1,0 +1,109 @@
+"""A 4-layer toy MLA-style model over the reference model's paged-cache ops (and a vLLM-style variant)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kvpp_fx.reference.ops  # noqa: F401  (registers kvpp_ref ops and their specs)
+from kvpp_fx.cache.allocate import allocate_cache
+from kvpp_fx.cache.placement import KVPPPlan
+from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
+from kvpp_fx.passes.registry import AttentionOpSpec, register_attention_op
+
+HIDDEN, RANK, ROPE, HEADS, BLOCK, BLOCKS = 16, 8, 4, 2, 4, 8
+
+
+class ToyMLALayer(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.kv_a = nn.Linear(HIDDEN, RANK + ROPE, bias=False)
+        self.q = nn.Linear(HIDDEN, HEADS * (RANK + ROPE), bias=False)
+        self.o = nn.Linear(HEADS * RANK, HIDDEN, bias=False)
+
+    def forward(self, x, cache, slot_mapping, block_table, seq_lens, query_lens):
+        h = torch.tanh(x)
+        kv_c, k_pe = self.kv_a(h).split([RANK, ROPE], dim=-1)
+        q_latent, q_pe = self.q(h).view(-1, HEADS, RANK + ROPE).split([RANK, ROPE], dim=-1)
+        torch.ops.kvpp_ref.write_kv(cache, kv_c, k_pe, slot_mapping, self.index)
+        attn = torch.ops.kvpp_ref.mla_attention(q_latent, q_pe, cache, block_table, seq_lens, query_lens,
+                                                0.5, self.index)
+        return x + self.o(attn.flatten(1))
+
+
+class ToyMLA(nn.Module):
+    def __init__(self, num_layers: int = 4, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleList(ToyMLALayer(i) for i in range(num_layers))
+
+    def forward(self, x, caches: list[torch.Tensor], slot_mapping, block_table, seq_lens, query_lens):
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cache, slot_mapping, block_table, seq_lens, query_lens)
+        return x
+
+
+def toy_spec(num_layers: int = 4, drafts: int = 0) -> ModelCacheSpec:
+    comps = (ComponentSpec("kv", "float32", (RANK + ROPE,)),)
+    layers = [LayerCacheSpec(i, comps) for i in range(num_layers)]
+    layers += [LayerCacheSpec(num_layers + j, comps, is_draft=True) for j in range(drafts)]
+    return ModelCacheSpec("toy", BLOCK, tuple(layers))
+
+
+def toy_plan(num_layers: int = 4, drafts: int = 0, group_size: int = 1) -> KVPPPlan:
+    return KVPPPlan(toy_spec(num_layers, drafts), group_size=group_size)
+
+
+def step_inputs(step: int, seq_len: int, new_tokens: int):
+    """One request: positions seq_len-new_tokens .. seq_len-1, blocks 0..BLOCKS-1 in order."""
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(new_tokens, HIDDEN, generator=gen)
+    positions = torch.arange(seq_len - new_tokens, seq_len)
+    slot_mapping = positions.clone()
+    block_table = torch.arange(BLOCKS, dtype=torch.int32)[None]
+    return x, slot_mapping, block_table, torch.tensor([seq_len]), torch.tensor([new_tokens])
+
+
+def replicated_caches(num_layers: int) -> list[torch.Tensor]:
+    return [torch.zeros(BLOCKS, BLOCK, RANK + ROPE) for _ in range(num_layers)]
+
+
+def runtime_caches(storage, layers) -> list[torch.Tensor]:
+    """The graph's cache inputs under KVPP: handles that only kvpp.wait turns into real views."""
+    return [storage.handles(i)["kv"] for i in layers]
+
+
+def allocate(plan: KVPPPlan, rank: int = 0):
+    return allocate_cache(plan, rank, BLOCKS)
+
+
+# --- a vLLM-style op: the layer arrives as a name, the cache is looked up by that name ---------------
+
+VLLM_STYLE_CACHES: dict[str, torch.Tensor] = {}
+
+
+@torch.library.custom_op("toy_vllm::unified_attention", mutates_args=())
+def unified_attention(q: torch.Tensor, layer_name: str) -> torch.Tensor:
+    cache = VLLM_STYLE_CACHES[layer_name]
+    return q * cache.float().mean()
+
+
+@unified_attention.register_fake
+def _(q, layer_name):
+    return torch.empty_like(q)
+
+
+register_attention_op(AttentionOpSpec("toy_vllm::unified_attention", ("layer_name", 1), "name"), replace=True)
+
+
+class ToyVLLMStyle(nn.Module):
+    def __init__(self, num_layers: int = 4) -> None:
+        super().__init__()
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(num_layers)]
+        self.proj = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(num_layers))
+
+    def forward(self, x):
+        for proj, name in zip(self.proj, self.names):
+            x = x + torch.ops.toy_vllm.unified_attention(proj(x), name)
+        return x
