@@ -87,6 +87,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                         break
                 break
     finally:
+        timed_out = len(outputs) < world_size and time.monotonic() >= deadline
         for proc in procs:
             proc.join(timeout=2.0)
         for proc in procs:
@@ -99,7 +100,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
             if rank in may_die:
                 continue
             code = procs[rank].exitcode
-            failures.append(f"rank {rank}: no result within {timeout_s:.0f}s (exit code {code})")
+            if code is None or code == -9 and timed_out:
+                failures.append(f"rank {rank}: no result within {timeout_s:.0f}s (killed)")
+            else:
+                failures.append(f"rank {rank}: exited with code {code} without a result")
         elif not outputs[rank][0]:
             failures.append(f"rank {rank} raised:\n{outputs[rank][1]}")
     if failures:

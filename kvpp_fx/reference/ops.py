@@ -38,11 +38,14 @@ def gather_context(cache: torch.Tensor, block_row: torch.Tensor, length: int) ->
 
 @torch.library.custom_op("kvpp_ref::mla_attention", mutates_args=())
 def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, query_lens: torch.Tensor, scale: float, layer: int) -> torch.Tensor:
+                  seq_lens: torch.Tensor, query_lens: torch.Tensor, scale: float, layer: int,
+                  topk_indices: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA over the paged latent cache, causal within each request.
 
     q_latent ``[T, H, kv_lora_rank]`` (q_nope already multiplied by W_UK), q_pe ``[T, H, rope]``.
     Returns the attention-weighted latent ``[T, H, kv_lora_rank]`` (W_UV is applied by the caller).
+    With ``topk_indices`` ``[T, k]`` (context positions, -1 for none), each query attends only to its
+    selected tokens: sparse (SFA) attention.
     """
     rank = q_latent.shape[-1]
     out = torch.empty_like(q_latent)
@@ -56,6 +59,11 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
         scores = (torch.einsum("thc,sc->hts", q_l, kv_c) + torch.einsum("thr,sr->hts", q_p, k_pe)) * scale
         positions = torch.arange(seq_len - q_len, seq_len, device=scores.device)
         mask = torch.arange(seq_len, device=scores.device)[None, :] > positions[:, None]
+        if topk_indices is not None:
+            chosen = topk_indices[start:start + q_len].long()
+            selected = torch.zeros(q_len, seq_len + 1, dtype=torch.bool, device=scores.device)
+            selected.scatter_(1, torch.where(chosen < 0, seq_len, chosen), True)
+            mask = mask | ~selected[:, :seq_len]
         scores = scores.masked_fill(mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
         out[start:start + q_len] = torch.einsum("hts,sc->thc", probs, kv_c)
@@ -64,13 +72,65 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
 
 
 @mla_attention.register_fake
-def _(q_latent, q_pe, cache, block_table, seq_lens, query_lens, scale, layer):
+def _(q_latent, q_pe, cache, block_table, seq_lens, query_lens, scale, layer, topk_indices=None):
     return torch.empty_like(q_latent)
+
+
+@torch.library.custom_op("kvpp_ref::write_indexer", mutates_args=("data", "scale"))
+def write_indexer(data: torch.Tensor, scale: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor,
+                  layer: int) -> None:
+    """Quantize the indexer keys per token (int8 data + fp32 scale, fp8-style) and write their slots."""
+    keep = slot_mapping >= 0
+    amax = k.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8)
+    token_scale = amax / 127.0
+    quantized = torch.round(k / token_scale).clamp(-127, 127).to(torch.int8)
+    data.view(-1, data.shape[-1])[slot_mapping[keep]] = quantized[keep]
+    scale.view(-1, 1)[slot_mapping[keep]] = token_scale[keep].to(scale.dtype)
+
+
+@write_indexer.register_fake
+def _(data, scale, k, slot_mapping, layer):
+    return None
+
+
+@torch.library.custom_op("kvpp_ref::indexer_topk", mutates_args=())
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, data: torch.Tensor, scale: torch.Tensor,
+                 block_table: torch.Tensor, seq_lens: torch.Tensor, query_lens: torch.Tensor, topk: int,
+                 layer: int) -> torch.Tensor:
+    """Lightning-indexer token selection: ``sum_h w[t,h] * relu(q[t,h] . k[s])`` over causal context,
+    top-k per query token as context positions ``[T, topk]`` (-1 where the context is shorter)."""
+    out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
+    start = 0
+    for row, (seq_len, q_len) in enumerate(zip(seq_lens.tolist(), query_lens.tolist())):
+        if q_len == 0:
+            continue
+        keys = gather_context(data, block_table[row], seq_len).float()
+        keys = keys * gather_context(scale, block_table[row], seq_len).float()
+        logits = torch.relu(torch.einsum("thd,sd->ths", q[start:start + q_len].float(), keys))
+        index_scores = torch.einsum("ths,th->ts", logits, weights[start:start + q_len].float())
+        positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        future = torch.arange(seq_len, device=q.device)[None, :] > positions[:, None]
+        index_scores = index_scores.masked_fill(future, float("-inf"))
+        k = min(topk, seq_len)
+        chosen = index_scores.topk(k, dim=-1).indices
+        valid = torch.gather(~future, 1, chosen)
+        out[start:start + q_len, :k] = torch.where(valid, chosen, torch.full_like(chosen, -1))
+        start += q_len
+    return out
+
+
+@indexer_topk.register_fake
+def _(q, weights, data, scale, block_table, seq_lens, query_lens, topk, layer):
+    return q.new_empty((q.shape[0], topk), dtype=torch.int64)
 
 
 REFERENCE_SPECS = (
     AttentionOpSpec("kvpp_ref::write_kv", ("layer", 4), "index", (CacheOperand(("cache", 0), "kv"),)),
     AttentionOpSpec("kvpp_ref::mla_attention", ("layer", 7), "index", (CacheOperand(("cache", 2), "kv"),)),
+    AttentionOpSpec("kvpp_ref::write_indexer", ("layer", 4), "index",
+                    (CacheOperand(("data", 0), "indexer"), CacheOperand(("scale", 1), "indexer_scale"))),
+    AttentionOpSpec("kvpp_ref::indexer_topk", ("layer", 8), "index",
+                    (CacheOperand(("data", 2), "indexer"), CacheOperand(("scale", 3), "indexer_scale"))),
 )
 for _spec in REFERENCE_SPECS:
     register_attention_op(_spec)

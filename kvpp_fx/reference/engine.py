@@ -1,0 +1,382 @@
+"""A small step driver for the reference model (readable, not a serving engine).
+
+Per step: running decodes first (one token, or two with an MTP draft), then a prefill chunk of the
+oldest waiting prompt under the token budget. Blocks come from a pool with prefix caching (a full block is keyed by a hash of all tokens
+up to its end and reused by later requests). Greedy sampling; MTP drafts are verified greedily, so
+speculative output equals plain greedy output.
+
+The same driver runs with KVPP on or off: the only difference is the plan's group size (N or 1).
+Either way the model's caches are owned by a `KVPPRuntime`, and each step with a compiled model runs
+under ``runtime.forward(has_history)`` with ``has_history = any(num_computed_tokens > 0)`` over the
+scheduled requests, as the reference implementation computes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvpp_fx.backend import kvpp_backend
+from kvpp_fx.cache.placement import KVPPPlan
+from kvpp_fx.reference.config import RefConfig
+from kvpp_fx.reference.model import ReferenceModel
+from kvpp_fx.runtime.runtime import KVPPRuntime
+
+logger = logging.getLogger(__name__)
+
+GRAPH_MODES = ("none", "eager", "piecewise")
+
+
+class OutOfBlocksError(RuntimeError):
+    """The block pool cannot hold the scheduled tokens."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    token_budget: int = 32
+    max_model_len: int = 256
+    graph_mode: str = "eager"      # "none" runs the model uncompiled (KVPP off only)
+    inner: Any = "eager"           # inner backend of the piecewise mode
+    speculative: bool = False      # MTP drafts (needs num_nextn_predict_layers >= 1)
+    dump_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.graph_mode not in GRAPH_MODES:
+            raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {self.graph_mode!r}.")
+        if self.block_size < 1 or self.token_budget < 1 or self.max_model_len < self.block_size:
+            raise ValueError("block_size and token_budget must be positive and max_model_len >= block_size.")
+
+    @property
+    def max_blocks_per_request(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+class BlockPool:
+    """Fixed blocks with reference counts and a prefix cache of full blocks (LRU among free ones)."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.refs = [0] * num_blocks
+        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.by_hash: dict[int, int] = {}
+        self.hash_of: dict[int, int] = {}
+
+    @staticmethod
+    def chain_hashes(tokens: list[int], block_size: int) -> list[int]:
+        hashes, h = [], None
+        for end in range(block_size, len(tokens) + 1, block_size):
+            h = hash((h, tuple(tokens[end - block_size:end])))
+            hashes.append(h)
+        return hashes
+
+    def match_prefix(self, tokens: list[int]) -> list[int]:
+        blocks = []
+        for h in self.chain_hashes(tokens, self.block_size):
+            block = self.by_hash.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def take(self, block: int) -> None:
+        self.refs[block] += 1
+        self.free.pop(block, None)
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise OutOfBlocksError("the block pool is exhausted; raise num_blocks or lower the load.")
+        block, _ = self.free.popitem(last=False)
+        old = self.hash_of.pop(block, None)
+        if old is not None and self.by_hash.get(old) == block:
+            del self.by_hash[old]
+        self.refs[block] = 1
+        return block
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free[block] = None
+
+    def register(self, block: int, h: int) -> None:
+        if h not in self.by_hash:
+            self.by_hash[h] = block
+            self.hash_of[block] = h
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    output: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    admitted: bool = False
+    draft: int | None = None
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+@dataclass
+class _Scheduled:
+    request: Request
+    start: int          # first token position computed this step
+    count: int          # tokens computed this step
+    draft: int | None   # the draft token among them (last one), if any
+
+
+class Engine:
+    def __init__(self, model: ReferenceModel, runtime: KVPPRuntime, config: EngineConfig) -> None:
+        self.model = model
+        self.cfg: RefConfig = model.config
+        self.runtime = runtime
+        self.config = config
+        self.plan: KVPPPlan = runtime.plan
+        if config.graph_mode == "none" and self.plan.enabled:
+            raise ValueError("KVPP needs the kvpp backend: use graph_mode 'eager' or 'piecewise'.")
+        if config.speculative and not self.cfg.draft_layers:
+            raise ValueError("speculative decoding needs a model with num_nextn_predict_layers >= 1.")
+        self.pool = BlockPool(runtime.storage.num_blocks, config.block_size)
+        self.requests: list[Request] = []
+        self.steps: list[dict[str, Any]] = []
+        self.last_logits: torch.Tensor | None = None
+        self.backend = None
+        components = [c.name for c in self.plan.spec.layer(self.plan.target_layers[0]).components]
+        layers = range(self.cfg.num_hidden_layers)
+        if config.graph_mode == "none":
+            self.caches = [tuple(runtime.typed_views(i)[c] for c in components) for i in layers]
+            self.forward_fn = model
+        else:
+            self.caches = [tuple(runtime.handles(i)[c] for c in components) for i in layers]
+            self.backend = kvpp_backend(self.plan, mode=config.graph_mode, inner=config.inner,
+                                        dump_dir=config.dump_dir)
+            self.forward_fn = torch.compile(model, backend=self.backend, fullgraph=True)
+        self.draft_cache = [(runtime.typed_views(i)["kv"],) for i in self.cfg.draft_layers]
+
+    # --- requests -------------------------------------------------------------------------------
+
+    def add_request(self, prompt: list[int], max_new_tokens: int) -> Request:
+        if not prompt:
+            raise ValueError("a prompt needs at least one token.")
+        if len(prompt) + max_new_tokens + 1 > self.config.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)}) + {max_new_tokens} new tokens exceed max_model_len "
+                             f"{self.config.max_model_len}.")
+        if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size}).")
+        request = Request(len(self.requests), list(prompt), max_new_tokens)
+        self.requests.append(request)
+        return request
+
+    def _admit(self, request: Request) -> None:
+        block_size = self.config.block_size
+        hit = self.pool.match_prefix(request.prompt)
+        # keep at least one prompt token to compute, so the step yields logits for it
+        usable = min(len(hit), (len(request.prompt) - 1) // block_size)
+        for block in hit[:usable]:
+            self.pool.take(block)
+        request.blocks = list(hit[:usable])
+        request.num_computed = request.cached_tokens = usable * block_size
+        request.admitted = True
+
+    def _ensure_blocks(self, request: Request, upto: int) -> None:
+        needed = -(-upto // self.config.block_size)
+        while len(request.blocks) < needed:
+            request.blocks.append(self.pool.allocate())
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def _schedule(self) -> list[_Scheduled]:
+        budget = self.config.token_budget
+        batch: list[_Scheduled] = []
+        live = [r for r in self.requests if not r.finished]
+        for request in (r for r in live if r.admitted and not r.prefilling):
+            count = 2 if request.draft is not None else 1
+            if count > budget:
+                break
+            batch.append(_Scheduled(request, request.num_computed, count, request.draft))
+            budget -= count
+        # One request prefills at a time, first come first served: a later prompt is admitted only once
+        # the earlier ones are fully computed, so it can reuse their cached prefix blocks.
+        waiting = next((r for r in live if not r.admitted or r.prefilling), None)
+        if waiting is not None and budget > 0:
+            if not waiting.admitted:
+                self._admit(waiting)
+            count = min(len(waiting.prompt) - waiting.num_computed, budget)
+            batch.append(_Scheduled(waiting, waiting.num_computed, count, None))
+        return batch
+
+    def _inputs(self, batch: list[_Scheduled]) -> dict[str, torch.Tensor]:
+        block_size = self.config.block_size
+        ids, positions, slots, logits_at = [], [], [], []
+        table = torch.zeros(len(batch), self.config.max_blocks_per_request, dtype=torch.int32)
+        for row, item in enumerate(batch):
+            request = item.request
+            end = item.start + item.count
+            self._ensure_blocks(request, end)
+            tokens = request.tokens + ([item.draft] if item.draft is not None else [])
+            for pos in range(item.start, end):
+                ids.append(tokens[pos])
+                positions.append(pos)
+                slots.append(request.blocks[pos // block_size] * block_size + pos % block_size)
+            first = len(ids) - item.count
+            logits_at.extend(range(first, len(ids)) if item.draft is not None else [len(ids) - 1])
+            table[row, : len(request.blocks)] = torch.tensor(request.blocks, dtype=torch.int32)
+        return {
+            "input_ids": torch.tensor(ids, dtype=torch.long),
+            "positions": torch.tensor(positions, dtype=torch.long),
+            "slot_mapping": torch.tensor(slots, dtype=torch.long),
+            "block_table": table,
+            "seq_lens": torch.tensor([i.start + i.count for i in batch], dtype=torch.long),
+            "query_lens": torch.tensor([i.count for i in batch], dtype=torch.long),
+            "logits_indices": torch.tensor(logits_at, dtype=torch.long),
+        }
+
+    def _run_target(self, inputs: dict[str, torch.Tensor], has_history: bool):
+        args = (inputs["input_ids"], inputs["positions"], self.caches, inputs["slot_mapping"],
+                inputs["block_table"], inputs["seq_lens"], inputs["query_lens"], inputs["logits_indices"])
+        if self.config.graph_mode == "none":
+            return self.forward_fn(*args)
+        with self.runtime.forward(has_history):
+            return self.forward_fn(*args)
+
+    def step(self) -> dict[str, Any]:
+        batch = self._schedule()
+        if not batch:
+            return {}
+        has_history = any(item.request.num_computed > 0 for item in batch)
+        decode_only = all(item.start >= len(item.request.prompt) for item in batch)
+        inputs = self._inputs(batch)
+        start = time.perf_counter()
+        with torch.no_grad():
+            logits, hidden = self._run_target(inputs, has_history)
+        elapsed = time.perf_counter() - start
+        self.last_logits = logits
+        sampled = logits.argmax(dim=-1).tolist()
+        accepted_spans = self._accept(batch, sampled)
+        if self.config.speculative:
+            with torch.no_grad():
+                self._propose(batch, accepted_spans, hidden)
+        record = {"has_history": has_history, "num_tokens": int(inputs["input_ids"].numel()),
+                  "requests": [(i.request.rid, i.start, i.count) for i in batch], "seconds": elapsed,
+                  "decode_only": decode_only}
+        self.steps.append(record)
+        return record
+
+    def _accept(self, batch: list[_Scheduled], sampled: list[int]) -> list[tuple[int, int]]:
+        """Apply greedy results; return each request's accepted (start, count) positions."""
+        spans, cursor = [], 0
+        for item in batch:
+            request = item.request
+            if item.draft is not None:
+                first, bonus = sampled[cursor], sampled[cursor + 1]
+                cursor += 2
+                request.drafts_proposed += 1
+                if first == item.draft:
+                    request.drafts_accepted += 1
+                    request.output += [first, bonus]
+                    accepted = 2
+                else:
+                    request.output.append(first)
+                    accepted = 1
+            else:
+                token = sampled[cursor]
+                cursor += 1
+                accepted = item.count
+                if item.start + item.count >= len(request.prompt):
+                    request.output.append(token)
+            request.draft = None
+            request.num_computed = item.start + accepted
+            del request.output[request.max_new_tokens:]
+            spans.append((item.start, accepted))
+            self._register_blocks(request)
+            if request.finished:
+                self.pool.release(request.blocks)
+        return spans
+
+    def _register_blocks(self, request: Request) -> None:
+        tokens = request.tokens[: request.num_computed]
+        for i, h in enumerate(BlockPool.chain_hashes(tokens, self.config.block_size)):
+            self.pool.register(request.blocks[i], h)
+
+    def _propose(self, batch: list[_Scheduled], spans: list[tuple[int, int]], hidden: torch.Tensor) -> None:
+        """Run the MTP layer over the newly accepted positions; the last one's argmax is the next draft."""
+        block_size = self.config.block_size
+        rows, ids, positions, slots, hidden_rows, logits_at, items = [], [], [], [], [], [], []
+        offset = 0
+        for item, (start, accepted) in zip(batch, spans):
+            request = item.request
+            tokens = request.tokens
+            take = [p for p in range(start, start + accepted) if p + 1 < len(tokens)]
+            if take and not request.finished:
+                rows.append((item, take))
+                for p in take:
+                    ids.append(tokens[p + 1])
+                    positions.append(p)
+                    slots.append(request.blocks[p // block_size] * block_size + p % block_size)
+                    hidden_rows.append(offset + (p - item.start))
+                logits_at.append(len(ids) - 1)
+                items.append(item)
+            offset += item.count
+        if not rows:
+            return
+        table = torch.zeros(len(rows), self.config.max_blocks_per_request, dtype=torch.int32)
+        for r, (item, _) in enumerate(rows):
+            table[r, : len(item.request.blocks)] = torch.tensor(item.request.blocks, dtype=torch.int32)
+        logits = self.model.propose(
+            torch.tensor(ids), hidden[torch.tensor(hidden_rows)], torch.tensor(positions), self.draft_cache[0],
+            torch.tensor(slots), table, torch.tensor([take[-1] + 1 for _, take in rows]),
+            torch.tensor([len(take) for _, take in rows]), torch.tensor(logits_at))
+        for (item, take), token in zip(rows, logits.argmax(dim=-1).tolist()):
+            request = item.request
+            if not request.prefilling and take[-1] + 1 == len(request.tokens) - 1:
+                request.draft = token
+
+    def run(self, max_steps: int = 10_000) -> list[list[int]]:
+        for _ in range(max_steps):
+            if all(r.finished for r in self.requests):
+                break
+            self.step()
+        else:
+            raise RuntimeError(f"requests did not finish within {max_steps} steps.")
+        return [r.output for r in self.requests]
+
+
+def build_engine(config: RefConfig, *, engine_config: EngineConfig, num_blocks: int, kvpp: bool = False,
+                 tp=None, kvpp_group=None, checkpoint=None) -> Engine:
+    """Model + cache + runtime + driver for one rank. With ``kvpp=False`` the plan has a group of one,
+    so every layer is persistent on this rank (the replicated cache) and the runtime moves nothing."""
+    from kvpp_fx.cache.allocate import allocate_cache
+    from kvpp_fx.reference.model import TPInfo
+    from kvpp_fx.reference.weights import build_model
+
+    tp = tp or TPInfo()
+    model = build_model(config, tp, checkpoint)
+    spec = config.cache_spec(engine_config.block_size)
+    plan = KVPPPlan(spec, group_size=tp.size if kvpp else 1)
+    if kvpp and plan.enabled and kvpp_group is None:
+        raise ValueError("KVPP with a group larger than one needs its process group.")
+    group = kvpp_group if plan.enabled else None
+    rank = torch.distributed.get_rank(group) if group is not None else 0
+    storage = allocate_cache(plan, rank, num_blocks)
+    runtime = KVPPRuntime.create(plan, storage, group)
+    return Engine(model, runtime, engine_config)
