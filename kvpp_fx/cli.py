@@ -40,6 +40,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_graph(args: argparse.Namespace) -> int:
+    from kvpp_fx.reference.graphs import compile_reference, graph_text
+
+    with _quiet_torch():
+        result = compile_reference(args.model, layers=args.layers, mode=args.mode, dump_dir=args.dump_dir)
+    print(graph_text(result, args.mode))
+    return 0
+
+
+def _quiet_torch():
+    import contextlib
+    import warnings
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(warnings.catch_warnings())
+    warnings.simplefilter("ignore")
+    return stack
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvpp-fx", description="KV layer parallelism for MLA/SFA models.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -56,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--shard-draft", action="store_true", help="give draft layers owners too")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_cmd_plan)
+
+    graph = sub.add_parser("graph", help="print the reference model's graph after the KVPP pass")
+    graph.add_argument("--model", default="tiny", help="reference preset or HF model directory")
+    graph.add_argument("--mode", choices=("eager", "piecewise"), default="eager")
+    graph.add_argument("--layers", type=_positive_int, default=2, help="number of decoder layers")
+    graph.add_argument("--dump-dir", default=None, help="also write the dump files here")
+    graph.set_defaults(func=_cmd_graph)
     return parser
 
 

@@ -195,11 +195,13 @@ class MLAAttention(nn.Module):
         kv_c = self.kv_a_layernorm(kv_c)
         q_pe = rotary.apply(q_pe, cos, sin)
         k_pe = rotary.apply(k_pe.view(T, 1, self.rope), cos, sin).view(T, self.rope)
+        w_kv_b = self.kv_b_proj.weight.view(self.heads, self.nope + self.v, self.rank)
+        q_latent = torch.einsum("thd,hdr->thr", q_nope, w_kv_b[:, : self.nope])
+        # Everything between the cache write and the attention is a cache op, so the two share one
+        # eager piece in PIECEWISE mode.
         kv_cache = caches[0]
         torch.ops.kvpp_ref.write_kv(kv_cache, kv_c, k_pe, meta.slot_mapping, self.layer_idx)
         topk = self.indexer(x, rotary, cos, sin, caches, meta) if self.indexer is not None else None
-        w_kv_b = self.kv_b_proj.weight.view(self.heads, self.nope + self.v, self.rank)
-        q_latent = torch.einsum("thd,hdr->thr", q_nope, w_kv_b[:, : self.nope])
         latent = torch.ops.kvpp_ref.mla_attention(q_latent, q_pe, kv_cache, meta.block_table, meta.seq_lens,
                                                   meta.query_lens, self.scale, self.layer_idx, topk)
         out = torch.einsum("thr,hvr->thv", latent, w_kv_b[:, self.nope:]).reshape(T, self.heads * self.v)
