@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
 
 demo: $(STAMP)
-	$(VENV)/bin/kvpp-fx plan --model deepseek-v3 --tp 8
+	$(VENV)/bin/kvpp-fx demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -94,6 +94,32 @@ class _CompiledPiece(torch.nn.Module):
         return out[0] if self.unwrap_single else out
 
 
+class _TracedPiece(torch.nn.Module):
+    """Records a span per call on the timeline of the current runtime, when it has one."""
+
+    def __init__(self, inner: torch.nn.Module, name: str, kind: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.label = f"{kind} {name}"
+        self.kind = kind
+
+    def forward(self, *args: Any) -> Any:
+        from kvpp_fx.runtime.runtime import _CURRENT
+
+        runtime = _CURRENT.get()
+        timeline = runtime.timeline if runtime is not None else None
+        if timeline is None:
+            return self.inner(*args)
+        with timeline.span(self.label, f"piece:{self.kind}"):
+            return self.inner(*args)
+
+
+def _trace_pieces(split: SplitResult) -> None:
+    for piece in split.pieces:
+        split.split_gm.add_submodule(piece.name, _TracedPiece(getattr(split.split_gm, piece.name), piece.name,
+                                                              piece.kind))
+
+
 def _make_tuple_output(gm: torch.fx.GraphModule) -> bool:
     """AOT backends want tuple outputs; split_module returns a bare value for a single output."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
@@ -147,6 +173,7 @@ class KVPPBackend:
             record.pieces = [(p.name, p.kind, p.graph_module.code) for p in split.pieces]
             record.piece_summary = describe_pieces(split.pieces)
             compiled = self._compile_pieces(split, example_inputs)
+            _trace_pieces(split)
             record.timings["inner_compile_s"] = time.perf_counter() - t3
         record.timings["total_s"] = time.perf_counter() - t0
         self.records.append(record)

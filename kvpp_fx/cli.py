@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     graph.add_argument("--layers", type=_positive_int, default=2, help="number of decoder layers")
     graph.add_argument("--dump-dir", default=None, help="also write the dump files here")
     graph.set_defaults(func=_cmd_graph)
+
+    from kvpp_fx.demo import add_arguments, run_demo
+
+    demo = sub.add_parser("demo", help="run the reference model on N CPU ranks with KVPP off and on")
+    add_arguments(demo)
+    demo.set_defaults(func=run_demo)
     return parser
 
 

@@ -66,3 +66,13 @@ def test_parse_bytes():
     assert parse_bytes("40 GB") == 40 * 10**9
     assert parse_bytes("1.5MiB") == 3 * 2**19
     assert parse_bytes("123") == 123
+
+
+def test_graph_command_prints_the_rewritten_reference_graph():
+    out = run_cli("graph", "--layers", "2", "--mode", "piecewise")
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert text.splitlines()[1].strip() == "kvpp_prefetch_L0 = torch.ops.kvpp.prefetch.default(0, 0)"
+    assert "kvpp_ref.write_kv(kv_L0," in text and "kvpp_ref.mla_attention(q_latent, q_pe_1, kv_L0," in text
+    assert "submod_2 [eager]: kvpp.wait(0, 0, [l_caches_0_0_], ['kv']); kvpp.prefetch(1, 1)" in text
+    assert "kvpp.prefetch(2" not in text

@@ -62,7 +62,7 @@ class _Forward:
 
 class KVPPRuntime:
     def __init__(self, plan: KVPPPlan, storage: CacheStorage, group: Any, rank: int, device_api: DeviceAPI,
-                 transport: BroadcastTransport, timeline: Timeline | None) -> None:
+                 transport: BroadcastTransport, timeline: Timeline | None, overlap: bool = True) -> None:
         self.plan = plan
         self.storage = storage
         self.group = group
@@ -71,14 +71,20 @@ class KVPPRuntime:
         self.transport = transport
         self.timeline = timeline
         self.scheduler = PrefetchScheduler(transport, device_api, timeline)
+        self.overlap = overlap
         self._forward: _Forward | None = None
         self._required = tuple(i for i in plan.target_layers if i not in plan.spec.draft_layers)
         self._closed = False
 
     @classmethod
     def create(cls, plan: KVPPPlan, storage: CacheStorage, group: Any = None, *,
-               delay: Callable[[int], float] | None = None, timeline: Timeline | None = None) -> KVPPRuntime:
-        """`group` is this rank's KVPP process group (None only for a group of one)."""
+               delay: Callable[[int], float] | None = None, timeline: Timeline | None = None,
+               overlap: bool = True) -> KVPPRuntime:
+        """`group` is this rank's KVPP process group (None only for a group of one).
+
+        ``overlap=False`` completes each broadcast inside its prefetch: the same bytes move, nothing
+        hides behind compute (a baseline for benchmarks and a debugging aid).
+        """
         if group is None:
             if plan.group_size != 1:
                 raise ValueError(f"a KVPP group of size {plan.group_size} needs a process group.")
@@ -93,7 +99,7 @@ class KVPPRuntime:
                              f"this is rank {rank}.")
         api = DeviceAPI(storage.device)
         transport = BroadcastTransport(group, api, delay=delay, timeline=timeline)
-        return cls(plan, storage, group, rank, api, transport, timeline)
+        return cls(plan, storage, group, rank, api, transport, timeline, overlap)
 
     # --- views ------------------------------------------------------------------------------------
 
@@ -174,6 +180,13 @@ class KVPPRuntime:
         state.last_position = position
         state.pending = self.scheduler.submit(layer, slot, self.view(layer), self.plan.owners[layer],
                                               communicate=state.has_history)
+        if not self.overlap:
+            try:
+                self.scheduler.complete(state.pending)
+            except Exception as exc:
+                state.failure = exc
+                raise
+            state.pending.future = None
 
     def wait(self, layer: int, slot: int) -> torch.Tensor:
         state = self._active()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvpp_fx.reference.model import ReferenceModel
+from kvpp_fx.reference.workload import shared_prefix_prompts  # noqa: F401  (re-exported for tests)
 
 
 def full_forward_logits(model: ReferenceModel, tokens: list[int], block_size: int = 16) -> torch.Tensor:
@@ -32,12 +33,3 @@ def recompute_greedy(model: ReferenceModel, prompt: list[int], max_new_tokens: i
     for _ in range(max_new_tokens):
         tokens.append(int(full_forward_logits(model, tokens).argmax()))
     return tokens[len(prompt):]
-
-
-def shared_prefix_prompts(vocab: int, prefix_blocks: int = 3, block_size: int = 16) -> list[list[int]]:
-    """Two prompts sharing a multi-block prefix; the first needs two prefill chunks at a 32-token budget."""
-    gen = torch.Generator().manual_seed(7)
-    prefix = torch.randint(0, vocab, (prefix_blocks * block_size,), generator=gen).tolist()
-    first = prefix + torch.randint(0, vocab, (12,), generator=gen).tolist()
-    second = prefix + torch.randint(0, vocab, (7,), generator=gen).tolist()
-    return [first, second]

@@ -1,0 +1,204 @@
+"""``kvpp-fx demo``: the reference model on N CPU ranks, KVPP off then on, and a short report.
+
+Launched in-process with torch's elastic launcher (``kvpp-fx demo --nproc 2``), or by torchrun:
+``torchrun --nproc-per-node 2 -m kvpp_fx.demo``. Exits 1 if KVPP changed any token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+DEFAULTS = {"preset": "small", "mode": "piecewise", "inner": "eager", "kv_memory": "128MiB",
+            "trace": "out/trace.json", "dump_dir": "out/graphs", "timeout_s": 60.0}
+
+
+def _run(engine_options: dict, *, kvpp: bool, preset: str, kv_memory: int, prompts, group, tp, timeline,
+         dump_dir):
+    import torch
+
+    from kvpp_fx.cache.allocate import allocate_cache
+    from kvpp_fx.cache.placement import KVPPPlan
+    from kvpp_fx.reference.config import load_config
+    from kvpp_fx.reference.engine import Engine, EngineConfig
+    from kvpp_fx.reference.weights import build_model
+    from kvpp_fx.reference.workload import NEW_TOKENS
+    from kvpp_fx.runtime.runtime import KVPPRuntime
+
+    torch._dynamo.reset()
+    config = load_config(preset)
+    engine_config = EngineConfig(**engine_options, dump_dir=dump_dir)
+    plan = KVPPPlan(config.cache_spec(engine_config.block_size), group_size=tp.size if kvpp else 1)
+    rank = torch.distributed.get_rank(group) if plan.enabled else 0
+    num_blocks = plan.num_blocks(kv_memory)
+    storage = allocate_cache(plan, rank, num_blocks)
+    runtime = KVPPRuntime.create(plan, storage, group if plan.enabled else None, timeline=timeline)
+    engine = Engine(build_model(config, tp), runtime, engine_config)
+    for prompt in prompts:
+        engine.add_request(prompt, NEW_TOKENS)
+    outputs = engine.run()
+    decode = [s["seconds"] for s in engine.steps if s["decode_only"]]
+    stats = runtime.stats()
+    runtime.close()
+    return {"outputs": outputs, "num_blocks": num_blocks, "stats": stats, "decode_step_s": decode,
+            "owned_layers": list(plan.owned_layers(rank)) if plan.enabled else list(plan.target_layers),
+            "kv_memory": kv_memory, "dump_dir": str(engine.backend.records[-1].dump_dir.parent.parent)
+            if engine.backend is not None and engine.backend.records and engine.backend.records[-1].dump_dir else None}
+
+
+def demo_rank(options: dict) -> list[dict] | None:
+    """One rank's work (torch.distributed env from the launcher). Rank 0 returns every rank's result."""
+    import torch
+    import torch.distributed as dist
+
+    from kvpp_fx.cache.spec import ComponentSpec  # noqa: F401  (import check before forking work)
+    from kvpp_fx.plan_report import parse_bytes
+    from kvpp_fx.reference.config import load_config
+    from kvpp_fx.reference.model import TPInfo
+    from kvpp_fx.reference.workload import TOKEN_BUDGET, shared_prefix_prompts
+    from kvpp_fx.runtime.timeline import Timeline, write_chrome_trace
+    from kvpp_fx.topology import create_kvpp_process_groups, kvpp_groups
+
+    torch.set_num_threads(1)
+    timeout = timedelta(seconds=options["timeout_s"])
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = create_kvpp_process_groups(kvpp_groups(world, tp=world), timeout=timeout)
+    tp = TPInfo(rank, world, dist.group.WORLD)
+    prompts = shared_prefix_prompts(load_config(options["preset"]).vocab_size)
+    engine_options = {"graph_mode": options["mode"], "inner": options["inner"], "token_budget": TOKEN_BUDGET}
+    kv_memory = parse_bytes(options["kv_memory"])
+    common = dict(preset=options["preset"], kv_memory=kv_memory, prompts=prompts, group=group, tp=tp)
+    off = _run(engine_options, kvpp=False, timeline=None, dump_dir=None, **common)
+    timeline = Timeline(rank) if options.get("trace") else None
+    on = _run(engine_options, kvpp=True, timeline=timeline, dump_dir=options.get("dump_dir"), **common)
+    mine = {"rank": rank, "off": off, "on": on, "trace_events": timeline.chrome_events() if timeline else []}
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if rank == 0 and options.get("trace"):
+        write_chrome_trace(options["trace"], *[g.pop("trace_events") for g in gathered])
+    dist.barrier()
+    return gathered if rank == 0 else None
+
+
+def build_report(results: list[dict], options: dict) -> dict[str, Any]:
+    from kvpp_fx.cache.placement import align_up  # noqa: F401
+
+    def median_ms(values):
+        return 1e3 * statistics.median(values) if values else None
+
+    r0 = results[0]
+    identical = all(r["on"]["outputs"] == r["off"]["outputs"] for r in results)
+    on_step, off_step = median_ms(r0["on"]["decode_step_s"]), median_ms(r0["off"]["decode_step_s"])
+    worst_on_blocks = min(r["on"]["num_blocks"] for r in results)
+    return {
+        "preset": options["preset"], "ranks": len(results), "mode": options["mode"], "inner": options["inner"],
+        "kv_memory_bytes": r0["on"]["kv_memory"],
+        "tokens_identical": identical,
+        "outputs": r0["on"]["outputs"],
+        "per_rank": [{
+            "rank": r["rank"], "owned_layers": r["on"]["stats"]["persistent_layers"],
+            "cache_bytes_kvpp": r["on"]["stats"]["allocated_bytes"],
+            "cache_bytes_replicated": r["off"]["stats"]["allocated_bytes"],
+            "blocks_kvpp": r["on"]["num_blocks"], "blocks_replicated": r["off"]["num_blocks"],
+            "broadcasts": r["on"]["stats"]["broadcasts"], "broadcast_bytes": r["on"]["stats"]["bytes"],
+        } for r in results],
+        "capacity_ratio": worst_on_blocks / r0["off"]["num_blocks"],
+        "decode_step_ms": {"kvpp": on_step, "replicated": off_step,
+                           "ratio": on_step / off_step if on_step and off_step else None},
+        "graph_dump": r0["on"]["dump_dir"],
+        "trace": options.get("trace"),
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    from kvpp_fx.plan_report import format_bytes, layer_ranges
+
+    mark = "✓" if report["tokens_identical"] else "✗"
+    lines = [f"kvpp-fx demo: {report['preset']} on {report['ranks']} CPU ranks (gloo), {report['mode']} mode "
+             f"(inner {report['inner']}), {format_bytes(report['kv_memory_bytes'])} of KV memory per rank", ""]
+    lines.append(f"{'rank':>4}  {'owned layers':<13} {'KVPP cache':>12} {'replicated':>12} {'blocks':>14} "
+                 f"{'broadcasts':>10} {'bytes sent/recv':>16}")
+    for r in report["per_rank"]:
+        lines.append(f"{r['rank']:>4}  {layer_ranges(r['owned_layers']):<13} {format_bytes(r['cache_bytes_kvpp']):>12} "
+                     f"{format_bytes(r['cache_bytes_replicated']):>12} "
+                     f"{str(r['blocks_kvpp']) + ' vs ' + str(r['blocks_replicated']):>14} "
+                     f"{r['broadcasts']:>10} {format_bytes(r['broadcast_bytes']):>16}")
+    step = report["decode_step_ms"]
+    lines += [
+        "",
+        f"capacity at equal memory: {report['capacity_ratio']:.2f}x the replicated blocks (worst rank)",
+        f"tokens identical to the replicated run: {mark}",
+        f"decode step (median): {step['kvpp']:.1f} ms with KVPP, {step['replicated']:.1f} ms replicated "
+        f"({step['ratio']:.2f}x)" if step["ratio"] else "decode step: no decode-only steps",
+        f"graph dump: {report['graph_dump']}",
+        f"timeline:   {report['trace']}  (open in https://ui.perfetto.dev or chrome://tracing)",
+    ]
+    return "\n".join(lines)
+
+
+def launch(nproc: int, options: dict) -> list[dict]:
+    """Start `nproc` local ranks with torch's elastic launcher and return rank 0's gathered results."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from kvpp_fx.launch import free_port
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"kvpp-demo-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0,
+                          monitor_interval=0.2, start_method="spawn")
+    results = elastic_launch(config, demo_rank)(options)
+    return results[0]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nproc", type=int, default=2, help="number of CPU ranks (the TP and KVPP group)")
+    parser.add_argument("--preset", default=DEFAULTS["preset"], help="reference preset or HF model directory")
+    parser.add_argument("--mode", choices=("eager", "piecewise"), default=DEFAULTS["mode"])
+    parser.add_argument("--inner", default=DEFAULTS["inner"], help="inner backend of the piecewise mode")
+    parser.add_argument("--kv-memory", default=DEFAULTS["kv_memory"], help="KV cache memory per rank")
+    parser.add_argument("--trace", default=DEFAULTS["trace"], help="Chrome/Perfetto trace file ('' for none)")
+    parser.add_argument("--dump-dir", default=DEFAULTS["dump_dir"], help="graph dump folder ('' for none)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    import warnings
+
+    warnings.simplefilter("ignore")
+    options = {"preset": args.preset, "mode": args.mode, "inner": args.inner, "kv_memory": args.kv_memory,
+               "trace": args.trace or None, "dump_dir": args.dump_dir or None, "timeout_s": DEFAULTS["timeout_s"]}
+    if options["trace"]:
+        options["trace"] = str(Path(options["trace"]).resolve())
+    if options["dump_dir"]:
+        options["dump_dir"] = str(Path(options["dump_dir"]).resolve())
+    if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:  # started by torchrun: we are one rank
+        results = demo_rank(options)
+        if results is None:
+            return 0
+    else:
+        if args.nproc < 2:
+            raise ValueError("--nproc must be at least 2: KVPP needs a group of two or more ranks.")
+        results = launch(args.nproc, options)
+    report = build_report(results, options)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if report["tokens_identical"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvpp_fx.demo", description=__doc__)
+    add_arguments(parser)
+    return run_demo(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""`kvpp-fx demo`: launched by torch's elastic launcher in-process, and by torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multirank
+
+
+def check_outputs(report, tmp_path):
+    assert report["tokens_identical"] is True
+    assert report["ranks"] == 2
+    assert [r["owned_layers"] for r in report["per_rank"]] == [[0, 1], [2, 3]]
+    assert all(r["broadcasts"] > 0 for r in report["per_rank"])
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    categories = {e.get("cat") for e in trace["traceEvents"]}
+    assert {"prefetch", "broadcast", "wait", "piece:eager", "piece:compiled"} <= categories
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
+    assert list((tmp_path / "graphs").glob("rank*/graph_*/index.json"))
+
+
+def test_demo_json_report(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "kvpp_fx", "demo", "--preset", "tiny", "--kv-memory", "16MiB",
+                          "--json", "--trace", str(tmp_path / "trace.json"), "--dump-dir", str(tmp_path / "graphs")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    check_outputs(json.loads(out.stdout), tmp_path)
+
+
+def test_demo_under_torchrun(tmp_path):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "kvpp_fx.demo", "--preset", "tiny",
+                          "--kv-memory", "16MiB", "--json", "--trace", str(tmp_path / "trace.json"),
+                          "--dump-dir", str(tmp_path / "graphs")],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    check_outputs(json.loads(out.stdout), tmp_path)
