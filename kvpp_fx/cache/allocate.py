@@ -65,8 +65,8 @@ class CacheStorage:
         """Stand-ins for the graph's cache inputs: the typed views' shapes and dtypes, no bytes.
 
         A compiled model takes these where a replicated run takes its caches; ``kvpp.wait`` swaps them
-        for the real views. Each is a zero-stride expansion of one element, so reading one returns
-        nothing meaningful and writing one fails: only a rebound graph can use the cache.
+        for the real views. Each is a zero-stride expansion of one element with no cache bytes
+        behind it; cache ops refuse such a tensor, so only a rebound graph can use the cache.
         """
         return {name: torch.empty((), dtype=view.dtype, device=view.device).expand(view.shape)
                 for name, view in self.typed_views(layer).items()}

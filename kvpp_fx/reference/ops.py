@@ -15,10 +15,23 @@ import torch
 from kvpp_fx.passes.registry import AttentionOpSpec, CacheOperand, register_attention_op
 
 
+class UnboundCacheError(RuntimeError):
+    """A cache op got a KVPP handle (no storage): the graph was not rebound for that layer."""
+
+
+def require_storage(cache: torch.Tensor, layer: int) -> None:
+    if cache.numel() > 1 and 0 in cache.stride():
+        raise UnboundCacheError(
+            f"layer {layer}: the cache operand is a KVPP handle without storage; only kvpp.wait's output "
+            "may reach a cache op (is the layer missing from the plan, or the model not compiled with "
+            "kvpp_backend?)")
+
+
 @torch.library.custom_op("kvpp_ref::write_kv", mutates_args=("cache",))
 def write_kv(cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
              layer: int) -> None:
     """Write the new tokens' latent ``[kv_c | k_pe]`` into their slots."""
+    require_storage(cache, layer)
     flat = cache.view(-1, cache.shape[-1])
     keep = slot_mapping >= 0
     flat[slot_mapping[keep]] = torch.cat([kv_c, k_pe], dim=-1)[keep].to(cache.dtype)
@@ -47,6 +60,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
     With ``topk_indices`` ``[T, k]`` (context positions, -1 for none), each query attends only to its
     selected tokens: sparse (SFA) attention.
     """
+    require_storage(cache, layer)
     rank = q_latent.shape[-1]
     out = torch.empty_like(q_latent)
     start = 0
@@ -80,6 +94,8 @@ def _(q_latent, q_pe, cache, block_table, seq_lens, query_lens, scale, layer, to
 def write_indexer(data: torch.Tensor, scale: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor,
                   layer: int) -> None:
     """Quantize the indexer keys per token (int8 data + fp32 scale, fp8-style) and write their slots."""
+    require_storage(data, layer)
+    require_storage(scale, layer)
     keep = slot_mapping >= 0
     amax = k.abs().amax(dim=-1, keepdim=True).clamp(min=1e-8)
     token_scale = amax / 127.0
@@ -99,6 +115,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, data: torch.Tensor, sca
                  layer: int) -> torch.Tensor:
     """Lightning-indexer token selection: ``sum_h w[t,h] * relu(q[t,h] . k[s])`` over causal context,
     top-k per query token as context positions ``[T, topk]`` (-1 where the context is shorter)."""
+    require_storage(data, layer)
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
     start = 0
     for row, (seq_len, q_len) in enumerate(zip(seq_lens.tolist(), query_lens.tolist())):

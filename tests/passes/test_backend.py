@@ -94,3 +94,13 @@ def test_inductor_pieces_keep_kvpp_calls_in_order():
     torch.testing.assert_close(out, reference(x, toy.replicated_caches(2), *meta))
     compiled_pieces = [p for p in backend.records[-1].pieces if p[1] == "compiled"]
     assert len(compiled_pieces) == 3
+
+
+def test_a_handle_that_reaches_a_cache_op_is_refused():
+    from kvpp_fx.reference.ops import UnboundCacheError
+
+    plan = toy.toy_plan(4)
+    storage = toy.allocate(plan)
+    x, *meta = toy.step_inputs(0, 5, 5)
+    with pytest.raises(UnboundCacheError, match="layer 0: the cache operand is a KVPP handle"):
+        toy.ToyMLA(4)(x, toy.runtime_caches(storage, range(4)), *meta)  # not compiled: nothing rebinds

@@ -12,7 +12,8 @@ from tests.passes import toy
 
 def compile_and_run(model, backend, plan, num_layers, with_drafts=()):
     storage = toy.allocate(plan)
-    caches = toy.runtime_caches(storage, list(range(num_layers)) + list(with_drafts))
+    # targets get handles (the pass rebinds them); draft layers keep their real, local cache
+    caches = toy.runtime_caches(storage, range(num_layers)) + [storage.typed_views(i)["kv"] for i in with_drafts]
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     with KVPPRuntime.create(plan, storage) as rt, rt.forward(has_history=False):
