@@ -145,13 +145,35 @@ class _Scheduled:
     draft: int | None   # the draft token among them (last one), if any
 
 
+@dataclass(frozen=True)
+class PipelineLink:
+    """Where this rank's stage sends its hidden states, and which rank samples for everyone.
+
+    Every rank runs the same schedule; the sampled token ids travel from ``sampler`` to all ranks.
+    """
+
+    prev_rank: int | None
+    next_rank: int | None
+    sampler: int
+
+    @classmethod
+    def for_rank(cls, rank: int, tp: int, pp: int) -> PipelineLink:
+        stage = rank // tp
+        return cls(prev_rank=rank - tp if stage > 0 else None, next_rank=rank + tp if stage < pp - 1 else None,
+                   sampler=(pp - 1) * tp)
+
+
 class Engine:
-    def __init__(self, model: ReferenceModel, runtime: KVPPRuntime, config: EngineConfig) -> None:
+    def __init__(self, model: ReferenceModel, runtime: KVPPRuntime, config: EngineConfig,
+                 link: PipelineLink | None = None) -> None:
         self.model = model
         self.cfg: RefConfig = model.config
         self.runtime = runtime
         self.config = config
         self.plan: KVPPPlan = runtime.plan
+        self.link = link
+        if link is not None and config.speculative:
+            raise ValueError("speculative decoding is not supported with pipeline parallelism here.")
         if config.graph_mode == "none" and self.plan.enabled:
             raise ValueError("KVPP needs the kvpp backend: use graph_mode 'eager' or 'piecewise'.")
         if config.speculative and not self.cfg.draft_layers:
@@ -162,7 +184,7 @@ class Engine:
         self.last_logits: torch.Tensor | None = None
         self.backend = None
         components = [c.name for c in self.plan.spec.layer(self.plan.target_layers[0]).components]
-        layers = range(self.cfg.num_hidden_layers)
+        layers = model.layer_ids
         if config.graph_mode == "none":
             self.caches = [tuple(runtime.typed_views(i)[c] for c in components) for i in layers]
             self.forward_fn = model
@@ -171,7 +193,7 @@ class Engine:
             self.backend = kvpp_backend(self.plan, mode=config.graph_mode, inner=config.inner,
                                         dump_dir=config.dump_dir)
             self.forward_fn = torch.compile(model, backend=self.backend, fullgraph=True)
-        self.draft_cache = [(runtime.typed_views(i)["kv"],) for i in self.cfg.draft_layers]
+        self.draft_cache = [(runtime.typed_views(i)["kv"],) for i in self.cfg.draft_layers if config.speculative]
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -252,12 +274,29 @@ class Engine:
         }
 
     def _run_target(self, inputs: dict[str, torch.Tensor], has_history: bool):
+        hidden_in = None
+        if self.link is not None and self.link.prev_rank is not None:
+            hidden_in = torch.empty(inputs["input_ids"].numel(), self.cfg.hidden_size)
+            torch.distributed.recv(hidden_in, src=self.link.prev_rank)
         args = (inputs["input_ids"], inputs["positions"], self.caches, inputs["slot_mapping"],
-                inputs["block_table"], inputs["seq_lens"], inputs["query_lens"], inputs["logits_indices"])
+                inputs["block_table"], inputs["seq_lens"], inputs["query_lens"], inputs["logits_indices"],
+                hidden_in)
         if self.config.graph_mode == "none":
-            return self.forward_fn(*args)
-        with self.runtime.forward(has_history):
-            return self.forward_fn(*args)
+            logits, hidden = self.forward_fn(*args)
+        else:
+            with self.runtime.forward(has_history):
+                logits, hidden = self.forward_fn(*args)
+        if self.link is not None and self.link.next_rank is not None:
+            torch.distributed.send(hidden.contiguous(), dst=self.link.next_rank)
+        return logits, hidden
+
+    def _sample(self, logits: torch.Tensor | None, count: int) -> list[int]:
+        """Greedy token ids; under pipeline parallelism the last stage's are broadcast to every rank."""
+        if self.link is None:
+            return logits.argmax(dim=-1).tolist()
+        ids = logits.argmax(dim=-1) if logits is not None else torch.empty(count, dtype=torch.long)
+        torch.distributed.broadcast(ids, src=self.link.sampler)
+        return ids.tolist()
 
     def step(self) -> dict[str, Any]:
         batch = self._schedule()
@@ -271,7 +310,7 @@ class Engine:
             logits, hidden = self._run_target(inputs, has_history)
         elapsed = time.perf_counter() - start
         self.last_logits = logits
-        sampled = logits.argmax(dim=-1).tolist()
+        sampled = self._sample(logits, int(inputs["logits_indices"].numel()))
         accepted_spans = self._accept(batch, sampled)
         if self.config.speculative:
             with torch.no_grad():
@@ -362,7 +401,7 @@ class Engine:
 
 
 def build_engine(config: RefConfig, *, engine_config: EngineConfig, num_blocks: int, kvpp: bool = False,
-                 tp=None, kvpp_group=None, checkpoint=None) -> Engine:
+                 tp=None, kvpp_group=None, checkpoint=None, pp=None, link: PipelineLink | None = None) -> Engine:
     """Model + cache + runtime + driver for one rank. With ``kvpp=False`` the plan has a group of one,
     so every layer is persistent on this rank (the replicated cache) and the runtime moves nothing."""
     from kvpp_fx.cache.allocate import allocate_cache
@@ -370,13 +409,14 @@ def build_engine(config: RefConfig, *, engine_config: EngineConfig, num_blocks: 
     from kvpp_fx.reference.weights import build_model
 
     tp = tp or TPInfo()
-    model = build_model(config, tp, checkpoint)
+    model = build_model(config, tp, checkpoint, pp=pp)
     spec = config.cache_spec(engine_config.block_size)
-    plan = KVPPPlan(spec, group_size=tp.size if kvpp else 1)
+    stage_layers = model.layer_ids + (config.draft_layers if engine_config.speculative else ())
+    plan = KVPPPlan(spec, group_size=tp.size if kvpp else 1, layers=stage_layers)
     if kvpp and plan.enabled and kvpp_group is None:
         raise ValueError("KVPP with a group larger than one needs its process group.")
     group = kvpp_group if plan.enabled else None
     rank = torch.distributed.get_rank(group) if group is not None else 0
     storage = allocate_cache(plan, rank, num_blocks)
     runtime = KVPPRuntime.create(plan, storage, group)
-    return Engine(model, runtime, engine_config)
+    return Engine(model, runtime, engine_config, link)

@@ -21,22 +21,32 @@ def run_generation(rank: int, world: int, model: str | Path, prompts: list[list[
     """One rank's part of `generate` (module level, so spawned ranks can import it)."""
     import torch.distributed as dist
 
-    from kvpp_fx.reference.model import TPInfo
+    from kvpp_fx.reference.engine import PipelineLink
+    from kvpp_fx.reference.model import PPInfo, TPInfo
     from kvpp_fx.topology import create_kvpp_process_groups, kvpp_groups
 
     options = dict(options)
+    pp = options.pop("pp", 1)
+    if world % pp:
+        raise ValueError(f"world size {world} is not a multiple of pp {pp}.")
     config = load_config(model)
     checkpoint = None if isinstance(model, str) and model in PRESETS else model
     kvpp = options.pop("kvpp", False)
     num_blocks = options.pop("num_blocks", None) or default_num_blocks(prompts, max_new_tokens,
                                                                        options.get("block_size", 16))
-    tp = TPInfo()
-    group = None
+    tp, group, link = TPInfo(), None, None
+    tp_size = world // pp
     if world > 1:
-        tp = TPInfo(rank, world, dist.group.WORLD)
-        group = create_kvpp_process_groups(kvpp_groups(world, tp=world))
+        # The KVPP group has the TP group's ranks but is a process group of its own: its broadcasts run
+        # on the transfer thread while the model's all-reduces run on the compute thread, and gloo
+        # needs every rank to issue one group's collectives in the same order.
+        stage_groups = kvpp_groups(world, tp=tp_size, pp=pp)
+        tp = TPInfo(rank % tp_size, tp_size, create_kvpp_process_groups(stage_groups))
+        group = create_kvpp_process_groups(stage_groups)
+    if pp > 1:
+        link = PipelineLink.for_rank(rank, tp_size, pp)
     engine = build_engine(config, engine_config=EngineConfig(**options), num_blocks=num_blocks, kvpp=kvpp,
-                          tp=tp, kvpp_group=group, checkpoint=checkpoint)
+                          tp=tp, kvpp_group=group, checkpoint=checkpoint, pp=PPInfo(rank // tp_size, pp), link=link)
     for prompt in prompts:
         engine.add_request(prompt, max_new_tokens)
     outputs = engine.run()
@@ -48,21 +58,22 @@ def run_generation(rank: int, world: int, model: str | Path, prompts: list[list[
 
 
 def generate(model_dir_or_preset: str | Path, prompts: list[list[int]], max_new_tokens: int, *, tp: int = 1,
-             kvpp: bool = False, block_size: int = 16, graph_mode: str | None = None, inner: Any = "eager",
+             pp: int = 1, kvpp: bool = False, block_size: int = 16, graph_mode: str | None = None, inner: Any = "eager",
              token_budget: int = 32, speculative: bool = False, num_blocks: int | None = None,
              timeout_s: float = 600.0) -> list[list[int]]:
-    """Greedy tokens for each prompt. Spawns `tp` gloo ranks itself when ``tp > 1``."""
-    options = {"kvpp": kvpp, "block_size": block_size, "token_budget": token_budget, "inner": inner,
+    """Greedy tokens for each prompt. Spawns ``tp * pp`` gloo ranks itself when that is more than one."""
+    options = {"kvpp": kvpp, "pp": pp, "block_size": block_size, "token_budget": token_budget, "inner": inner,
                "graph_mode": graph_mode or ("eager" if kvpp and tp > 1 else "none"),
                "speculative": speculative, "num_blocks": num_blocks}
     if isinstance(model_dir_or_preset, RefConfig):
         raise TypeError("pass a preset name or a HuggingFace model directory.")
-    if tp == 1:
+    world = tp * pp
+    if world == 1:
         with torch.no_grad():
             return run_generation(0, 1, model_dir_or_preset, prompts, max_new_tokens, options)["outputs"]
     from kvpp_fx.launch import run_ranks
 
-    results = run_ranks(run_generation, tp, model_dir_or_preset, prompts, max_new_tokens, options,
+    results = run_ranks(run_generation, world, model_dir_or_preset, prompts, max_new_tokens, options,
                         timeout_s=timeout_s)
     outputs = [r["outputs"] for r in results]
     if any(o != outputs[0] for o in outputs):

@@ -40,6 +40,29 @@ class TPInfo:
         return funcol.all_reduce(x, "sum", self.group)
 
 
+@dataclass(frozen=True)
+class PPInfo:
+    """This rank's pipeline stage. Stages hold contiguous layer ranges, earlier stages the extra layer."""
+
+    stage: int = 0
+    size: int = 1
+
+    def layers(self, num_layers: int) -> tuple[int, ...]:
+        if not 0 <= self.stage < self.size:
+            raise ValueError(f"stage {self.stage} is outside a pipeline of {self.size} stages.")
+        base, rem = divmod(num_layers, self.size)
+        start = self.stage * base + min(self.stage, rem)
+        return tuple(range(start, start + base + (1 if self.stage < rem else 0)))
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.size - 1
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -270,22 +293,31 @@ class Backbone(nn.Module):
 class ReferenceModel(nn.Module):
     """``forward`` runs the target layers; ``propose`` runs the MTP draft layer (if any)."""
 
-    def __init__(self, config: RefConfig, tp: TPInfo | None = None) -> None:
+    def __init__(self, config: RefConfig, tp: TPInfo | None = None, pp: PPInfo | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp or TPInfo()
+        self.pp = pp or PPInfo()
+        self.layer_ids = self.pp.layers(config.num_hidden_layers)
         self.model = Backbone(config, self.tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = Rotary(config)
 
     def forward(self, input_ids, positions, caches: list, slot_mapping, block_table, seq_lens, query_lens,
-                logits_indices):
-        """Logits at ``logits_indices`` and the final (normed) hidden state of every token."""
+                logits_indices, hidden_in=None):
+        """Logits at ``logits_indices`` and the final (normed) hidden state of every token.
+
+        ``caches`` holds this stage's layers in order. A stage other than the first starts from
+        ``hidden_in`` (the previous stage's output); a stage other than the last returns
+        ``(None, hidden)`` for the next stage.
+        """
         meta = AttnInputs(slot_mapping, block_table, seq_lens, query_lens)
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids) if self.pp.is_first else hidden_in
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for i in range(self.config.num_hidden_layers):
-            x = self.model.layers[i](x, self.rotary, cos, sin, caches[i], meta)
+        for local, i in enumerate(self.layer_ids):
+            x = self.model.layers[i](x, self.rotary, cos, sin, caches[local], meta)
+        if not self.pp.is_last:
+            return None, x
         hidden = self.model.norm(x)
         return self.lm_head(hidden[logits_indices]), hidden
 

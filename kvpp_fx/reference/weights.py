@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kvpp_fx.reference.config import RefConfig
-from kvpp_fx.reference.model import ReferenceModel, TPInfo
+from kvpp_fx.reference.model import PPInfo, ReferenceModel, TPInfo
 
 # Output-dim (rows) sharded: column parallel; input-dim (cols) sharded: row parallel.
 ROW_SHARDED = ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight",
@@ -64,7 +64,7 @@ def read_safetensors_dir(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def build_model(config: RefConfig, tp: TPInfo | None = None, checkpoint: str | Path | None = None,
-                dtype: torch.dtype = torch.float32) -> ReferenceModel:
+                dtype: torch.dtype = torch.float32, pp: PPInfo | None = None) -> ReferenceModel:
     """A reference model holding this rank's shard of the seeded or checkpoint weights."""
     tp = tp or TPInfo()
     full = random_state_dict(config)
@@ -83,7 +83,7 @@ def build_model(config: RefConfig, tp: TPInfo | None = None, checkpoint: str | P
         missing = [n for n in full if n not in loaded and not _is_draft(n, config)]
         if missing:
             raise CheckpointMismatchError(f"checkpoint lacks {missing[:5]}")
-    model = ReferenceModel(config, tp)
+    model = ReferenceModel(config, tp, pp)
     model.load_state_dict({name: shard(name, t, tp).to(dtype) for name, t in full.items()}, strict=True)
     return model.to(dtype).eval()
 

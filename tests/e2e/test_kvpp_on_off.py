@@ -12,12 +12,15 @@ from tests.e2e import workers
 
 pytestmark = pytest.mark.multirank
 
-# Owners by the placement rule (contiguous ranges, lower ranks take the extra layer), written out by hand.
-OWNED = {2: [[0, 1], [2, 3]], 4: [[0], [1], [2], [3]]}
+# Owners by the placement rule (contiguous ranges, lower ranks take the extra layer), written out by hand,
+# by (tp, pp). With PP 2 stage 0 has layers 0-1 and stage 1 layers 2-3.
+OWNED = {(2, 1): [[0, 1], [2, 3]], (4, 1): [[0], [1], [2], [3]], (2, 2): [[0], [1], [2], [3]]}
+STAGE_LAYERS = {(2, 1): [[0, 1, 2, 3]] * 2, (4, 1): [[0, 1, 2, 3]] * 4, (2, 2): [[0, 1]] * 2 + [[2, 3]] * 2}
 
 CASES = [
     pytest.param("tiny", 2, {"graph_mode": "eager"}, id="tiny-tp2-eager"),
     pytest.param("tiny", 4, {"graph_mode": "eager"}, id="tiny-tp4-eager"),
+    pytest.param("tiny", 4, {"graph_mode": "eager", "pp": 2}, id="tiny-tp2xpp2-eager"),
     pytest.param("tiny", 2, {"graph_mode": "piecewise", "inner": "eager"}, id="tiny-tp2-piecewise-eager"),
     pytest.param("tiny", 2, {"graph_mode": "piecewise", "inner": "aot_eager"}, id="tiny-tp2-piecewise-aot_eager"),
     pytest.param("tiny-sfa", 2, {"graph_mode": "piecewise", "inner": "eager"}, id="sfa-tp2-piecewise"),
@@ -27,11 +30,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("preset,tp,options", CASES)
-def test_kvpp_on_equals_off(preset, tp, options):
-    results = run_ranks(workers.on_off, tp, preset, options, timeout_s=400)
-    num_layers = 4
+@pytest.mark.parametrize("preset,world,options", CASES)
+def test_kvpp_on_equals_off(preset, world, options):
+    results = run_ranks(workers.on_off, world, preset, options, timeout_s=400)
+    pp = options.get("pp", 1)
+    key = (world // pp, pp)
     for rank, res in enumerate(results):
+        stage_layers = STAGE_LAYERS[key][rank]
         on, off = res["on"], res["off"]
         assert on["outputs"] == off["outputs"], f"rank {rank}: KVPP changed the tokens"
         assert all(len(o) == workers.NEW_TOKENS for o in on["outputs"])
@@ -42,9 +47,9 @@ def test_kvpp_on_equals_off(preset, tp, options):
 
         # what the allocator holds on this rank: its own layers (+ local drafts) and two scratch buffers
         drafts = [4] if preset == "tiny-mtp" else []
-        assert on["stats"]["persistent_layers"] == OWNED[tp][rank] + drafts
+        assert on["stats"]["persistent_layers"] == OWNED[key][rank] + drafts
         assert on["stats"]["scratch_buffers"] == 2
-        assert off["stats"]["persistent_layers"] == list(range(num_layers)) + drafts
+        assert off["stats"]["persistent_layers"] == stage_layers + drafts
         assert off["stats"]["scratch_buffers"] == 0
 
         # one forward per step; broadcasts only with history, once per target layer, never a draft layer
@@ -52,8 +57,8 @@ def test_kvpp_on_equals_off(preset, tp, options):
         assert len(forwards) == len(on["steps"])
         for step, fwd in zip(on["steps"], forwards):
             assert fwd["has_history"] == step["has_history"]
-            assert fwd["layers"] == (list(range(num_layers)) if step["has_history"] else [])
-        assert sorted(on["stats"]["per_layer"]) == list(range(num_layers))
+            assert fwd["layers"] == (stage_layers if step["has_history"] else [])
+        assert sorted(on["stats"]["per_layer"]) == stage_layers
         assert off["stats"]["broadcasts"] == 0
         if preset == "tiny-mtp":
             assert sum(p for p, _ in on["drafts"]) > 0
