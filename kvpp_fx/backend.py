@@ -32,9 +32,10 @@ from torch._dynamo.backends.registry import lookup_backend, register_backend
 from kvpp_fx.config import MSG_GRAPH_MODE
 from kvpp_fx.passes.insert import insert_kvpp_ops
 from kvpp_fx.passes.layer_table import LayerTable
-from kvpp_fx.passes.render import describe_pieces, normalize_code
+from kvpp_fx.passes.render import describe_pieces
 from kvpp_fx.passes.split import SplitResult, split_pieces
 from kvpp_fx.passes.verify import verify_graph
+from kvpp_fx.runtime.runtime import active_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -104,9 +105,7 @@ class _TracedPiece(torch.nn.Module):
         self.kind = kind
 
     def forward(self, *args: Any) -> Any:
-        from kvpp_fx.runtime.runtime import _CURRENT
-
-        runtime = _CURRENT.get()
+        runtime = active_runtime()
         timeline = runtime.timeline if runtime is not None else None
         if timeline is None:
             return self.inner(*args)
@@ -234,9 +233,7 @@ def _kvpp_registered(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], op
     options = dict(options or {})
     plan = options.pop("plan", None) or options.pop("layer_table", None)
     if plan is None:
-        from kvpp_fx.runtime.runtime import _CURRENT
-
-        runtime = _CURRENT.get()
+        runtime = active_runtime()
         if runtime is None:
             raise KVPPBackendError(
                 "backend='kvpp' needs options={'plan': ...} or a compile inside `runtime.forward(...)`.")

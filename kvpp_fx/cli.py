@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kvpp_fx.cache.spec import INDEXER_DTYPES, KV_DTYPES, UnknownModelError
+from kvpp_fx.cache.spec import KV_DTYPES, UnknownModelError
 
 
 class UsageError(Exception):

@@ -59,7 +59,6 @@ def demo_rank(options: dict) -> list[dict] | None:
     import torch
     import torch.distributed as dist
 
-    from kvpp_fx.cache.spec import ComponentSpec  # noqa: F401  (import check before forking work)
     from kvpp_fx.plan_report import parse_bytes
     from kvpp_fx.reference.config import load_config
     from kvpp_fx.reference.model import TPInfo
@@ -91,7 +90,6 @@ def demo_rank(options: dict) -> list[dict] | None:
 
 
 def build_report(results: list[dict], options: dict) -> dict[str, Any]:
-    from kvpp_fx.cache.placement import align_up  # noqa: F401
 
     def median_ms(values):
         return 1e3 * statistics.median(values) if values else None

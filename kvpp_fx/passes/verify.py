@@ -17,9 +17,9 @@ import torch
 import torch.fx
 
 from kvpp_fx.ops import is_kvpp_op
-from kvpp_fx.passes.insert import KVPPPassError
+from kvpp_fx.passes.insert import KVPPPassError, collect_layers
 from kvpp_fx.passes.layer_table import LayerTable
-from kvpp_fx.passes.registry import find_spec, get_arg, layer_of
+from kvpp_fx.passes.registry import get_arg
 from kvpp_fx.passes.split import Piece, is_split_point
 
 
@@ -53,24 +53,20 @@ def verify_graph(graph: torch.fx.Graph, table: LayerTable, pieces: Iterable[Piec
             for user in node.users:  # views, then whatever reads them
                 readers.setdefault(layer, []).extend(position[u] for u in user.users)
 
-    for node in nodes:
-        spec = find_spec(node)
-        if spec is None:
-            continue
-        layer, _ = layer_of(node, spec, table.names or None)
-        if layer in table.draft_layers:
-            continue
-        readers.setdefault(layer, []).append(position[node])
+    for group in collect_layers(graph, table):
+        layer = group.layer
         wait = wait_node.get(layer)
-        if wait is None or position[wait] > position[node]:
-            problems.append(f"{node.name} touches layer {layer}'s cache before (or without) its wait.")
-            continue
-        for operand in spec.cache_operands:
-            value = get_arg(node, operand.arg)
-            if not (isinstance(value, torch.fx.Node) and value.target is operator.getitem
-                    and value.args[0] is wait):
-                problems.append(f"{node.name} reads layer {layer}'s {operand.component!r} cache from "
-                                f"{getattr(value, 'name', value)}, not from its wait.")
+        for node, spec in zip(group.nodes, group.specs):
+            readers.setdefault(layer, []).append(position[node])
+            if wait is None or position[wait] > position[node]:
+                problems.append(f"{node.name} touches layer {layer}'s cache before (or without) its wait.")
+                continue
+            for operand in spec.cache_operands:
+                value = get_arg(node, operand.arg)
+                if not (isinstance(value, torch.fx.Node) and value.target is operator.getitem
+                        and value.args[0] is wait):
+                    problems.append(f"{node.name} reads layer {layer}'s {operand.component!r} cache from "
+                                    f"{getattr(value, 'name', value)}, not from its wait.")
 
     for layer in table.target_layers:
         prefetches = prefetch_at.get(layer, [])

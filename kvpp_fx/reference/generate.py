@@ -19,7 +19,6 @@ def default_num_blocks(prompts: list[list[int]], max_new_tokens: int, block_size
 def run_generation(rank: int, world: int, model: str | Path, prompts: list[list[int]], max_new_tokens: int,
                    options: dict[str, Any]) -> dict[str, Any]:
     """One rank's part of `generate` (module level, so spawned ranks can import it)."""
-    import torch.distributed as dist
 
     from kvpp_fx.reference.engine import PipelineLink
     from kvpp_fx.reference.model import PPInfo, TPInfo

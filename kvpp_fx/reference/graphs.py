@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 
 from kvpp_fx.backend import KVPPBackend
 from kvpp_fx.reference.config import load_config

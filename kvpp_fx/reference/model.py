@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvpp_fx.reference import ops as ref_ops  # noqa: F401  (registers the kvpp_ref ops)
+import kvpp_fx.reference.ops  # noqa: F401  (registers the kvpp_ref ops)
 from kvpp_fx.reference.config import RefConfig
 
 

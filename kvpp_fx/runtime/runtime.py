@@ -42,6 +42,11 @@ logger = logging.getLogger(__name__)
 _CURRENT: contextvars.ContextVar[KVPPRuntime | None] = contextvars.ContextVar("kvpp_runtime", default=None)
 
 
+def active_runtime() -> KVPPRuntime | None:
+    """The runtime of the enclosing ``runtime.forward(...)``, or None outside one."""
+    return _CURRENT.get()
+
+
 def current_runtime() -> KVPPRuntime:
     runtime = _CURRENT.get()
     if runtime is None:
