@@ -40,3 +40,21 @@ def test_demo_under_torchrun(tmp_path):
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     check_outputs(json.loads(out.stdout), tmp_path)
+
+
+def test_report_marks_differing_tokens_and_the_demo_fails(monkeypatch, capsys):
+    from kvpp_fx import demo
+
+    def rank_result(rank, on_tokens):
+        run = {"outputs": on_tokens, "num_blocks": 10, "kv_memory": 1 << 20, "decode_step_s": [0.01],
+               "dump_dir": None, "stats": {"persistent_layers": [rank], "allocated_bytes": 1, "broadcasts": 1,
+                                           "bytes": 1}}
+        return {"rank": rank, "on": run, "off": dict(run, outputs=[[1, 2, 3]])}
+
+    monkeypatch.setattr(demo, "launch", lambda nproc, options: [rank_result(0, [[1, 2, 4]]), rank_result(1, [[1, 2, 3]])])
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    args = demo.argparse.Namespace(nproc=2, preset="tiny", mode="eager", inner="eager", kv_memory="1MiB",
+                                   trace="", dump_dir="", json=False)
+    assert demo.run_demo(args) == 1
+    assert "tokens identical to the replicated run: ✗" in capsys.readouterr().out
