@@ -13,7 +13,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_check(*args, timeout=300):
+def run_check(*args, timeout=400):
     out = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_checks", *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=timeout,
                          env=dict(os.environ, HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR"))
@@ -26,10 +26,10 @@ def run_check(*args, timeout=300):
 def tiny_deepseek(tmp_path_factory):
     """A tiny random DeepSeek-V3 that vLLM's CPU MLA can run (512/64 latent, dense layers)."""
     config = DeepseekV3Config(
-        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4,
+        vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=32,
         qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=4, n_routed_experts=4, num_experts_per_tok=2,
-        n_group=1, topk_group=1, max_position_embeddings=1024)
+        n_group=1, topk_group=1, max_position_embeddings=1024, initializer_range=0.3)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny_deepseek")
     DeepseekV3ForCausalLM(config).save_pretrained(path)
@@ -69,3 +69,39 @@ def test_vllm_split_graph_keeps_kvpp_ops_in_splitting_pieces():
     for piece in result["pieces"]:
         if piece["kvpp_ops"]:
             assert piece["splitting"], piece
+
+
+@pytest.fixture(scope="module")
+def eager_runs(tiny_deepseek):
+    return {mode: run_check("generate", tiny_deepseek, mode) for mode in ("off", "on")}
+
+
+def test_eager_tokens_identical_with_kvpp(eager_runs):
+    off, on = eager_runs["off"], eager_runs["on"]
+    assert on["tokens"] == off["tokens"]
+    assert all(len(t) == 16 for t in on["tokens"])
+    assert len(set(on["tokens"][0])) > 1  # real, varied tokens, not one repeated id
+
+
+def test_each_rank_holds_its_own_layers_plus_two_scratch(eager_runs):
+    on = eager_runs["on"]["stats"]
+    assert [s["persistent_layers"] for s in on] == [[0, 1, 2], [3, 4, 5]]
+    assert [s["scratch_buffers"] for s in on] == [2, 2]
+    assert eager_runs["off"]["stats"] == [None, None]  # KVPP off: no runtime, vLLM's own cache
+
+
+def test_block_count_grows_by_the_plan_ratio(eager_runs):
+    on, off = eager_runs["on"]["num_blocks"], eager_runs["off"]["num_blocks"]
+    assert len(set(on)) == 1 and len(set(off)) == 1
+    # 6 layers over 2 ranks: 3 owned + 2 scratch instead of 6 -> 6/5 = 1.2x, less 2 MiB padding
+    ratio = on[0] / off[0]
+    assert 1.1 < ratio <= 1.2, (on, off)
+
+
+def test_broadcasts_on_decode_steps_never_on_the_first_prefill(eager_runs):
+    for stats in eager_runs["on"]["stats"]:
+        forwards = stats["forwards"]
+        assert forwards[0]["has_history"] is False and forwards[0]["broadcasts"] == 0
+        with_history = [f for f in forwards if f["has_history"]]
+        assert len(with_history) >= 15
+        assert all(f["layers"] == [0, 1, 2, 3, 4, 5] for f in with_history)

@@ -22,6 +22,29 @@ def construct(model_dir: str, extra_json: str) -> dict:
             "cudagraph_mode": str(config.compilation_config.cudagraph_mode)}
 
 
+def generate(model_dir: str, kvpp: str, extra_json: str = "{}") -> dict:
+    """Greedy tokens from LLM(...) at TP 2, and what each worker's KVPP runtime saw."""
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    from vllm import LLM, SamplingParams
+
+    from kvpp_fx.integrations.vllm.worker import worker_stats
+
+    args = dict(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=2, enforce_eager=True,
+                kv_cache_memory_bytes=32 << 20, compilation_config={"custom_ops": ["-rotary_embedding"]},
+                additional_config={"enable_kvpp": kvpp == "on"})
+    args.update(json.loads(extra_json))
+    llm = LLM(**args)
+    prompts = [[(7 * i + 3) % 500 for i in range(90)], [(5 * i + 1) % 500 for i in range(70)]]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, temperature=0))
+    stats = llm.collective_rpc(worker_stats)
+    blocks = llm.collective_rpc(vllm_num_blocks)
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "stats": stats, "num_blocks": blocks}
+
+
+def vllm_num_blocks(worker) -> int:
+    return int(worker.model_runner.kv_cache_config.num_blocks)
+
+
 def split(_: str = "") -> dict:
     """Rewrite a vLLM-style graph with the KVPP pass, then split it with vLLM's own split_graph."""
     import torch
@@ -59,4 +82,5 @@ def split(_: str = "") -> dict:
 
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
-    print("KVPP-CHECK " + json.dumps({"construct": construct, "split": split}[name](*args)))
+    checks = {"construct": construct, "split": split, "generate": generate}
+    print("KVPP-CHECK " + json.dumps(checks[name](*args)))

@@ -29,6 +29,10 @@ def validate_vllm_config(vllm_config) -> KVPPConfig:
 def register() -> None:
     from vllm.config import VllmConfig
 
+    from kvpp_fx.integrations.vllm import worker
+
+    worker.install()
+
     original = VllmConfig.__post_init__
     if getattr(original, _PATCHED, False):
         return
