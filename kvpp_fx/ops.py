@@ -16,10 +16,14 @@ them (AOT threads effect tokens through them). Both call the runtime of the curr
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 from torch._library.effects import EffectType
 
-from kvpp_fx.runtime.runtime import current_runtime
+from kvpp_fx.runtime.runtime import active_runtime, current_runtime
 
 NAMESPACE = "kvpp"
 
@@ -28,13 +32,38 @@ _lib.define("prefetch(int layer, int slot) -> ()")
 _lib.define("wait(int layer, int slot, Tensor[] caches, str[] components) -> Tensor[]")
 
 
+_PASSTHROUGH: contextvars.ContextVar[bool] = contextvars.ContextVar("kvpp_passthrough", default=False)
+
+
+@contextlib.contextmanager
+def passthrough() -> Iterator[None]:
+    """Outside any forward, let the ops do nothing: prefetch returns, wait returns its inputs.
+
+    For an engine's dummy, profile and warm-up runs through a rewritten graph, which happen before any
+    cache exists and must move nothing.
+    """
+    token = _PASSTHROUGH.set(True)
+    try:
+        yield
+    finally:
+        _PASSTHROUGH.reset(token)
+
+
+def _passing_through() -> bool:
+    return _PASSTHROUGH.get() and active_runtime() is None
+
+
 def _prefetch_impl(layer: int, slot: int) -> None:
+    if _passing_through():
+        return
     current_runtime().prefetch(layer, slot)
 
 
 def _wait_impl(layer: int, slot: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
     if len(caches) != len(components):
         raise ValueError(f"kvpp.wait for layer {layer}: {len(caches)} caches but {len(components)} component names.")
+    if _passing_through():
+        return list(caches)
     runtime = current_runtime()
     runtime.wait(layer, slot)
     views = runtime.typed_views(layer)

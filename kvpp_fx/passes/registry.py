@@ -143,7 +143,10 @@ def literal_of(value: Any) -> Any:
         if example is None:
             raise LayerResolutionError(f"cannot read a constant from node {value.name!r}.")
         value = example
-    return getattr(value, "value", value) if not isinstance(value, (int, str)) else value
+    if isinstance(value, (int, str)):
+        return value
+    value = getattr(value, "real_obj", value)  # a FakeScriptObject wraps the opaque object Dynamo saw
+    return getattr(value, "value", value)
 
 
 def layer_of(node: torch.fx.Node, spec: AttentionOpSpec,

@@ -105,3 +105,18 @@ def test_broadcasts_on_decode_steps_never_on_the_first_prefill(eager_runs):
         with_history = [f for f in forwards if f["has_history"]]
         assert len(with_history) >= 15
         assert all(f["layers"] == [0, 1, 2, 3, 4, 5] for f in with_history)
+
+
+COMPILED = {"enforce_eager": False, "compilation_config": {"mode": 2, "backend": "kvpp_fx.integrations.vllm.backend",
+                                                           "custom_ops": ["none"]}}
+
+
+def test_compiled_mode_with_our_backend_tokens_identical(tiny_deepseek):
+    off = run_check("generate", tiny_deepseek, "off", json.dumps(COMPILED))
+    on = run_check("generate", tiny_deepseek, "on", json.dumps(COMPILED))
+    assert on["tokens"] == off["tokens"]
+    for stats in on["stats"]:
+        assert stats["rewritten_graphs"] and all(g == [0, 1, 2, 3, 4, 5] for g in stats["rewritten_graphs"])
+        forwards = stats["forwards"]
+        assert forwards[0]["broadcasts"] == 0
+        assert all(f["layers"] == [0, 1, 2, 3, 4, 5] for f in forwards if f["has_history"])

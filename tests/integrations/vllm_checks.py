@@ -24,7 +24,8 @@ def construct(model_dir: str, extra_json: str) -> dict:
 
 def generate(model_dir: str, kvpp: str, extra_json: str = "{}") -> dict:
     """Greedy tokens from LLM(...) at TP 2, and what each worker's KVPP runtime saw."""
-    os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+                      VLLM_USE_AOT_COMPILE="0")
     from vllm import LLM, SamplingParams
 
     from kvpp_fx.integrations.vllm.worker import worker_stats

@@ -11,6 +11,8 @@ KVPP enabled (``additional_config.enable_kvpp`` with TP x PCP > 1), so KVPP off 
   ``has_history = any(num_computed_tokens > 0)`` over the scheduled requests. Dummy and profile runs
   never enter it, so they broadcast nothing.
 - Eager attention: ``MLAAttention.forward`` waits for its layer and prefetches the next one first.
+- Compiled graphs (see `compilation`): dummy, profile and warm-up runs go through the rewritten graph
+  before any cache exists, so ``_dummy_run`` runs with the kvpp ops in passthrough.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvpp_fx.cache.allocate import allocate_cache
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
 from kvpp_fx.config import KVPPConfig
+from kvpp_fx.ops import passthrough
 from kvpp_fx.passes.registry import LAYER_NAME_PATTERN
 from kvpp_fx.runtime.runtime import KVPPRuntime, active_runtime
 
@@ -39,6 +42,7 @@ _TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torc
 
 @dataclass
 class WorkerState:
+    config: KVPPConfig | None = None
     runtime: KVPPRuntime | None = None
     layer_index: dict[str, int] = field(default_factory=dict)
     runner: Any = None
@@ -104,8 +108,9 @@ def install() -> None:
     def budget(original):
         @functools.wraps(original)
         def determine_available_memory(self) -> int:
+            # Set first: the warm-up inside vLLM's own function compiles the graph (see `compilation`).
+            STATE.config = config = _kvpp_config(self.vllm_config)
             available = original(self)
-            config = _kvpp_config(self.vllm_config)
             if not config.enabled:
                 return available
             specs = self.model_runner.get_kv_cache_spec()
@@ -164,17 +169,27 @@ def install() -> None:
     def attention(original):
         @functools.wraps(original)
         def forward(self, *args, **kwargs):
-            runtime = active_runtime()
-            if runtime is not None and not torch.compiler.is_compiling():
-                wait_for_layer(runtime, STATE.layer_index[self.layer_name])
+            # Traced by Dynamo in the compiled path, where the graph pass places the ops instead.
+            if not torch.compiler.is_compiling():
+                runtime = active_runtime()
+                if runtime is not None:
+                    wait_for_layer(runtime, STATE.layer_index[self.layer_name])
             return original(self, *args, **kwargs)
         return forward
+
+    def dummy(original):
+        @functools.wraps(original)
+        def _dummy_run(self, *args, **kwargs):
+            with passthrough():
+                return original(self, *args, **kwargs)
+        return _dummy_run
 
     _patch(cpu_worker.CPUWorker, "determine_available_memory", budget)
     _patch(gpu_model_runner.GPUModelRunner, "initialize_kv_cache_tensors", remember_runner)
     _patch(gpu_model_runner, "allocate_kv_cache", allocation)
     _patch(gpu_model_runner.GPUModelRunner, "execute_model", step)
     _patch(mla_attention.MLAAttention, "forward", attention)
+    _patch(gpu_model_runner.GPUModelRunner, "_dummy_run", dummy)
 
 
 def wait_for_layer(runtime: KVPPRuntime, layer: int) -> None:
@@ -197,4 +212,7 @@ def worker_stats(worker: Any = None) -> dict[str, Any] | None:
     stats = runtime.stats()
     stats["num_blocks"] = runtime.storage.num_blocks
     stats["owned_layers"] = list(runtime.plan.owned_layers(runtime.rank))
+    from kvpp_fx.integrations.vllm.compilation import REWRITTEN_GRAPHS
+
+    stats["rewritten_graphs"] = [list(layers) for layers in REWRITTEN_GRAPHS]
     return stats
