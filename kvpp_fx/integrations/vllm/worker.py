@@ -47,6 +47,7 @@ class WorkerState:
     layer_index: dict[str, int] = field(default_factory=dict)
     runner: Any = None
     group: Any = None
+    group_ranks: list[int] = field(default_factory=list)
 
 
 STATE = WorkerState()
@@ -76,20 +77,19 @@ def _kvpp_config(vllm_config) -> KVPPConfig:
     return KVPPConfig.from_vllm_config(vllm_config)
 
 
-def _kvpp_group(vllm_config):
-    """This rank's KVPP group: a process group of its own with the TP group's ranks."""
+def _kvpp_group(config: KVPPConfig):
+    """This rank's KVPP group: TP x PCP ranks from `kvpp_groups`, as a process group of its own."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
 
-    from kvpp_fx.topology import create_kvpp_process_groups
+    from kvpp_fx.topology import create_kvpp_process_groups, group_of, kvpp_groups
 
     world = dist.get_world_size()
-    tp_ranks = list(get_tp_group().ranks)
-    size = len(tp_ranks)
-    groups = [list(range(start, start + size)) for start in range(0, world, size)]
-    if tp_ranks not in groups:
-        raise ValueError(f"KVPP expects contiguous TP groups; this rank's TP group is {tp_ranks}.")
-    return create_kvpp_process_groups(groups)
+    groups = kvpp_groups(world, tp=config.tp, pcp=config.pcp, pp=world // config.size)
+    mine = group_of(dist.get_rank(), groups)
+    if not set(get_tp_group().ranks) <= set(mine):
+        raise ValueError(f"vLLM's TP group {list(get_tp_group().ranks)} is not inside the KVPP group {mine}.")
+    return create_kvpp_process_groups(groups), mine
 
 
 def _patch(owner: Any, name: str, make) -> None:
@@ -141,16 +141,16 @@ def install() -> None:
                      for name in group.layer_names}
             plan, names = plan_from_specs(specs, config.size)
             if STATE.group is None:
-                STATE.group = _kvpp_group(runner.vllm_config)
+                STATE.group, STATE.group_ranks = _kvpp_group(config)
             rank = torch.distributed.get_rank(STATE.group)
             storage = allocate_cache(plan, rank, kv_cache_config.num_blocks, device)
             if STATE.runtime is not None:
                 STATE.runtime.close()
             STATE.runtime = KVPPRuntime.create(plan, storage, STATE.group)
             STATE.layer_index = names
-            logger.warning("KVPP: rank %d owns layers %s of %d; %d blocks; %d bytes allocated.", rank,
-                           list(plan.owned_layers(rank)), len(plan.target_layers), kv_cache_config.num_blocks,
-                           storage.allocated_bytes)
+            logger.warning("KVPP: group %s, rank %d owns layers %s of %d; %d blocks; %d bytes allocated.",
+                           STATE.group_ranks, rank, list(plan.owned_layers(rank)), len(plan.target_layers),
+                           kv_cache_config.num_blocks, storage.allocated_bytes)
             return {name: storage.typed_views(index)["kv"] for name, index in names.items()}
         return allocate_kv_cache
 
