@@ -20,28 +20,20 @@ import torch.distributed as dist
 
 from _common import summary, write_result
 
-from kvpp_fx.cache.allocate import allocate_cache
-from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.launch import run_ranks
 from kvpp_fx.plan_report import format_bytes, parse_bytes
 from kvpp_fx.reference.config import PRESETS
-from kvpp_fx.reference.engine import Engine, EngineConfig
+from kvpp_fx.reference.engine import EngineConfig, build_engine
 from kvpp_fx.reference.model import TPInfo
-from kvpp_fx.reference.weights import build_model
 from kvpp_fx.reference.workload import NEW_TOKENS, TOKEN_BUDGET, shared_prefix_prompts
-from kvpp_fx.runtime.runtime import KVPPRuntime
 from kvpp_fx.topology import create_kvpp_process_groups, kvpp_groups
 
 
 def make_engine(rank, world, kvpp, group, *, kv_memory=None, num_blocks=None):
     torch._dynamo.reset()
-    config = PRESETS["small"]
     engine_config = EngineConfig(graph_mode="piecewise", inner="eager", token_budget=TOKEN_BUDGET)
-    plan = KVPPPlan(config.cache_spec(engine_config.block_size), group_size=world if kvpp else 1)
-    blocks = num_blocks or plan.num_blocks(kv_memory)
-    storage = allocate_cache(plan, dist.get_rank(group) if kvpp else 0, blocks)
-    runtime = KVPPRuntime.create(plan, storage, group if kvpp else None)
-    return Engine(build_model(config, TPInfo(rank, world, dist.group.WORLD)), runtime, engine_config)
+    return build_engine(PRESETS["small"], engine_config=engine_config, num_blocks=num_blocks, kv_memory=kv_memory,
+                        kvpp=kvpp, tp=TPInfo(rank, world, dist.group.WORLD), kvpp_group=group)
 
 
 def decode_bytes(engine, since):

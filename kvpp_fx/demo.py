@@ -25,33 +25,23 @@ def _run(engine_options: dict, *, kvpp: bool, preset: str, kv_memory: int, promp
          dump_dir):
     import torch
 
-    from kvpp_fx.cache.allocate import allocate_cache
-    from kvpp_fx.cache.placement import KVPPPlan
     from kvpp_fx.reference.config import load_config
-    from kvpp_fx.reference.engine import Engine, EngineConfig
-    from kvpp_fx.reference.weights import build_model
+    from kvpp_fx.reference.engine import EngineConfig, build_engine
     from kvpp_fx.reference.workload import NEW_TOKENS
-    from kvpp_fx.runtime.runtime import KVPPRuntime
 
     torch._dynamo.reset()
-    config = load_config(preset)
-    engine_config = EngineConfig(**engine_options, dump_dir=dump_dir)
-    plan = KVPPPlan(config.cache_spec(engine_config.block_size), group_size=tp.size if kvpp else 1)
-    rank = torch.distributed.get_rank(group) if plan.enabled else 0
-    num_blocks = plan.num_blocks(kv_memory)
-    storage = allocate_cache(plan, rank, num_blocks)
-    runtime = KVPPRuntime.create(plan, storage, group if plan.enabled else None, timeline=timeline)
-    engine = Engine(build_model(config, tp), runtime, engine_config)
+    engine = build_engine(load_config(preset), engine_config=EngineConfig(**engine_options, dump_dir=dump_dir),
+                          kv_memory=kv_memory, kvpp=kvpp, tp=tp, kvpp_group=group, timeline=timeline)
     for prompt in prompts:
         engine.add_request(prompt, NEW_TOKENS)
     outputs = engine.run()
-    decode = [s["seconds"] for s in engine.steps if s["decode_only"]]
-    stats = runtime.stats()
-    runtime.close()
-    return {"outputs": outputs, "num_blocks": num_blocks, "stats": stats, "decode_step_s": decode,
-            "owned_layers": list(plan.owned_layers(rank)) if plan.enabled else list(plan.target_layers),
-            "kv_memory": kv_memory, "dump_dir": str(engine.backend.records[-1].dump_dir.parent.parent)
-            if engine.backend is not None and engine.backend.records and engine.backend.records[-1].dump_dir else None}
+    stats = engine.runtime.stats()
+    engine.runtime.close()
+    records = engine.backend.records if engine.backend is not None else []
+    dump = records[-1].dump_dir if records else None
+    return {"outputs": outputs, "num_blocks": engine.runtime.storage.num_blocks, "stats": stats,
+            "decode_step_s": [s["seconds"] for s in engine.steps if s["decode_only"]], "kv_memory": kv_memory,
+            "dump_dir": str(dump.parent.parent) if dump is not None else None}  # <dir>/rankN/graph_NNN
 
 
 def demo_rank(options: dict) -> list[dict] | None:

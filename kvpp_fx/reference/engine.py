@@ -400,10 +400,16 @@ class Engine:
         return [r.output for r in self.requests]
 
 
-def build_engine(config: RefConfig, *, engine_config: EngineConfig, num_blocks: int, kvpp: bool = False,
-                 tp=None, kvpp_group=None, checkpoint=None, pp=None, link: PipelineLink | None = None) -> Engine:
+def build_engine(config: RefConfig, *, engine_config: EngineConfig, num_blocks: int | None = None,
+                 kv_memory: int | None = None, kvpp: bool = False, tp=None, kvpp_group=None, checkpoint=None,
+                 pp=None, link: PipelineLink | None = None, timeline=None) -> Engine:
     """Model + cache + runtime + driver for one rank. With ``kvpp=False`` the plan has a group of one,
-    so every layer is persistent on this rank (the replicated cache) and the runtime moves nothing."""
+    so every layer is persistent on this rank (the replicated cache) and the runtime moves nothing.
+
+    The cache holds ``num_blocks`` blocks, or as many as fit in ``kv_memory`` bytes (give one of them).
+    """
+    if (num_blocks is None) == (kv_memory is None):
+        raise ValueError("give build_engine either num_blocks or kv_memory.")
     from kvpp_fx.cache.allocate import allocate_cache
     from kvpp_fx.reference.model import TPInfo
     from kvpp_fx.reference.weights import build_model
@@ -417,6 +423,6 @@ def build_engine(config: RefConfig, *, engine_config: EngineConfig, num_blocks: 
         raise ValueError("KVPP with a group larger than one needs its process group.")
     group = kvpp_group if plan.enabled else None
     rank = torch.distributed.get_rank(group) if group is not None else 0
-    storage = allocate_cache(plan, rank, num_blocks)
-    runtime = KVPPRuntime.create(plan, storage, group)
+    storage = allocate_cache(plan, rank, num_blocks if num_blocks is not None else plan.num_blocks(kv_memory))
+    runtime = KVPPRuntime.create(plan, storage, group, timeline=timeline)
     return Engine(model, runtime, engine_config, link)

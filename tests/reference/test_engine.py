@@ -114,10 +114,12 @@ def test_block_pool_prefix_hits_and_eviction():
         pool.register(block, h)
     assert pool.match_prefix([1, 2, 3, 4, 5]) == a
     assert pool.match_prefix([1, 9, 3, 4]) == []
-    pool.release(a)
-    pool.allocate(), pool.allocate()  # reuses the free list: the least recently freed cached block goes
-    assert pool.match_prefix([1, 2, 3, 4]) in ([], a[:1])
-    pool.allocate()
+    pool.release(a)  # cached but free: the never-used block 2 goes first, then a[0], then a[1]
+    assert pool.match_prefix([1, 2, 3, 4]) == a
+    assert pool.allocate() == 2
+    assert pool.allocate() == a[0]  # evicting the prefix's first block breaks the whole chain
+    assert pool.match_prefix([1, 2, 3, 4]) == []
+    assert pool.allocate() == a[1]
     with pytest.raises(OutOfBlocksError):
         pool.allocate()
 

@@ -73,10 +73,6 @@ def plan_from_specs(specs: dict[str, Any], group_size: int) -> tuple[KVPPPlan, d
     return KVPPPlan(spec, group_size=group_size), names
 
 
-def _kvpp_config(vllm_config) -> KVPPConfig:
-    return KVPPConfig.from_vllm_config(vllm_config)
-
-
 def _kvpp_group(config: KVPPConfig):
     """This rank's KVPP group: TP x PCP ranks from `kvpp_groups`, as a process group of its own."""
     import torch.distributed as dist
@@ -109,7 +105,7 @@ def install() -> None:
         @functools.wraps(original)
         def determine_available_memory(self) -> int:
             # Set first: the warm-up inside vLLM's own function compiles the graph (see `compilation`).
-            STATE.config = config = _kvpp_config(self.vllm_config)
+            STATE.config = config = KVPPConfig.from_vllm_config(self.vllm_config)
             available = original(self)
             if not config.enabled:
                 return available
@@ -134,7 +130,7 @@ def install() -> None:
         @functools.wraps(original)
         def allocate_kv_cache(kv_cache_config, device, *args, **kwargs):
             runner = STATE.runner
-            config = _kvpp_config(runner.vllm_config) if runner is not None else None
+            config = KVPPConfig.from_vllm_config(runner.vllm_config) if runner is not None else None
             if config is None or not config.enabled:
                 return original(kv_cache_config, device, *args, **kwargs)
             specs = {name: group.kv_cache_spec for group in kv_cache_config.kv_cache_groups
