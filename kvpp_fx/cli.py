@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from kvpp_fx.cache.placement import DEFAULT_DEPTH, MIN_DEPTH
 from kvpp_fx.cache.spec import KV_DTYPES, UnknownModelError
 
 
@@ -26,6 +27,15 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _depth(text: str) -> int:
+    value = _positive_int(text)
+    if value < MIN_DEPTH:
+        raise argparse.ArgumentTypeError(
+            f"scratch depth must be at least {MIN_DEPTH}, got {value}: with one slot the next layer's "
+            "broadcast overwrites the slot the current layer reads")
     return value
 
 
@@ -70,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--kv-memory", default="40GiB", help="KV cache memory per rank, e.g. 40GiB")
     plan.add_argument("--block-size", type=_positive_int, default=128)
     plan.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
-    plan.add_argument("--depth", type=_positive_int, default=2, help="scratch buffers per rank")
+    plan.add_argument("--depth", type=_depth, default=DEFAULT_DEPTH,
+                      help=f"scratch buffers per rank (at least {MIN_DEPTH})")
     plan.add_argument("--mtp", action="store_true", help="include the config's nextn layers as drafts")
     plan.add_argument("--shard-draft", action="store_true", help="give draft layers owners too")
     plan.add_argument("--json", action="store_true")

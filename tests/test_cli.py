@@ -43,6 +43,7 @@ def test_plan_table_names_the_ratio():
     (["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "lots"], "memory size"),
     (["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-dtype", "fp4"], "--kv-dtype"),
     (["plan", "--tp", "8"], "--model"),
+    (["plan", "--model", "deepseek-v3", "--tp", "8", "--depth", "1"], "scratch depth must be at least 2"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_bad_options_exit_2_with_one_line(args, needle):

@@ -24,6 +24,8 @@ from kvpp_fx.cache.spec import LayerCacheSpec, ModelCacheSpec
 
 ALIGNMENT = 2 * 1024 * 1024
 DEFAULT_DEPTH = 2
+# With one slot, layer k+1's broadcast would overwrite the slot layer k's attention is still reading.
+MIN_DEPTH = 2
 
 
 def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
@@ -90,8 +92,8 @@ class KVPPPlan:
     def __post_init__(self) -> None:
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}.")
-        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 1:
-            raise ValueError(f"scratch depth must be at least 1, got {self.depth!r}.")
+        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < MIN_DEPTH:
+            raise ValueError(f"scratch depth must be at least {MIN_DEPTH}, got {self.depth!r}.")
         local = self._local_layer_specs()
         targets = tuple(l.index for l in local if not l.is_draft or self.shard_draft_layers)
         drafts = tuple(l.index for l in local if l.is_draft and not self.shard_draft_layers)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from kvpp_fx.cache.placement import MIN_DEPTH
+
 
 @dataclass(frozen=True)
 class LayerTable:
@@ -29,8 +31,8 @@ class LayerTable:
             raise ValueError(f"target layers must be unique, got {list(self.target_layers)}.")
         if set(self.target_layers) & set(self.draft_layers):
             raise ValueError("a layer cannot be both a target and a draft layer.")
-        if self.depth < 1:
-            raise ValueError(f"scratch depth must be at least 1, got {self.depth}.")
+        if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < MIN_DEPTH:
+            raise ValueError(f"scratch depth must be at least {MIN_DEPTH}, got {self.depth!r}.")
 
     @classmethod
     def from_plan(cls, plan: Any, names: Mapping[str, int] | None = None) -> LayerTable:

@@ -86,8 +86,17 @@ def test_depth_three_and_depth_validation():
     plan = KVPPPlan(uniform_spec(7), group_size=2, depth=3)
     assert [plan.slot(i) for i in range(7)] == [0, 1, 2, 0, 1, 2, 0]
     assert sum(1 for b in plan.buffers(0) if b.kind == "scratch") == 3
-    with pytest.raises(ValueError, match="at least 1"):
-        KVPPPlan(uniform_spec(4), group_size=2, depth=0)
+    for bad in (0, 1, True, 2.0):
+        with pytest.raises(ValueError, match="at least 2"):
+            KVPPPlan(uniform_spec(4), group_size=2, depth=bad)
+
+
+def test_layer_table_refuses_depth_one():
+    from kvpp_fx.passes.layer_table import LayerTable
+
+    with pytest.raises(ValueError, match="at least 2"):
+        LayerTable((0, 1, 2), depth=1)
+    assert LayerTable((0, 1, 2), depth=2).slot(2) == 0
 
 
 def test_budget_at_its_exact_edges():
