@@ -3,12 +3,13 @@
     torch.compile(model, backend=kvpp_backend(plan, mode="piecewise", inner="aot_eager"))
     torch.compile(model, backend="kvpp", options={"plan": plan, "mode": "eager"})
 
-- ``mode="eager"``: the rewritten GraphModule runs as is.
+- ``mode="eager"``: the rewritten GraphModule runs as is (``inner`` must be "eager").
 - ``mode="piecewise"``: the graph is split at kvpp and cache ops; the eager pieces run as plain
   Python, every other piece is compiled by ``inner`` ("eager", "aot_eager", "inductor", "torchair" or
   any Dynamo backend callable).
 - ``mode="full"`` is refused: a full graph would capture the cache ops and the broadcasts.
-Graphs are written to ``dump_dir`` (or ``$KVPP_DUMP_DIR``): before and after the pass, each piece,
+A model that Dynamo splits at graph breaks is fine: each graph holds a contiguous run of the plan's
+layers (docs/graph-contract.md). Graphs are written to ``dump_dir`` (or ``$KVPP_DUMP_DIR``): before and after the pass, each piece,
 and an index.
 """
 
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch._dynamo.backends.registry import lookup_backend, register_backend
+from torch._dynamo.resume_execution import TORCH_DYNAMO_RESUME_IN_PREFIX
 
 from kvpp_fx.config import MSG_GRAPH_MODE
 from kvpp_fx.passes.insert import insert_kvpp_ops
@@ -49,6 +51,21 @@ class TorchairNotInstalledError(ImportError):
 
 class KVPPBackendError(ValueError):
     """Bad kvpp_backend options."""
+
+
+class PlanChangedError(RuntimeError):
+    """A graph compiled for one runtime's plan runs under a runtime with another plan."""
+
+
+def cut_by_graph_break(gm: torch.fx.GraphModule) -> bool:
+    """True when Dynamo split this graph's frame at a graph break: the graph ends at a break, or it is
+    the resumed rest of a frame that broke. Such a graph may hold part of the plan's layers, or none."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is not None and getattr(reason, "graph_break", False):
+        return True
+    context = torch._guards.TracingContext.try_get()
+    traced = getattr(context, "traced_code", None) or []
+    return bool(traced) and traced[0].co_name.startswith(TORCH_DYNAMO_RESUME_IN_PREFIX)
 
 
 @dataclass
@@ -140,13 +157,17 @@ class KVPPBackend:
             raise ValueError(MSG_GRAPH_MODE)
         if mode not in MODES:
             raise KVPPBackendError(f"mode must be one of {MODES} (or 'full', which KVPP refuses), got {mode!r}.")
+        if mode == "eager" and inner != "eager":
+            raise KVPPBackendError(
+                f"mode='eager' runs the rewritten graph as is and compiles nothing, so inner={inner!r} would be "
+                "ignored; use mode='piecewise' to compile the pieces with it, or inner='eager'.")
         table = LayerTable.coerce(plan_or_layer_table)
         if names:
-            table = LayerTable(table.target_layers, table.draft_layers, table.depth, names)
+            table = table.with_names(names)
         self.table = table
         self.mode = mode
         self.inner_name = inner if isinstance(inner, str) else getattr(inner, "__name__", repr(inner))
-        self.inner = resolve_inner(inner) if mode == "piecewise" else None
+        self.inner = resolve_inner(inner)
         env_dump = os.environ.get(DUMP_ENV)
         self.dump_dir = Path(dump_dir) if dump_dir is not None else (Path(env_dump) if env_dump else None)
         self.records: list[CompileRecord] = []
@@ -154,7 +175,7 @@ class KVPPBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         t0 = time.perf_counter()
         before = gm.code
-        result = insert_kvpp_ops(gm, self.table)
+        result = insert_kvpp_ops(gm, self.table, graph_breaks=cut_by_graph_break(gm))
         t1 = time.perf_counter()
         record = CompileRecord(self.mode, result.layers, before, gm.code)
         record.timings["insert_s"] = t1 - t0
@@ -238,9 +259,36 @@ def _kvpp_registered(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], op
             raise KVPPBackendError(
                 "backend='kvpp' needs options={'plan': ...} or a compile inside `runtime.forward(...)`.")
         plan = runtime.plan
+        compiled = _registered_backend(plan, options)(gm, example_inputs)
+        return _same_plan_guard(compiled, plan)
+    return _registered_backend(plan, options)(gm, example_inputs)
+
+
+def _registered_backend(plan: Any, options: dict) -> KVPPBackend:
     unknown = set(options) - {"mode", "inner", "dump_dir", "names"}
     if unknown:
         raise KVPPBackendError(f"unknown kvpp backend options: {sorted(unknown)}.")
-    return kvpp_backend(plan, **options)(gm, example_inputs)
+    return kvpp_backend(plan, **options)
+
+
+def _same_plan_guard(compiled: Callable, plan: Any) -> Callable:
+    """Dynamo does not guard on the runtime that was active at compile time, so the compiled graph checks,
+    each call, that it runs under a runtime with the plan it was rewritten for."""
+    baked = LayerTable.coerce(plan)
+
+    def run(*args: Any) -> Any:
+        runtime = active_runtime()
+        if runtime is not None and runtime.plan is not plan:
+            current = LayerTable.coerce(runtime.plan)
+            if (current.target_layers, current.draft_layers, current.depth) != \
+                    (baked.target_layers, baked.draft_layers, baked.depth):
+                raise PlanChangedError(
+                    f"this graph was rewritten for the plan of the runtime active when it compiled (targets "
+                    f"{list(baked.target_layers)}, depth {baked.depth}); the current runtime's plan has targets "
+                    f"{list(current.target_layers)}, depth {current.depth}. Call torch._dynamo.reset() or pass "
+                    "options={'plan': ...}.")
+        return compiled(*args)
+
+    return run
 
 

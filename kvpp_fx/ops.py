@@ -95,8 +95,11 @@ def _wait_fake(layer: int, slot: int, caches: list[torch.Tensor], components: li
     return [torch.empty(cache.shape, dtype=cache.dtype, device=cache.device) for cache in caches]
 
 
-torch.library._register_effectful_op(f"{NAMESPACE}::prefetch", EffectType.ORDERED)
-torch.library._register_effectful_op(f"{NAMESPACE}::wait", EffectType.ORDERED)
+# torch 2.13 has no public effect registration for ops defined with `torch.library.Library`: the public
+# route, `CustomOpDef.register_effect`, needs `torch.library.custom_op`, whose outputs may not alias
+# inputs, and `wait` returns its inputs under `passthrough()`. Hence the private call, here only.
+for _op in ("prefetch", "wait"):
+    torch.library._register_effectful_op(f"{NAMESPACE}::{_op}", EffectType.ORDERED)
 
 prefetch = torch.ops.kvpp.prefetch
 wait = torch.ops.kvpp.wait

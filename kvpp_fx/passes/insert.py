@@ -1,14 +1,18 @@
 """Insert explicit ``kvpp.prefetch`` / ``kvpp.wait`` nodes and rebind each layer's cache operands.
 
-Invariant after the pass, for the target layers L0, L1, ... of the layer table, in execution order:
-- ``prefetch(L0, slot(L0))`` follows the graph's placeholders;
+Invariant after the pass, for the run of target layers Li .. Lj that the graph holds (a contiguous,
+in-order slice of the plan's target layers; the whole plan unless Dynamo graph breaks split the model):
+- ``prefetch(Li, slot(Li))`` follows the graph's placeholders when Li is the plan's first layer;
+  otherwise Li is already pending from the previous graph and is not prefetched here;
 - immediately before the first node that touches Lk's cache stands ``wait(Lk, slot(Lk), caches)``,
-  then one ``getitem`` per cache operand, then ``prefetch(Lk+1, slot(Lk+1))`` (none after the last);
+  then one ``getitem`` per cache operand, then ``prefetch`` of the plan's next layer (also after Lj,
+  whose successor a later graph awaits; none after the plan's last layer);
 - every cache operand of Lk's registered ops reads the matching ``getitem`` of that wait (the
-  rebinding); the graph's original cache values are read only by the wait;
+  rebinding), and the graph's original cache values are read only by the waits: any other reader (an
+  unregistered op, a view, a Python-level use) is refused before anything is changed;
 - draft layers get no nodes. Running the pass again changes nothing.
-The layers must first appear in the table's order: ranks that issued broadcasts in a different order
-would deadlock or exchange the wrong layers, so any other order is a `LayerOrderError`.
+Ranks that issued broadcasts in a different order would deadlock or exchange the wrong layers, so a
+run that is not a contiguous slice of the plan in plan order is a `LayerOrderError`.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ import torch.fx
 
 from kvpp_fx.ops import is_kvpp_op
 from kvpp_fx.passes.layer_table import LayerTable
-from kvpp_fx.passes.registry import AttentionOpSpec, find_spec, get_arg, layer_of, set_arg
+from kvpp_fx.passes.registry import AttentionOpSpec, SpecLookup, get_arg, layer_of, registered_specs, set_arg
 
 logger = logging.getLogger(__name__)
 
 WAIT = torch.ops.kvpp.wait.default
 PREFETCH = torch.ops.kvpp.prefetch.default
+REGISTER_HINT = ("register the op that reads it with kvpp_fx.passes.registry.register_attention_op "
+                 "(naming its cache operand), or keep the read inside a registered op")
 
 
 class KVPPPassError(ValueError):
@@ -35,7 +41,7 @@ class KVPPPassError(ValueError):
 
 
 class LayerOrderError(KVPPPassError):
-    """The graph's layers do not appear in the plan's execution order."""
+    """The graph's layers are not a contiguous run of the plan's target layers in plan order."""
 
 
 class UnknownGraphLayerError(KVPPPassError):
@@ -44,6 +50,18 @@ class UnknownGraphLayerError(KVPPPassError):
 
 class CacheOperandError(KVPPPassError):
     """A cache operand cannot be rebound (defined too late, or two tensors for one component)."""
+
+
+class StrayCacheReadError(KVPPPassError):
+    """A layer's cache is read by a node that is not a registered cache operand (it would read the handle)."""
+
+
+class NoGraphLayersError(KVPPPassError):
+    """The plan has target layers but no registered op of this graph touches one."""
+
+
+class UnguardedLayerError(KVPPPassError):
+    """A registered op's layer comes from a graph input, which Dynamo does not guard."""
 
 
 @dataclass(frozen=True)
@@ -66,18 +84,49 @@ def _val(node: torch.fx.Node):
     return node.meta.get("val", node.meta.get("example_value"))
 
 
-def collect_layers(graph: torch.fx.Graph, table: LayerTable) -> list[LayerNodes]:
+def is_kvpp_handle(value: object) -> bool:
+    """A KVPP cache handle: a tensor of several elements with no bytes behind it (all strides zero)."""
+    return (isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 1
+            and all(s == 0 for s in value.stride()))
+
+
+def handle_placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder" and is_kvpp_handle(_val(n))]
+
+
+def resolve_layer(node: torch.fx.Node, spec: AttentionOpSpec, table: LayerTable) -> tuple[int, str]:
+    """The layer of a registered op, refusing a layer that only an unguarded graph input names."""
+    raw = get_arg(node, spec.layer_arg)
+    if isinstance(raw, torch.fx.Node):
+        if not table.names:
+            raise UnguardedLayerError(
+                f"{node.format_node()} takes its layer from the graph input {raw.name!r}. Dynamo does not "
+                "guard that value, so a graph reused for another layer would use the wrong index; give the "
+                "backend a name->index map (names=...) or pass the layer as a constant.")
+        layer, name = layer_of(node, spec, table.names)
+        if name not in table.names:
+            raise UnguardedLayerError(f"{node.format_node()}: layer name {name!r} from the graph input "
+                                      f"{raw.name!r} is not in the name->index map.")
+        return layer, name
+    return layer_of(node, spec, table.names or None)
+
+
+def collect_layers(graph: torch.fx.Graph, table: LayerTable,
+                   lookup: SpecLookup | None = None) -> list[LayerNodes]:
     """Cache-touching nodes grouped by target layer, in order of each layer's first node."""
+    lookup = lookup or SpecLookup()
     groups: dict[int, list[tuple[torch.fx.Node, AttentionOpSpec]]] = {}
     names: dict[int, str] = {}
+    targets = set(table.target_layers)
+    drafts = set(table.draft_layers)
     for node in graph.nodes:
-        spec = find_spec(node)
+        spec = lookup(node)
         if spec is None:
             continue
-        layer, name = layer_of(node, spec, table.names or None)
-        if layer in table.draft_layers:
+        layer, name = resolve_layer(node, spec, table)
+        if layer in drafts:
             continue
-        if layer not in table.target_layers:
+        if layer not in targets:
             raise UnknownGraphLayerError(
                 f"{node.format_node()} touches layer {layer} ({name}), which is neither a target nor a "
                 f"draft layer of the plan (targets {list(table.target_layers)}).")
@@ -87,63 +136,92 @@ def collect_layers(graph: torch.fx.Graph, table: LayerTable) -> list[LayerNodes]
             for layer, items in groups.items()]
 
 
-def check_layer_order(found: list[int], table: LayerTable) -> None:
-    if found != list(table.target_layers):
+def check_layer_run(found: list[int], table: LayerTable, graph_breaks: bool) -> None:
+    """`found` must be a contiguous slice of the plan's order; the whole plan unless graph breaks split it."""
+    plan = list(table.target_layers)
+    start = table.position(found[0])
+    if found != plan[start:start + len(found)]:
         raise LayerOrderError(
-            f"the graph's layers appear in the order {found}, but the plan's execution order is "
-            f"{list(table.target_layers)}: ranks would issue broadcasts in a different order.")
+            f"the graph's layers appear in the order {found}, but the plan's execution order is {plan}: "
+            "ranks would issue broadcasts in a different order. With graph breaks, each graph must hold a "
+            "contiguous run of the plan's layers in plan order.")
+    if not graph_breaks and found != plan:
+        raise LayerOrderError(
+            f"the graph holds layers {found} but the plan's execution order is {plan}, and no graph break "
+            "split the model: only a graph that Dynamo graph breaks cut off may hold part of the plan.")
 
 
-def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable) -> InsertResult:
+def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable, *, graph_breaks: bool = False) -> InsertResult:
+    """Rewrite `gm` in place (see the module docstring). `graph_breaks`: Dynamo cut this graph at a graph
+    break (it may hold part of the plan, or no layer at all)."""
     graph = gm.graph
-    if any(n.op == "call_function" and is_kvpp_op(n.target) for n in graph.nodes):
+    nodes = list(graph.nodes)
+    if any(n.op == "call_function" and is_kvpp_op(n.target) for n in nodes):
         return InsertResult(changed=False, layers=())
-    layers = collect_layers(graph, table)
+    lookup = SpecLookup()
+    layers = collect_layers(graph, table, lookup)
+    order = {node: i for i, node in enumerate(nodes)}
+    operands = {group.layer: _cache_operands(group, order) for group in layers}
+    _refuse_stray_readers(graph, layers, operands)
     if not layers:
+        if table.target_layers and not graph_breaks:
+            raise NoGraphLayersError(
+                f"the plan has target layers {list(table.target_layers)} but no node of this graph is a "
+                f"registered attention/cache op of one of them; registered ops: "
+                f"{sorted(s.op for s in registered_specs())}. Register the model's attention op with "
+                "register_attention_op.")
         return InsertResult(changed=False, layers=())
-    check_layer_order([group.layer for group in layers], table)
+    check_layer_run([group.layer for group in layers], table, graph_breaks)
 
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    plan = table.target_layers
     waits, prefetches = [], []
-
-    anchor = placeholders[-1] if placeholders else None
     first = layers[0]
-    if anchor is None:
-        with graph.inserting_before(next(iter(graph.nodes))):
-            prefetches.append(_prefetch(graph, first.layer, first.name, table))
-    else:
-        with graph.inserting_after(anchor):
+    if table.position(first.layer) == 0:
+        placeholders = [n for n in nodes if n.op == "placeholder"]
+        where = graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(nodes[0])
+        with where:
             prefetches.append(_prefetch(graph, first.layer, first.name, table))
 
-    for k, group in enumerate(layers):
-        operands = _cache_operands(group, order)
+    for group in layers:
         slot = table.slot(group.layer)
+        reads = operands[group.layer]
         with graph.inserting_before(group.nodes[0]):
-            wait = graph.create_node("call_function", WAIT, (group.layer, slot, [node for node, _ in operands],
-                                     [component for _, component in operands]), name=f"kvpp_wait_L{group.layer}")
-            wait.meta["val"] = [_val(node) for node, _ in operands]
+            wait = graph.create_node("call_function", WAIT, (group.layer, slot, [node for node, _ in reads],
+                                     [component for _, component in reads]), name=f"kvpp_wait_L{group.layer}")
+            wait.meta["val"] = [_contiguous_like(_val(node)) for node, _ in reads]
             wait.meta["kvpp"] = {"layer": group.layer, "name": group.name, "slot": slot, "role": "wait"}
             views = {}
-            for i, (node, component) in enumerate(operands):
+            for i, (node, component) in enumerate(reads):
                 view = graph.create_node("call_function", operator.getitem, (wait, i),
                                          name=f"{component}_L{group.layer}")
-                view.meta["val"] = _val(node)
+                view.meta["val"] = wait.meta["val"][i]
                 view.meta["kvpp"] = {"layer": group.layer, "name": group.name, "slot": slot, "role": "view",
                                      "component": component}
                 views[component] = view
-            if k + 1 < len(layers):
-                nxt = layers[k + 1]
-                prefetches.append(_prefetch(graph, nxt.layer, nxt.name, table))
+            position = table.position(group.layer)
+            if position + 1 < len(plan):
+                nxt = plan[position + 1]
+                name = next((g.name for g in layers if g.layer == nxt), f"layers.{nxt}")
+                prefetches.append(_prefetch(graph, nxt, name, table))
         waits.append(wait)
         for node, spec in zip(group.nodes, group.specs):
             for operand in spec.cache_operands:
                 set_arg(node, operand.arg, views[operand.component])
 
-    graph.lint()
     gm.recompile()
     logger.debug("kvpp insert pass: %d layers rewritten", len(layers))
     return InsertResult(True, tuple(g.layer for g in layers), tuple(waits), tuple(prefetches))
+
+
+def _contiguous_like(value):
+    """Wait's outputs are contiguous views of the runtime's storage, whatever the inputs' strides."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    fake_mode = getattr(value, "fake_mode", None)
+    if fake_mode is not None:
+        with fake_mode:
+            return torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    return torch.empty(value.shape, dtype=value.dtype, device="meta")
 
 
 def _prefetch(graph: torch.fx.Graph, layer: int, name: str, table: LayerTable) -> torch.fx.Node:
@@ -172,3 +250,25 @@ def _cache_operands(group: LayerNodes, order: dict[torch.fx.Node, int]) -> list[
                     f"layer's first cache-touching node; the wait cannot take it.")
             seen[operand.component] = value
     return [(node, component) for component, node in seen.items()]
+
+
+def _refuse_stray_readers(graph: torch.fx.Graph, layers: list[LayerNodes],
+                          operands: dict[int, list[tuple[torch.fx.Node, str]]]) -> None:
+    """Every reader of a cache value must be one of its layer's registered ops reading it as a cache
+    operand. Cache values are the registered cache operands and the graph inputs that are KVPP handles."""
+    allowed: dict[torch.fx.Node, set[torch.fx.Node]] = {}
+    for group in layers:
+        for value, _ in operands[group.layer]:
+            allowed.setdefault(value, set())
+        for node, spec in zip(group.nodes, group.specs):
+            for operand in spec.cache_operands:
+                allowed[get_arg(node, operand.arg)].add(node)
+    for handle in handle_placeholders(graph):
+        allowed.setdefault(handle, set())
+    for value, readers in allowed.items():
+        for user in value.users:
+            if user not in readers:
+                raise StrayCacheReadError(
+                    f"{user.format_node()} reads the cache value {value.name!r} outside the registered "
+                    f"cache operands. Under KVPP that value is a handle without bytes (only kvpp.wait's "
+                    f"output holds the layer's cache), so this read would be wrong; {REGISTER_HINT}.")

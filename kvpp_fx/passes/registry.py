@@ -86,6 +86,28 @@ def registered_specs() -> tuple[AttentionOpSpec, ...]:
     return tuple(_REGISTRY.values())
 
 
+class SpecLookup:
+    """`find_spec` for a whole graph: the registry is read once and each distinct target matched once."""
+
+    def __init__(self, specs: Iterable[AttentionOpSpec] | None = None) -> None:
+        self.specs = tuple(registered_specs() if specs is None else specs)
+        self._by_target: dict[Any, AttentionOpSpec | None] = {}
+
+    def __call__(self, node: torch.fx.Node) -> AttentionOpSpec | None:
+        if node.op != "call_function":
+            return None
+        target = node.target
+        try:
+            return self._by_target[target]
+        except KeyError:
+            names = op_names(target)
+            found = next((spec for spec in self.specs if spec.op in names), None) if names else None
+            self._by_target[target] = found
+            return found
+        except TypeError:  # an unhashable target is never a registered op
+            return None
+
+
 def find_spec(node: torch.fx.Node, specs: Iterable[AttentionOpSpec] | None = None) -> AttentionOpSpec | None:
     if node.op != "call_function":
         return None

@@ -16,7 +16,7 @@ import torch.fx
 from torch.fx.passes.split_module import split_module
 
 from kvpp_fx.ops import is_kvpp_op
-from kvpp_fx.passes.registry import find_spec
+from kvpp_fx.passes.registry import SpecLookup, find_spec
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,10 @@ class SplitResult:
     pieces: tuple[Piece, ...]
 
 
-def is_split_point(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and (is_kvpp_op(node.target) or find_spec(node) is not None)
+def is_split_point(node: torch.fx.Node, lookup: SpecLookup | None = None) -> bool:
+    if node.op != "call_function":
+        return False
+    return is_kvpp_op(node.target) or (lookup(node) if lookup is not None else find_spec(node)) is not None
 
 
 def assign_pieces(graph: torch.fx.Graph) -> tuple[dict[torch.fx.Node, int], dict[int, bool]]:
@@ -46,6 +48,7 @@ def assign_pieces(graph: torch.fx.Graph) -> tuple[dict[torch.fx.Node, int], dict
     piece_of: dict[torch.fx.Node, int] = {}
     eager: dict[int, bool] = {}
     current, current_eager = -1, None
+    lookup = SpecLookup()
     for node in graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
@@ -53,7 +56,7 @@ def assign_pieces(graph: torch.fx.Graph) -> tuple[dict[torch.fx.Node, int], dict
                 isinstance(node.args[0], torch.fx.Node) and node.args[0] in piece_of:
             piece_of[node] = piece_of[node.args[0]]
             continue
-        split = is_split_point(node)
+        split = is_split_point(node, lookup)
         if split is not current_eager:
             current += 1
             current_eager = split

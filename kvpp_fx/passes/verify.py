@@ -1,11 +1,26 @@
-"""Verify a rewritten (and optionally split) graph. Run after the other passes.
+"""Verify a rewritten (and optionally split) graph on its own. Run after the other passes.
 
-Invariants checked, each reported with the offending nodes:
-1. every cache-touching node of a target layer comes after that layer's wait, and each of its cache
-   operands is a view produced by that wait;
-2. every layer is prefetched once and awaited once, and its prefetch comes before its wait;
-3. a slot is never prefetched again before the last reader of the layer that used it before;
-4. no compiled piece contains a kvpp op or a cache-touching op.
+The verifier does not reuse the insert pass: it finds the kvpp ops by their overloads and the
+registered attention/cache ops by name, and checks the graph as it stands. Each check has a name; a
+failure lists every problem with the check that found it (`KVPPGraphVerificationError.checks`):
+
+- ``layers``: every kvpp op names a target layer (never a draft or unknown layer); the layers the
+  graph holds are a contiguous run of the plan's target layers;
+- ``counts``: each layer the graph holds is awaited exactly once; each layer it must prefetch (its
+  first layer when that is the plan's first, and the plan's successor of each of its layers) is
+  prefetched exactly once, and no other;
+- ``slots``: every kvpp op's slot argument equals the plan's slot for its layer;
+- ``outstanding``: walking the graph in order, at most one prefetch is outstanding, and each wait
+  completes the outstanding one (a graph that does not start the plan starts with its first layer
+  outstanding);
+- ``order``: prefetches and waits follow the plan's order;
+- ``slot_reuse``: the prefetch into a slot comes after every reader of that slot by earlier layers;
+- ``components``: each wait's component names belong to its layer's bundle;
+- ``binding``: every registered op of an awaited layer comes after that layer's wait, and each of its
+  cache operands is the wait's output for that component;
+- ``originals``: the original cache values (the waits' inputs, and graph inputs that are KVPP
+  handles) are read only by waits;
+- ``pieces``: no compiled piece contains a kvpp op or a registered op.
 """
 
 from __future__ import annotations
@@ -16,91 +31,228 @@ from collections.abc import Iterable
 import torch
 import torch.fx
 
-from kvpp_fx.ops import is_kvpp_op
-from kvpp_fx.passes.insert import KVPPPassError, collect_layers
+from kvpp_fx.passes.insert import KVPPPassError, is_kvpp_handle
 from kvpp_fx.passes.layer_table import LayerTable
-from kvpp_fx.passes.registry import get_arg
-from kvpp_fx.passes.split import Piece, is_split_point
+from kvpp_fx.passes.registry import AttentionOpSpec, LayerResolutionError, get_arg, layer_of, registered_specs
+
+WAIT_TARGETS = (torch.ops.kvpp.wait.default, torch.ops.kvpp.wait)
+PREFETCH_TARGETS = (torch.ops.kvpp.prefetch.default, torch.ops.kvpp.prefetch)
 
 
 class KVPPGraphVerificationError(KVPPPassError):
     """A rewritten graph breaks one of the KVPP invariants."""
 
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        self.checks = {check for check, _ in problems}
+        super().__init__("KVPP graph verification failed:\n  - "
+                         + "\n  - ".join(f"[{check}] {message}" for check, message in problems))
 
-def _op_name(node: torch.fx.Node) -> str | None:
-    if node.op != "call_function" or not is_kvpp_op(node.target):
+
+class _RegisteredOps:
+    """Registered specs matched by qualified name, each distinct target resolved once."""
+
+    def __init__(self, specs: Iterable[AttentionOpSpec]) -> None:
+        self.by_name = {spec.op: spec for spec in specs}
+        self.cache: dict = {}
+
+    def __call__(self, node: torch.fx.Node) -> AttentionOpSpec | None:
+        if node.op != "call_function":
+            return None
+        target = node.target
+        if target in self.cache:
+            return self.cache[target]
+        spec = None
+        if isinstance(target, torch._ops.OpOverload):
+            base = target._schema.name
+            names = [f"{base}.{target._overloadname}", base]
+        elif isinstance(target, torch._ops.OpOverloadPacket):
+            names = [f"{target._qualified_op_name}.default", target._qualified_op_name]
+        else:
+            names = []
+        for name in names:
+            if name in self.by_name:
+                spec = self.by_name[name]
+                break
+        self.cache[target] = spec
+        return spec
+
+
+def _kvpp_kind(node: torch.fx.Node) -> str | None:
+    if node.op != "call_function":
         return None
-    return "wait" if "wait" in str(node.target) else "prefetch"
+    if node.target in WAIT_TARGETS:
+        return "wait"
+    if node.target in PREFETCH_TARGETS:
+        return "prefetch"
+    return None
 
 
-def verify_graph(graph: torch.fx.Graph, table: LayerTable, pieces: Iterable[Piece] = ()) -> None:
-    problems: list[str] = []
+def verify_graph(graph: torch.fx.Graph, table: LayerTable, pieces: Iterable = ()) -> None:
+    problems: list[tuple[str, str]] = []
     nodes = list(graph.nodes)
     position = {node: i for i, node in enumerate(nodes)}
-    prefetch_at: dict[int, list[int]] = {}
-    wait_node: dict[int, torch.fx.Node] = {}
-    wait_count: dict[int, int] = {}
-    readers: dict[int, list[int]] = {}
+    specs = registered_specs()
+    match = _RegisteredOps(specs)
+    plan = list(table.target_layers)
+    plan_pos = {layer: k for k, layer in enumerate(plan)}
+    drafts = set(table.draft_layers)
 
+    waits: list[torch.fx.Node] = []
+    prefetches: list[torch.fx.Node] = []
+    registered: list[tuple[torch.fx.Node, AttentionOpSpec, int]] = []
     for node in nodes:
-        kind = _op_name(node)
-        if kind == "prefetch":
-            prefetch_at.setdefault(node.args[0], []).append(position[node])
-        elif kind == "wait":
-            layer = node.args[0]
-            wait_count[layer] = wait_count.get(layer, 0) + 1
-            wait_node.setdefault(layer, node)
-            for user in node.users:  # views, then whatever reads them
-                readers.setdefault(layer, []).extend(position[u] for u in user.users)
-
-    for group in collect_layers(graph, table):
-        layer = group.layer
-        wait = wait_node.get(layer)
-        for node, spec in zip(group.nodes, group.specs):
-            readers.setdefault(layer, []).append(position[node])
-            if wait is None or position[wait] > position[node]:
-                problems.append(f"{node.name} touches layer {layer}'s cache before (or without) its wait.")
+        kind = _kvpp_kind(node)
+        if kind == "wait":
+            waits.append(node)
+        elif kind == "prefetch":
+            prefetches.append(node)
+        else:
+            spec = match(node)
+            if spec is None:
                 continue
-            for operand in spec.cache_operands:
-                value = get_arg(node, operand.arg)
-                if not (isinstance(value, torch.fx.Node) and value.target is operator.getitem
-                        and value.args[0] is wait):
-                    problems.append(f"{node.name} reads layer {layer}'s {operand.component!r} cache from "
-                                    f"{getattr(value, 'name', value)}, not from its wait.")
+            try:
+                layer = layer_of(node, spec, table.names or None)[0]
+            except LayerResolutionError as exc:
+                problems.append(("layers", str(exc)))
+                continue
+            if layer not in drafts:
+                registered.append((node, spec, layer))
 
-    for layer in table.target_layers:
-        prefetches = prefetch_at.get(layer, [])
-        if layer not in wait_node:
-            if prefetches or readers.get(layer):
-                problems.append(f"layer {layer} has no wait.")
+    # layers: kvpp ops and registered ops name target layers only
+    for node in waits + prefetches:
+        layer = node.args[0] if node.args else None
+        if layer in drafts:
+            problems.append(("layers", f"{node.name} is a kvpp op for draft layer {layer}, which is never broadcast."))
+        elif layer not in plan_pos:
+            problems.append(("layers", f"{node.name} is a kvpp op for layer {layer!r}, which is not a target "
+                                       f"layer of the plan {plan}."))
+    for node, _, layer in registered:
+        if layer not in plan_pos:
+            problems.append(("layers", f"{node.name} touches layer {layer}, which is neither a target nor a draft."))
+    waits = [w for w in waits if w.args[0] in plan_pos]
+    prefetches = [p for p in prefetches if p.args[0] in plan_pos]
+    registered = [r for r in registered if r[2] in plan_pos]
+
+    held = sorted({layer for _, _, layer in registered} | {w.args[0] for w in waits}, key=plan_pos.__getitem__)
+    if held and [plan_pos[l] for l in held] != list(range(plan_pos[held[0]], plan_pos[held[-1]] + 1)):
+        problems.append(("layers", f"the graph holds layers {held}, not a contiguous run of the plan {plan}."))
+
+    # counts
+    wait_of: dict[int, torch.fx.Node] = {}
+    for layer in held:
+        mine = [w for w in waits if w.args[0] == layer]
+        if len(mine) != 1:
+            problems.append(("counts", f"layer {layer} is awaited {len(mine)} times, expected once."))
+        if mine:
+            wait_of[layer] = mine[0]
+    expected_prefetch = ([held[0]] if held and plan_pos[held[0]] == 0 else []) + \
+        [plan[plan_pos[l] + 1] for l in held if plan_pos[l] + 1 < len(plan)]
+    prefetched = [p.args[0] for p in prefetches]
+    for layer in dict.fromkeys(expected_prefetch + prefetched):
+        got, want = prefetched.count(layer), expected_prefetch.count(layer)
+        if got != want:
+            problems.append(("counts", f"layer {layer} is prefetched {got} times, expected {want}."))
+
+    # slots
+    for node in waits + prefetches:
+        layer, slot = node.args[0], node.args[1]
+        if slot != table.slot(layer):
+            problems.append(("slots", f"{node.name} uses slot {slot!r} for layer {layer}; the plan's slot is "
+                                      f"{table.slot(layer)}."))
+
+    # outstanding: one prefetch in flight, each wait completes it
+    pending = held[0] if held and plan_pos[held[0]] > 0 else None
+    for node in nodes:
+        kind = _kvpp_kind(node)
+        if kind is None or node.args[0] not in plan_pos:
             continue
-        if wait_count[layer] != 1:
-            problems.append(f"layer {layer} is awaited {wait_count[layer]} times.")
-        if len(prefetches) != 1:
-            problems.append(f"layer {layer} is prefetched {len(prefetches)} times.")
-        elif prefetches[0] > position[wait_node[layer]]:
-            problems.append(f"layer {layer}'s prefetch comes after its wait.")
+        layer = node.args[0]
+        if kind == "prefetch":
+            if pending is not None:
+                problems.append(("outstanding", f"{node.name} prefetches layer {layer} while layer {pending}'s "
+                                                "prefetch is still outstanding."))
+            pending = layer
+        else:
+            if pending != layer:
+                problems.append(("outstanding", f"{node.name} waits for layer {layer}, but the outstanding "
+                                                f"prefetch is {'none' if pending is None else f'layer {pending}'}."))
+            pending = None
 
-    # 3: slot reuse. The previous layer on a slot must have no reader after the next prefetch there.
-    by_slot: dict[int, list[int]] = {}
-    for layer in table.target_layers:
-        if layer in prefetch_at:
-            by_slot.setdefault(table.slot(layer), []).append(layer)
-    for slot, layers in by_slot.items():
-        ordered = sorted(layers, key=lambda l: prefetch_at[l][0])
-        for prev, nxt in zip(ordered, ordered[1:]):
-            reuse = prefetch_at[nxt][0]
-            late = [nodes[i].name for i in readers.get(prev, []) if i > reuse]
-            if late:
-                problems.append(f"slot {slot} is prefetched for layer {nxt} before the last reader of layer "
-                                f"{prev} ({', '.join(late)}).")
+    # order
+    for what, seq in (("prefetches", prefetched), ("waits", [w.args[0] for w in waits])):
+        positions = [plan_pos[l] for l in seq]
+        if positions != sorted(positions):
+            problems.append(("order", f"the graph's {what} run over layers {seq}, not in the plan's order {plan}."))
 
+    # slot_reuse: readers of each held layer's cache, then each prefetch against earlier layers on its slot
+    readers: dict[int, list[torch.fx.Node]] = {layer: [] for layer in held}
+    for layer, wait in wait_of.items():
+        for user in wait.users:
+            readers[layer].append(user)
+            readers[layer].extend(user.users)
+    for node, _, layer in registered:
+        readers[layer].append(node)
+    last_read = {layer: max((position[n] for n in ns), default=-1) for layer, ns in readers.items()}
+    for prefetch in prefetches:
+        layer = prefetch.args[0]
+        slot = table.slot(layer)
+        for earlier in held:
+            if plan_pos[earlier] < plan_pos[layer] and table.slot(earlier) == slot \
+                    and last_read[earlier] > position[prefetch]:
+                late = sorted({n.name for n in readers[earlier] if position[n] > position[prefetch]})
+                problems.append(("slot_reuse", f"{prefetch.name} refills slot {slot} for layer {layer} before the "
+                                               f"last reader of layer {earlier} ({', '.join(late)})."))
+
+    # components
+    declared = {operand.component for spec in specs for operand in spec.cache_operands}
+    for wait in waits:
+        layer, caches, components = wait.args[0], wait.args[2], wait.args[3]
+        valid = table.components.get(layer, declared) if table.components else declared
+        if len(caches) != len(components):
+            problems.append(("components", f"{wait.name} has {len(caches)} caches but {len(components)} names."))
+        bad = [c for c in components if c not in valid]
+        if bad or len(set(components)) != len(components):
+            problems.append(("components", f"{wait.name} names components {list(components)}; layer {layer}'s "
+                                           f"bundle has {sorted(valid)}, each at most once."))
+
+    # binding
+    for node, spec, layer in registered:
+        wait = wait_of.get(layer)
+        if wait is None:  # reported by counts
+            continue
+        if position[wait] > position[node]:
+            problems.append(("binding", f"{node.name} touches layer {layer}'s cache before its wait."))
+            continue
+        names = list(wait.args[3])
+        for operand in spec.cache_operands:
+            value = get_arg(node, operand.arg)
+            ok = (isinstance(value, torch.fx.Node) and value.op == "call_function"
+                  and value.target is operator.getitem and value.args[0] is wait
+                  and isinstance(value.args[1], int) and value.args[1] < len(names)
+                  and names[value.args[1]] == operand.component)
+            if not ok:
+                problems.append(("binding", f"{node.name} reads layer {layer}'s {operand.component!r} cache from "
+                                            f"{getattr(value, 'name', value)}, not from {wait.name}'s "
+                                            f"{operand.component!r} output."))
+
+    # originals
+    originals = {c for wait in waits for c in wait.args[2] if isinstance(c, torch.fx.Node)}
+    originals |= {n for n in nodes if n.op == "placeholder"
+                  and is_kvpp_handle(n.meta.get("val", n.meta.get("example_value")))}
+    for value in sorted(originals, key=position.__getitem__):
+        for user in value.users:
+            if _kvpp_kind(user) != "wait":
+                problems.append(("originals", f"{user.name} reads the original cache value {value.name}; only "
+                                              "kvpp.wait may read it."))
+
+    # pieces
     for piece in pieces:
         if piece.is_eager:
             continue
-        bad = [n.name for n in piece.graph_module.graph.nodes if is_split_point(n)]
+        bad = [n.name for n in piece.graph_module.graph.nodes if _kvpp_kind(n) or match(n) is not None]
         if bad:
-            problems.append(f"compiled piece {piece.name} contains kvpp or cache ops: {', '.join(bad)}.")
+            problems.append(("pieces", f"compiled piece {piece.name} contains kvpp or cache ops: {', '.join(bad)}."))
 
     if problems:
-        raise KVPPGraphVerificationError("KVPP graph verification failed:\n  - " + "\n  - ".join(problems))
+        raise KVPPGraphVerificationError(problems)

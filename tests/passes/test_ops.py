@@ -42,11 +42,12 @@ def test_wait_checks_the_graph_cache_against_the_runtime_view():
 
 
 def test_fake_impls_propagate_shapes():
-    from torch._subclasses import FakeTensorMode
+    from torch._subclasses import FakeTensor, FakeTensorMode
 
-    with FakeTensorMode() as mode:
-        cache = torch.empty(4, 4, 8)
-        (view,) = torch.ops.kvpp.wait(0, 0, [cache], ["kv"])
-        torch.ops.kvpp.prefetch(1, 1)
-    assert view.shape == (4, 4, 8) and view.dtype == torch.float32
-    assert mode is not None
+    with FakeTensorMode():
+        handle = torch.empty((), dtype=torch.bfloat16).expand(4, 4, 8)  # a zero-stride KVPP handle
+        (view,) = torch.ops.kvpp.wait(0, 0, [handle], ["kv"])
+        assert torch.ops.kvpp.prefetch(1, 1) is None
+    assert isinstance(view, FakeTensor)
+    assert view.shape == (4, 4, 8) and view.dtype == torch.bfloat16
+    assert view.stride() == (32, 8, 1)  # the runtime's views are contiguous, unlike the handle

@@ -1,10 +1,19 @@
 """Insert pass, split pass and verifier on graphs captured by Dynamo from the toy model."""
 
+import operator
+
 import pytest
 import torch
 
 from kvpp_fx.ops import is_kvpp_op
-from kvpp_fx.passes.insert import LayerOrderError, UnknownGraphLayerError, insert_kvpp_ops
+from kvpp_fx.passes.insert import (
+    LayerOrderError,
+    NoGraphLayersError,
+    StrayCacheReadError,
+    UnguardedLayerError,
+    UnknownGraphLayerError,
+    insert_kvpp_ops,
+)
 from kvpp_fx.passes.layer_table import LayerTable
 from kvpp_fx.passes.registry import (
     AttentionOpSpec,
@@ -17,14 +26,15 @@ from kvpp_fx.passes.registry import (
     register_attention_op,
     registered_specs,
 )
+from kvpp_fx.passes.render import describe_pieces
 from kvpp_fx.passes.split import Piece, split_pieces
 from kvpp_fx.passes.verify import KVPPGraphVerificationError, verify_graph
 from tests.passes import toy
 
-TABLE = LayerTable(target_layers=(0, 1, 2, 3))
+TABLE = LayerTable(target_layers=(0, 1, 2, 3), components={i: {"kv"} for i in range(4)})
 
 
-def capture(num_layers=4) -> torch.fx.GraphModule:
+def capture(model=None, num_layers=4, handles=False) -> torch.fx.GraphModule:
     graphs = []
 
     def grab(gm, example_inputs):
@@ -32,9 +42,17 @@ def capture(num_layers=4) -> torch.fx.GraphModule:
         return gm
 
     torch._dynamo.reset()
-    model = torch.compile(toy.ToyMLA(num_layers), backend=grab, fullgraph=True)
+    model = model or toy.ToyMLA(num_layers)
+    caches = toy.replicated_caches(num_layers)
+    if handles:
+        caches = toy.runtime_caches(toy.allocate(toy.toy_plan(num_layers)), range(num_layers))
+    compiled = torch.compile(model, backend=grab, fullgraph=True)
     x, *meta = toy.step_inputs(0, 3, 3)
-    model(x, toy.replicated_caches(num_layers), *meta)
+    try:
+        compiled(x, caches, *meta)
+    except Exception:  # running a captured graph over handles fails; the capture is what we want
+        if not graphs:
+            raise
     return graphs[0]
 
 
@@ -42,9 +60,13 @@ def kvpp_nodes(gm, kind):
     return [n for n in gm.graph.nodes if n.op == "call_function" and is_kvpp_op(n.target) and kind in str(n.target)]
 
 
-def rewritten():
-    gm = capture()
-    insert_kvpp_ops(gm, TABLE)
+def node_named(gm, name):
+    return next(n for n in gm.graph.nodes if n.name == name)
+
+
+def rewritten(table=TABLE, **kwargs):
+    gm = capture(**kwargs)
+    insert_kvpp_ops(gm, table, graph_breaks=len(table.target_layers) != 4)
     return gm
 
 
@@ -58,6 +80,17 @@ def test_rewritten_graph_verifies():
         assert [tuple(v.shape) for v in wait.meta["val"]] == [(toy.BLOCKS, toy.BLOCK, toy.RANK + toy.ROPE)]
 
 
+def test_wait_meta_is_contiguous_even_for_zero_stride_handles():
+    gm = rewritten(handles=True)
+    (handle,) = kvpp_nodes(gm, "wait")[0].args[2]
+    assert handle.meta["example_value"].stride() == (0, 0, 0)
+    for wait in kvpp_nodes(gm, "wait"):
+        (val,) = wait.meta["val"]
+        assert val.stride() == (toy.BLOCK * (toy.RANK + toy.ROPE), toy.RANK + toy.ROPE, 1)
+        (view,) = wait.users
+        assert view.meta["val"].stride() == val.stride()
+
+
 def test_pass_is_idempotent():
     gm = rewritten()
     code = gm.code
@@ -68,16 +101,40 @@ def test_pass_is_idempotent():
 
 def test_original_cache_values_feed_only_the_waits():
     gm = rewritten()
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and "caches" in node.name:
-            assert all(is_kvpp_op(user.target) for user in node.users), node.name
+    caches = [n for n in gm.graph.nodes if n.op == "placeholder" and "caches" in n.name]
+    assert len(caches) == 4
+    for node in caches:
+        assert [user.target for user in node.users] == [torch.ops.kvpp.wait.default], node.name
 
 
-def test_out_of_order_layers_raise():
-    with pytest.raises(LayerOrderError, match=r"order \[0, 1, 2, 3\], but the plan's execution order is \[1, 0, 2, 3\]"):
+def test_out_of_order_layers_raise_and_mention_graph_breaks():
+    with pytest.raises(LayerOrderError, match=r"order \[0, 1, 2, 3\], but the plan's execution order is "
+                                              r"\[1, 0, 2, 3\].*graph breaks"):
         insert_kvpp_ops(capture(), LayerTable(target_layers=(1, 0, 2, 3)))
-    with pytest.raises(LayerOrderError):  # a layer the plan expects never appears
+    with pytest.raises(LayerOrderError, match="graph breaks"):  # not contiguous in the plan
+        insert_kvpp_ops(capture(), LayerTable(target_layers=(0, 1, 9, 2, 3)), graph_breaks=True)
+
+
+def test_part_of_the_plan_needs_a_graph_break():
+    with pytest.raises(LayerOrderError, match="no graph break split the model"):
         insert_kvpp_ops(capture(), LayerTable(target_layers=(0, 1, 2, 3, 4)))
+
+
+def test_a_run_that_ends_before_the_plan_prefetches_the_next_layer():
+    table = LayerTable(target_layers=(0, 1, 2, 3, 4))
+    gm = rewritten(table)
+    assert [n.args[:2] for n in kvpp_nodes(gm, "prefetch")] == [(0, 0), (1, 1), (2, 0), (3, 1), (4, 0)]
+    last_wait = kvpp_nodes(gm, "wait")[-1]
+    assert kvpp_nodes(gm, "prefetch")[-1].prev is last_wait.next  # right after layer 3's wait and view
+    verify_graph(gm.graph, table)
+
+
+def test_a_run_that_starts_after_the_plan_does_not_prefetch_its_first_layer():
+    table = LayerTable(target_layers=(7, 0, 1, 2, 3))  # layer 7 ran in an earlier graph
+    gm = rewritten(table)
+    assert [n.args[:2] for n in kvpp_nodes(gm, "prefetch")] == [(1, 0), (2, 1), (3, 0)]
+    assert [n.args[:2] for n in kvpp_nodes(gm, "wait")] == [(0, 1), (1, 0), (2, 1), (3, 0)]
+    verify_graph(gm.graph, table)
 
 
 def test_unknown_layer_raises_and_leaves_graph_untouched():
@@ -88,34 +145,209 @@ def test_unknown_layer_raises_and_leaves_graph_untouched():
     assert gm.code == code
 
 
-def test_verifier_rejects_a_removed_wait():
+@pytest.mark.parametrize("handles", [False, True])
+def test_a_stray_cache_read_is_refused_and_nothing_changes(handles):
+    gm = capture(toy.ToyMLAStrayRead(4), handles=handles)
+    code = gm.code
+    with pytest.raises(StrayCacheReadError, match=r"mean.*reads the cache value 'l_caches_1_'.*register_attention_op"):
+        insert_kvpp_ops(gm, TABLE)
+    assert gm.code == code
+
+
+def test_a_view_of_a_cache_is_a_stray_read():
+    class Returns(toy.ToyMLA):
+        def forward(self, x, caches, *meta):
+            return super().forward(x, caches, *meta), caches[2].view(-1)
+
+    with pytest.raises(StrayCacheReadError, match="view.*l_caches_2_"):
+        insert_kvpp_ops(capture(Returns(4)), TABLE)
+
+
+def test_an_unregistered_attention_op_is_never_a_silent_no_op():
+    with pytest.raises(StrayCacheReadError, match="toy_unregistered.attention.*l_caches_0_"):
+        insert_kvpp_ops(capture(toy.ToyUnregistered(4), handles=True), TABLE)  # handles: the cache is known
+    gm = capture(toy.ToyUnregistered(4))  # real tensors: nothing marks them as caches
+    with pytest.raises(NoGraphLayersError, match=r"registered ops: \[.*'kvpp_ref::mla_attention'"):
+        insert_kvpp_ops(gm, TABLE)
+    assert not insert_kvpp_ops(gm, TABLE, graph_breaks=True).changed  # a graph break may leave a graph empty
+    assert not insert_kvpp_ops(gm, LayerTable(target_layers=())).changed  # KVPP off
+
+
+def test_a_layer_taken_from_an_unguarded_input_needs_a_name_table():
+    class LayerName:
+        def __init__(self, value):
+            self.value = value
+
+    def graph_with_input_layer():
+        graph = torch.fx.Graph()
+        q = graph.placeholder("q")
+        name = graph.placeholder("layer_name")
+        name.meta["example_value"] = LayerName("model.layers.0.self_attn.attn")
+        out = graph.call_function(torch.ops.toy_vllm.unified_attention, (q, name))
+        graph.output(out)
+        return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+    with pytest.raises(UnguardedLayerError, match="'layer_name'.*does not guard"):
+        insert_kvpp_ops(graph_with_input_layer(), LayerTable(target_layers=(0,)))
+    with pytest.raises(UnguardedLayerError, match="not in the name->index map"):
+        insert_kvpp_ops(graph_with_input_layer(), LayerTable(target_layers=(0,), names={"other": 0}))
+    gm = graph_with_input_layer()
+    table = LayerTable(target_layers=(0,), names={"model.layers.0.self_attn.attn": 0})
+    assert insert_kvpp_ops(gm, table).layers == (0,)
+    verify_graph(gm.graph, table)
+
+
+# --- the verifier: each check rejects a graph broken in its own way, and only that check --------------
+
+def _set_layer(node, layer, table):
+    """Point a kvpp op or a registered op at another layer (slot from the table)."""
+    if is_kvpp_op(node.target):
+        node.update_arg(0, layer)
+        node.update_arg(1, table.slot(layer))
+    else:
+        node.update_arg(len(node.args) - 1, layer)
+
+
+def mutate_drop_final_prefetch():
+    table = LayerTable(target_layers=(0, 1, 2, 3, 4))
+    gm = rewritten(table)
+    gm.graph.erase_node(kvpp_nodes(gm, "prefetch")[-1])
+    return gm, table
+
+
+def mutate_drop_a_layer_whose_ops_have_no_cache_operand():
+    model = toy.ToyVLLMStyle(4)
+    gm = capture(lambda x, caches, *meta: model(x))
+    insert_kvpp_ops(gm, TABLE)
+    gm.graph.erase_node(next(n for n in kvpp_nodes(gm, "prefetch") if n.args[0] == 3))
+    gm.graph.erase_node(next(n for n in kvpp_nodes(gm, "wait") if n.args[0] == 3))
+    return gm, TABLE
+
+
+def mutate_wait_slot():
     gm = rewritten()
-    wait = next(n for n in kvpp_nodes(gm, "wait") if n.args[0] == 2)
-    original = wait.args[2][0]
-    for view in list(wait.users):
-        view.replace_all_uses_with(original)
-        gm.graph.erase_node(view)
-    gm.graph.erase_node(wait)
-    with pytest.raises(KVPPGraphVerificationError, match="touches layer 2's cache before \\(or without\\) its wait"):
-        verify_graph(gm.graph, TABLE)
+    kvpp_nodes(gm, "wait")[2].update_arg(1, 1)
+    return gm, TABLE
 
 
-def test_verifier_rejects_prefetch_after_its_wait():
+def mutate_prefetch_slot():
     gm = rewritten()
-    prefetch = next(n for n in kvpp_nodes(gm, "prefetch") if n.args[0] == 2)
-    wait = next(n for n in kvpp_nodes(gm, "wait") if n.args[0] == 2)
-    wait.append(prefetch)  # moves the prefetch right after the wait
-    with pytest.raises(KVPPGraphVerificationError, match="layer 2's prefetch comes after its wait"):
-        verify_graph(gm.graph, TABLE)
+    kvpp_nodes(gm, "prefetch")[3].update_arg(1, 0)
+    return gm, TABLE
 
 
-def test_verifier_rejects_slot_reused_before_last_reader():
+def mutate_two_prefetches_in_flight():
     gm = rewritten()
-    prefetch_l2 = next(n for n in kvpp_nodes(gm, "prefetch") if n.args[0] == 2)
-    prefetch_l1 = next(n for n in kvpp_nodes(gm, "prefetch") if n.args[0] == 1)
-    prefetch_l1.append(prefetch_l2)  # slot 0 refilled while layer 0's attention still reads it
-    with pytest.raises(KVPPGraphVerificationError, match="slot 0 is prefetched for layer 2 before the last reader of layer 0"):
-        verify_graph(gm.graph, TABLE)
+    kvpp_nodes(gm, "wait")[0].prepend(kvpp_nodes(gm, "prefetch")[1])  # prefetch L1 above wait L0
+    return gm, TABLE
+
+
+def mutate_prefetch_after_its_wait():
+    gm = rewritten()
+    kvpp_nodes(gm, "wait")[2].append(kvpp_nodes(gm, "prefetch")[2])
+    return gm, TABLE
+
+
+def mutate_layers_run_out_of_plan_order():
+    table = LayerTable(target_layers=(0, 1, 2, 3), depth=4)  # a slot per layer: no slot is reused
+    gm = rewritten(table)
+    swap = {2: 3, 3: 2}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if is_kvpp_op(node.target) and node.args[0] in swap:
+            _set_layer(node, swap[node.args[0]], table)
+        elif find_spec(node) is not None and node.args[-1] in swap:
+            _set_layer(node, swap[node.args[-1]], table)
+    return gm, table
+
+
+def mutate_late_reader_of_a_reused_slot():
+    gm = rewritten()
+    attn0 = node_named(gm, "attn")
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(output):  # layer 0's cache read again after slot 0 is refilled for layer 2
+        gm.graph.call_function(attn0.target, attn0.args)
+    return gm, TABLE
+
+
+def mutate_prefetch_for_an_unknown_layer():
+    gm = rewritten()
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(output):
+        gm.graph.call_function(torch.ops.kvpp.prefetch.default, (9, 1))
+    return gm, TABLE
+
+
+def mutate_wait_for_a_draft_layer():
+    table = LayerTable(target_layers=(0, 1, 2, 3), draft_layers=(4,), components=TABLE.components)
+    gm = rewritten(table)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    with gm.graph.inserting_before(output):
+        gm.graph.call_function(torch.ops.kvpp.wait.default, (4, 0, [], []))
+    return gm, table
+
+
+def mutate_component_name():
+    gm = rewritten()
+    wait = kvpp_nodes(gm, "wait")[1]
+    (cache,) = wait.args[2]
+    wait.update_arg(2, [cache, cache])
+    wait.update_arg(3, ["kv", "kv_scale"])  # the toy bundle has only "kv"
+    return gm, TABLE
+
+
+def mutate_cache_operand_through_a_copy():
+    gm = rewritten()
+    view = node_named(gm, "kv_L2")
+    attn2 = node_named(gm, "attn_2")
+    with gm.graph.inserting_before(attn2):
+        copy = gm.graph.call_function(torch.ops.aten.clone.default, (view,))
+    attn2.update_arg(2, copy)
+    return gm, TABLE
+
+
+def mutate_extra_reader_of_an_original_cache():
+    gm = rewritten()
+    cache = kvpp_nodes(gm, "wait")[1].args[2][0]
+    with gm.graph.inserting_after(cache):
+        gm.graph.call_function(torch.ops.aten.mean.default, (cache,))
+    return gm, TABLE
+
+
+MUTATIONS = [
+    ("counts", mutate_drop_final_prefetch, "layer 4 is prefetched 0 times, expected 1"),
+    ("counts", mutate_drop_a_layer_whose_ops_have_no_cache_operand, "layer 3 is awaited 0 times"),
+    ("slots", mutate_wait_slot, "kvpp_wait_L2 uses slot 1 for layer 2; the plan's slot is 0"),
+    ("slots", mutate_prefetch_slot, "kvpp_prefetch_L3 uses slot 0 for layer 3"),
+    ("outstanding", mutate_two_prefetches_in_flight,
+     "kvpp_prefetch_L1 prefetches layer 1 while layer 0's prefetch is still outstanding"),
+    ("outstanding", mutate_prefetch_after_its_wait, "kvpp_wait_L2 waits for layer 2, but the outstanding prefetch is none"),
+    ("order", mutate_layers_run_out_of_plan_order, r"prefetches run over layers \[0, 1, 3, 2\]"),
+    ("slot_reuse", mutate_late_reader_of_a_reused_slot,
+     "kvpp_prefetch_L2 refills slot 0 for layer 2 before the last reader of layer 0"),
+    ("layers", mutate_prefetch_for_an_unknown_layer, "layer 9, which is not a target layer"),
+    ("layers", mutate_wait_for_a_draft_layer, "draft layer 4"),
+    ("components", mutate_component_name, r"kvpp_wait_L1 names components \['kv', 'kv_scale'\]"),
+    ("binding", mutate_cache_operand_through_a_copy, "attn_2 reads layer 2's 'kv' cache from clone"),
+    ("originals", mutate_extra_reader_of_an_original_cache, "mean_default reads the original cache value l_caches_1_"),
+]
+
+
+@pytest.mark.parametrize("check,mutate,message", MUTATIONS, ids=[m[1].__name__.removeprefix("mutate_") for m in MUTATIONS])
+def test_verifier_mutation(check, mutate, message):
+    gm, table = mutate()
+    with pytest.raises(KVPPGraphVerificationError, match=message) as err:
+        verify_graph(gm.graph, table)
+    assert err.value.checks == {check}, str(err.value)
+    assert len(err.value.problems) == len(set(err.value.problems))
+
+
+def test_every_check_has_a_mutation():
+    import kvpp_fx.passes.verify as verify
+
+    documented = {line.split("``")[1] for line in verify.__doc__.splitlines() if line.startswith("- ``")}
+    assert documented - {check for check, _, _ in MUTATIONS} == {"pieces"}  # tested below
 
 
 def test_verifier_rejects_cache_ops_in_a_compiled_piece():
@@ -124,19 +356,27 @@ def test_verifier_rejects_cache_ops_in_a_compiled_piece():
     verify_graph(gm.graph, TABLE, split.pieces)
     eager = next(p for p in split.pieces if p.is_eager)
     disguised = Piece(eager.name, eager.index, False, eager.graph_module)
-    with pytest.raises(KVPPGraphVerificationError, match=f"compiled piece {eager.name} contains kvpp or cache ops"):
+    with pytest.raises(KVPPGraphVerificationError, match=f"compiled piece {eager.name} contains kvpp or cache ops") as err:
         verify_graph(gm.graph, TABLE, [disguised])
+    assert err.value.checks == {"pieces"}
 
 
 def test_split_keeps_order_and_isolates_split_points():
     gm = rewritten()
     split = split_pieces(gm)
-    kinds = [p.is_eager for p in split.pieces]
-    assert kinds == [True, False] + [True, False] * 4
-    for piece in split.pieces:
-        has_split_op = any(find_spec(n) or (n.op == "call_function" and is_kvpp_op(n.target))
-                           for n in piece.graph_module.graph.nodes)
-        assert has_split_op == piece.is_eager
+    projections = "tanh, linear, .split, linear, .view, .split"
+    expected = ["submod_0 [eager]: kvpp.prefetch(0, 0)", f"submod_1 [compiled]: {projections}"]
+    for layer in range(4):
+        suffix = f"_{layer}" if layer else ""
+        ops = [f"kvpp.wait({layer}, {layer % 2}, [l_caches_{layer}_], ['kv'])"]
+        ops += [f"kvpp.prefetch({layer + 1}, {(layer + 1) % 2})"] if layer < 3 else []
+        ops += [f"kvpp_ref.write_kv(getitem, kv_c{suffix}, k_pe{suffix}, l_slot_mapping_, {layer})",
+                f"kvpp_ref.mla_attention(q_latent{suffix}, q_pe{suffix}, getitem, l_block_table_, l_seq_lens_, "
+                f"l_query_lens_, 0.5, {layer})"]
+        expected.append(f"submod_{2 + 2 * layer} [eager]: " + "; ".join(ops))
+        rest = ".flatten, linear, add" + (f", {projections}" if layer < 3 else "")
+        expected.append(f"submod_{3 + 2 * layer} [compiled]: {rest}")
+    assert describe_pieces(split.pieces).splitlines() == expected
 
 
 def test_registry_matching_and_user_specs():

@@ -107,3 +107,82 @@ class ToyVLLMStyle(nn.Module):
         for proj, name in zip(self.proj, self.names):
             x = x + torch.ops.toy_vllm.unified_attention(proj(x), name)
         return x
+
+
+# --- variants for the refusal and graph-break tests -----------------------------------------------
+
+class ToyMLAStrayRead(ToyMLA):
+    """Layer 1 also reads its cache through an op the pass does not know (``cache.mean()``)."""
+
+    def forward(self, x, caches, slot_mapping, block_table, seq_lens, query_lens):
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            x = layer(x, cache, slot_mapping, block_table, seq_lens, query_lens)
+            if i == 1:
+                x = x + 1e-2 * cache.mean()
+        return x
+
+
+@torch.library.custom_op("toy_unregistered::attention", mutates_args=())
+def unregistered_attention(q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    return q * cache.float().mean()
+
+
+@unregistered_attention.register_fake
+def _(q, cache):
+    return torch.empty_like(q)
+
+
+class ToyUnregistered(nn.Module):
+    """Attention through an op that no AttentionOpSpec names."""
+
+    def __init__(self, num_layers: int = 4) -> None:
+        super().__init__()
+        self.proj = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN, bias=False) for _ in range(num_layers))
+
+    def forward(self, x, caches, slot_mapping, block_table, seq_lens, query_lens):
+        for proj, cache in zip(self.proj, caches):
+            x = x + torch.ops.toy_unregistered.attention(proj(x), cache)
+        return x
+
+
+BREAKS = ("between_layers", "inside_layer", "after_last_layer")
+
+
+class ToyMLABreakingLayer(ToyMLALayer):
+    """Breaks the graph after its projections, before its first cache op."""
+
+    def forward(self, x, cache, slot_mapping, block_table, seq_lens, query_lens):
+        h = torch.tanh(x)
+        kv_c, k_pe = self.kv_a(h).split([RANK, ROPE], dim=-1)
+        q_latent, q_pe = self.q(h).view(-1, HEADS, RANK + ROPE).split([RANK, ROPE], dim=-1)
+        torch._dynamo.graph_break()
+        torch.ops.kvpp_ref.write_kv(cache, kv_c, k_pe, slot_mapping, self.index)
+        attn = torch.ops.kvpp_ref.mla_attention(q_latent, q_pe, cache, block_table, seq_lens, query_lens,
+                                                0.5, self.index)
+        return x + self.o(attn.flatten(1))
+
+
+class ToyMLAWithBreak(ToyMLA):
+    """ToyMLA with one Dynamo graph break: after layer 1, inside layer 2 (before its cache ops), or after
+    the last layer. Same weights as ``ToyMLA(num_layers, seed)``."""
+
+    def __init__(self, where: str, num_layers: int = 4, seed: int = 0) -> None:
+        super().__init__(num_layers, seed)
+        if where not in BREAKS:
+            raise ValueError(f"where must be one of {BREAKS}, got {where!r}.")
+        self.where = where
+        if where == "inside_layer":
+            old = self.layers[2]
+            new = ToyMLABreakingLayer(2)
+            new.load_state_dict(old.state_dict())
+            self.layers[2] = new
+
+    def forward(self, x, caches, slot_mapping, block_table, seq_lens, query_lens):
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            x = layer(x, cache, slot_mapping, block_table, seq_lens, query_lens)
+            if self.where == "between_layers" and i == 1:
+                torch._dynamo.graph_break()
+        if self.where == "after_last_layer":
+            torch._dynamo.graph_break()
+            x = torch.tanh(x) * 2
+        return x
