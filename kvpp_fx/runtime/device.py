@@ -1,17 +1,22 @@
-"""Device-generic streams, events and process-group backends.
+"""Device-generic streams, events, collectives and process-group backends.
 
 Everything goes through ``torch.get_device_module(device)`` so that one code path serves CPU (gloo),
 CUDA (NCCL) and Ascend NPU (HCCL). On CPU, torch's own stream and event classes are no-ops, and the
-gloo work runs on its own thread. torch_npu is imported only on demand, inside a guard.
+gloo work runs on gloo's own threads. torch_npu is imported only on demand, inside a guard.
+
+`DeviceAPI` is the runtime's only door to device ordering: every stream, event and collective call goes
+through it, so a recording subclass can log them and prove the ordering on a CPU host.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -71,3 +76,26 @@ class DeviceAPI:
         event = self.new_event()
         event.record(stream if stream is not None else self.current_stream())
         return event
+
+    # --- collectives ------------------------------------------------------------------------------
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> Any:
+        """Issue an async broadcast on the current stream; returns its work handle."""
+        return dist.broadcast(tensor, src=src, group=group, async_op=True)
+
+    def wait_work(self, work: Any, timeout: timedelta) -> None:
+        """Order everything issued later on the current stream after `work`.
+
+        On CPU the host itself waits, bounded by `timeout` (gloo raises on expiry). On a device the
+        current stream waits and the host does not: a timeout given to ``Work.wait`` would block the
+        host, so the bound there comes from the communicator's watchdog and the runtime's per-forward
+        check (`host_wait_work`).
+        """
+        if self.is_cpu:
+            work.wait(timeout)
+        else:
+            work.wait()
+
+    def host_wait_work(self, work: Any, timeout: timedelta) -> None:
+        """Block the host until `work` completes or `timeout` expires (raises on expiry)."""
+        work.wait(timeout)

@@ -13,6 +13,10 @@ class NestedForwardError(KVPPRuntimeError):
     """``runtime.forward`` was entered while another forward is open."""
 
 
+class UnsupportedPlanError(KVPPRuntimeError):
+    """The plan asks for something the runtime does not implement (e.g. sharded draft layers)."""
+
+
 class UnknownLayerError(KVPPRuntimeError):
     """The layer is not a broadcast (target) layer of the plan."""
 
@@ -26,11 +30,15 @@ class PrefetchPendingError(KVPPRuntimeError):
 
 
 class SlotBusyError(PrefetchPendingError):
-    """A prefetch reuses the scratch slot of the layer still pending."""
+    """A prefetch targets a scratch slot that a pending or the last awaited layer still uses."""
 
 
 class PrefetchOrderError(KVPPRuntimeError):
     """Layers were prefetched out of the plan's execution order (ranks would desynchronise)."""
+
+
+class SkippedLayerError(PrefetchOrderError):
+    """A target layer was not prefetched and awaited in its turn (at a prefetch, or at forward exit)."""
 
 
 class WaitMismatchError(KVPPRuntimeError):
@@ -38,12 +46,19 @@ class WaitMismatchError(KVPPRuntimeError):
 
 
 class TransferFailedError(KVPPRuntimeError):
-    """A broadcast failed on the transfer thread; re-raised on the compute thread."""
+    """A broadcast failed; the runtime is broken from then on."""
+
+
+class TransferTimeoutError(TransferFailedError):
+    """A broadcast did not complete within the runtime's timeout (a dead or stalled peer)."""
 
 
 class ForwardClosedError(KVPPRuntimeError):
-    """The forward was closed by an earlier failure."""
+    """The forward or the runtime can no longer be used."""
 
 
-class SkippedLayerError(KVPPRuntimeError):
-    """A forward ended without awaiting every target layer."""
+class RuntimeBrokenError(ForwardClosedError):
+    """An earlier failure left the group's broadcast sequence unknown; the message names the first cause.
+
+    Recovery: destroy the process group, create a new one and a new `KVPPRuntime` over it.
+    """

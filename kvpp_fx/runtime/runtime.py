@@ -1,9 +1,22 @@
 """`KVPPRuntime`: the object users hold. It owns every cache byte of its rank and serves the ops.
 
-Per forward (``with runtime.forward(has_history): ...``), the graph calls, for target layers in
-execution order: ``prefetch(first)``, then ``wait(L)`` followed by ``prefetch(next)``. ``wait`` returns
-the view attention must read: persistent on the owner, the layer's scratch slot elsewhere. A forward
-without history moves no bytes. Protocol violations raise the named errors of `errors`.
+Per forward (``with runtime.forward(has_history): ...``) the graph calls, for the target layers in plan
+order: ``prefetch(first)``, then ``wait(L)`` followed by ``prefetch(next)``. ``prefetch`` issues the
+layer's broadcast on the calling thread and returns at once; ``wait`` makes the compute stream wait for
+it and returns the view attention must read: persistent on the owner, the layer's scratch slot
+elsewhere. A forward without history moves no bytes.
+
+Invariants:
+- Every rank issues its broadcasts from the forward's thread in plan order, interleaved with its other
+  collectives exactly as the graph orders them (no transfer thread).
+- The protocol is checked at each op from plan data only, so every rank raises the same named error
+  at the same op: at most one broadcast in flight; ``prefetch`` names the plan's next layer; it never
+  targets the slot of the in-flight or the last awaited layer; ``wait`` names the in-flight layer.
+- Nothing issued is cancelled. A forward that ends with a broadcast in flight completes it within the
+  timeout. A failed or timed-out broadcast, or a forward that raised after issuing any broadcast,
+  breaks the runtime: a peer may have paired that broadcast with a different collective, so no later
+  byte can be trusted. Every later forward raises `RuntimeBrokenError` naming the first cause.
+  Recovery is a new process group and a new runtime.
 """
 
 from __future__ import annotations
@@ -11,15 +24,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from kvpp_fx.cache.allocate import CacheStorage
-from kvpp_fx.cache.placement import KVPPPlan
+from kvpp_fx.cache.placement import MIN_DEPTH, KVPPPlan
 from kvpp_fx.runtime.device import DeviceAPI
 from kvpp_fx.runtime.errors import (
     ForwardClosedError,
@@ -27,15 +42,18 @@ from kvpp_fx.runtime.errors import (
     NoActiveForwardError,
     PrefetchOrderError,
     PrefetchPendingError,
+    RuntimeBrokenError,
     SkippedLayerError,
     SlotBusyError,
     SlotMismatchError,
+    TransferFailedError,
     UnknownLayerError,
+    UnsupportedPlanError,
     WaitMismatchError,
 )
-from kvpp_fx.runtime.scheduler import PendingPrefetch, PrefetchScheduler
+from kvpp_fx.runtime.stats import TransferStats
 from kvpp_fx.runtime.timeline import Timeline
-from kvpp_fx.runtime.transport import BroadcastTransport
+from kvpp_fx.runtime.transport import BroadcastTransport, InFlight
 
 logger = logging.getLogger(__name__)
 
@@ -51,23 +69,30 @@ def current_runtime() -> KVPPRuntime:
     runtime = _CURRENT.get()
     if runtime is None:
         raise NoActiveForwardError(
-            "kvpp.prefetch/kvpp.wait ran outside `with runtime.forward(has_history):`."
-        )
+            "kvpp.prefetch/kvpp.wait ran outside `with runtime.forward(has_history):`.")
     return runtime
+
+
+def group_timeout(group: Any, device: torch.device) -> timedelta:
+    """The timeout the process group was created with (torch's default when it cannot be read)."""
+    try:
+        return group._get_backend(device).options._timeout
+    except Exception:  # private API: fall back rather than fail
+        return dist.default_pg_timeout
 
 
 @dataclass
 class _Forward:
     has_history: bool
-    pending: PendingPrefetch | None = None
-    last_position: int = -1  # position in plan.target_layers of the last prefetch
-    awaited: list[int] = field(default_factory=list)
-    failure: BaseException | None = None
+    next_position: int = 0  # plan position of the only layer the next prefetch may name
+    in_flight: InFlight | None = None
+    last_awaited: int | None = None
+    issued: int = 0
 
 
 class KVPPRuntime:
     def __init__(self, plan: KVPPPlan, storage: CacheStorage, group: Any, rank: int, device_api: DeviceAPI,
-                 transport: BroadcastTransport, timeline: Timeline | None, overlap: bool = True) -> None:
+                 transport: BroadcastTransport | None, timeline: Timeline | None, overlap: bool = True) -> None:
         self.plan = plan
         self.storage = storage
         self.group = group
@@ -75,21 +100,37 @@ class KVPPRuntime:
         self.api = device_api
         self.transport = transport
         self.timeline = timeline
-        self.scheduler = PrefetchScheduler(transport, device_api, timeline)
         self.overlap = overlap
+        targets = plan.target_layers
+        self._position = {layer: k for k, layer in enumerate(targets)}
+        self._slot = {layer: plan.slot(layer) for layer in targets}
+        self._views = {layer: storage.byte_view(layer) for layer in targets}
+        self._src = ({layer: dist.get_global_rank(group, plan.owners[layer]) for layer in targets}
+                     if group is not None else {})
+        self._stats = TransferStats(targets)
         self._forward: _Forward | None = None
-        self._required = tuple(i for i in plan.target_layers if i not in plan.spec.draft_layers)
+        self._broken: BaseException | None = None
         self._closed = False
 
     @classmethod
     def create(cls, plan: KVPPPlan, storage: CacheStorage, group: Any = None, *,
                delay: Callable[[int], float] | None = None, timeline: Timeline | None = None,
-               overlap: bool = True) -> KVPPRuntime:
+               overlap: bool = True, timeout: timedelta | float | None = None,
+               device_api: DeviceAPI | None = None) -> KVPPRuntime:
         """`group` is this rank's KVPP process group (None only for a group of one).
 
-        ``overlap=False`` completes each broadcast inside its prefetch: the same bytes move, nothing
-        hides behind compute (a baseline for benchmarks and a debugging aid).
+        ``timeout`` bounds every broadcast (seconds or a timedelta); by default the group's own
+        timeout. ``overlap=False`` completes each broadcast inside its prefetch: the same bytes move,
+        nothing hides behind compute (a baseline for benchmarks). ``delay(layer)`` returns seconds to
+        sleep before issuing a broadcast (a test hook; also ``KVPP_TRANSPORT_DELAY_MS``).
+        ``device_api`` replaces the device API (tests record device ordering through it).
         """
+        if plan.shard_draft_layers and plan.spec.draft_layers:
+            raise UnsupportedPlanError(
+                "shard_draft_layers=True is a planning what-if only: draft layers stay local on every "
+                "rank at runtime. Build the plan with shard_draft_layers=False.")
+        if plan.depth < MIN_DEPTH:
+            raise UnsupportedPlanError(f"scratch depth must be at least {MIN_DEPTH}, got {plan.depth}.")
         if group is None:
             if plan.group_size != 1:
                 raise ValueError(f"a KVPP group of size {plan.group_size} needs a process group.")
@@ -102,8 +143,16 @@ class KVPPRuntime:
         if storage.rank != rank or storage.plan is not plan:
             raise ValueError(f"storage was allocated for rank {storage.rank} of another plan, "
                              f"this is rank {rank}.")
-        api = DeviceAPI(storage.device)
-        transport = BroadcastTransport(group, api, delay=delay, timeline=timeline)
+        api = device_api if device_api is not None else DeviceAPI(storage.device)
+        transport = None
+        if group is not None and plan.enabled:
+            if timeout is None:
+                timeout = group_timeout(group, storage.device)
+            elif not isinstance(timeout, timedelta):
+                timeout = timedelta(seconds=float(timeout))
+            if timeout.total_seconds() <= 0:
+                raise ValueError(f"timeout must be positive, got {timeout}.")
+            transport = BroadcastTransport(group, api, plan.depth, timeout, delay=delay)
         return cls(plan, storage, group, rank, api, transport, timeline, overlap)
 
     # --- views ------------------------------------------------------------------------------------
@@ -120,108 +169,186 @@ class KVPPRuntime:
 
     # --- the forward context ------------------------------------------------------------------------
 
+    @property
+    def broken(self) -> BaseException | None:
+        """The first failure that broke the runtime, or None."""
+        return self._broken
+
     @contextlib.contextmanager
     def forward(self, has_history: bool) -> Iterator[KVPPRuntime]:
         if self._closed:
             raise KVPPRuntimeClosed("this KVPPRuntime was closed.")
+        self._raise_if_broken()
         if self._forward is not None:
             raise NestedForwardError("runtime.forward() is already open.")
-        state = _Forward(has_history=bool(has_history) and self.plan.enabled)
+        state = _Forward(has_history=bool(has_history) and self.transport is not None)
         self._forward = state
-        self.transport.counters.begin_forward(state.has_history)
+        self._stats.begin_forward(state.has_history)
         token = _CURRENT.set(self)
-        ok = False
         try:
             yield self
-            ok = True
+        except BaseException as exc:
+            self._end(state, exc)
+            raise
+        else:
+            self._end(state, None)
         finally:
             _CURRENT.reset(token)
-            self._forward = None
-            self._finish(state, ok)
 
-    def _finish(self, state: _Forward, ok: bool) -> None:
-        pending = state.pending
-        if pending is not None:
-            self.scheduler.drain(pending, lambda exc: logger.warning(
-                "KVPP broadcast of layer %d failed while the forward ended: %s", pending.layer, exc))
-        if not ok or state.failure is not None:
-            return
-        skipped = [i for i in self._required if i not in state.awaited]
-        if skipped:
-            raise SkippedLayerError(
-                f"the forward ended without awaiting layers {skipped}; every target layer must be awaited "
-                "once per forward.")
+    def _end(self, state: _Forward, exc: BaseException | None) -> None:
+        """Complete what is in flight, break the runtime where the group may be out of step."""
+        self._forward = None
+        flight, state.in_flight = state.in_flight, None
+        try:
+            if flight is not None and flight.work is not None:
+                try:
+                    self.transport.complete_on_host(flight)
+                    self._stats.record(flight.layer, flight.nbytes)
+                except TransferFailedError as failure:
+                    self._break(failure)
+                    if exc is None:
+                        raise
+            if exc is not None:
+                if state.issued:
+                    self._break(exc)
+                return
+            self._raise_if_broken()  # a failure inside this forward was caught by the caller
+            missing = len(self.plan.target_layers) - state.next_position
+            if missing:
+                skipped = list(self.plan.target_layers[state.next_position:])
+                error = SkippedLayerError(
+                    f"the forward ended without awaiting layers {skipped}; every target layer must be "
+                    "awaited once per forward.")
+                if state.issued:
+                    self._break(error)
+                raise error
+        finally:
+            self._stats.end_forward()
+
+    def _break(self, cause: BaseException) -> None:
+        if self._broken is None:
+            self._broken = cause
+            logger.error("KVPP runtime on rank %d is broken: %s: %s", self.rank, type(cause).__name__, cause)
+
+    def _raise_if_broken(self) -> None:
+        if self._broken is not None:
+            cause = self._broken
+            raise RuntimeBrokenError(
+                f"this KVPPRuntime is broken since {type(cause).__name__}: {cause}. The group's broadcast "
+                "sequence can no longer be trusted; create a new process group and a new KVPPRuntime."
+            ) from cause
 
     def _active(self) -> _Forward:
         state = self._forward
         if state is None or _CURRENT.get() is not self:
             raise NoActiveForwardError("kvpp ops ran outside `with runtime.forward(has_history):`.")
-        if state.failure is not None:
-            raise ForwardClosedError(f"this forward was closed by an earlier failure: {state.failure}")
+        self._raise_if_broken()
         return state
 
-    def _check_layer(self, layer: int, slot: int) -> int:
-        if layer not in self.plan.target_layers:
-            raise UnknownLayerError(f"layer {layer} is not a broadcast layer of this plan "
-                                    f"(targets: {list(self.plan.target_layers)}).")
-        if slot != self.plan.slot(layer):
-            raise SlotMismatchError(f"layer {layer} uses slot {self.plan.slot(layer)}, the graph asked "
+    def _position_of(self, layer: int, slot: int) -> int:
+        position = self._position.get(layer)
+        if position is None:
+            kind = "a local draft layer" if layer in self.plan.local_draft_layers else "not a target layer"
+            raise UnknownLayerError(f"layer {layer} is not a broadcast layer of this plan ({kind}; "
+                                    f"targets: {list(self.plan.target_layers)}).")
+        if slot != self._slot[layer]:
+            raise SlotMismatchError(f"layer {layer} uses slot {self._slot[layer]}, the graph asked "
                                     f"for slot {slot}.")
-        return self.plan.target_layers.index(layer)
+        return position
 
     # --- the two ops ------------------------------------------------------------------------------
 
     def prefetch(self, layer: int, slot: int) -> None:
+        start = time.perf_counter_ns()
         state = self._active()
-        position = self._check_layer(layer, slot)
-        if state.pending is not None:
-            kind = SlotBusyError if state.pending.slot == slot else PrefetchPendingError
-            raise kind(f"prefetch of layer {layer} (slot {slot}) while layer {state.pending.layer} "
-                       f"(slot {state.pending.slot}) is still pending.")
-        if position <= state.last_position:
-            raise PrefetchOrderError(
-                f"layer {layer} prefetched after layer {self.plan.target_layers[state.last_position]}; "
-                "layers must follow the plan's execution order on every rank.")
-        state.last_position = position
-        state.pending = self.scheduler.submit(layer, slot, self.view(layer), self.plan.owners[layer],
-                                              communicate=state.has_history)
+        busy = state.in_flight
+        if busy is not None:
+            kind = SlotBusyError if busy.slot == slot else PrefetchPendingError
+            raise kind(f"prefetch of layer {layer} (slot {slot}) while layer {busy.layer} "
+                       f"(slot {busy.slot}) is still pending.")
+        last = state.last_awaited
+        if last is not None and self._slot[last] == slot:
+            raise SlotBusyError(f"prefetch of layer {layer} into slot {slot}, which layer {last}'s attention "
+                                "is still reading.")
+        position = self._position_of(layer, slot)
+        if position != state.next_position:
+            targets = self.plan.target_layers
+            if position > state.next_position:
+                raise SkippedLayerError(
+                    f"prefetch of layer {layer} skips layers {list(targets[state.next_position:position])}; "
+                    "layers must follow the plan's execution order on every rank.")
+            after = targets[state.next_position - 1]
+            raise PrefetchOrderError(f"layer {layer} prefetched after layer {after}; layers must follow the "
+                                     "plan's execution order on every rank.")
+        flight = InFlight(layer, slot, 0, None, start)
+        if state.has_history:
+            flight = self.transport.issue(layer, slot, self._views[layer], self._src[layer])
+            state.issued += 1
+        state.in_flight = flight
         if not self.overlap:
-            try:
-                self.scheduler.complete(state.pending)
-            except Exception as exc:
-                state.failure = exc
-                raise
-            state.pending.future = None
+            self._complete(flight)
+        if self.timeline is not None:
+            self.timeline.add(f"prefetch L{layer}", "prefetch", start, time.perf_counter_ns(),
+                              layer=layer, slot=slot, communicate=state.has_history)
 
     def wait(self, layer: int, slot: int) -> torch.Tensor:
+        start = time.perf_counter_ns()
         state = self._active()
-        self._check_layer(layer, slot)
-        pending = state.pending
-        if pending is None or pending.layer != layer:
-            expected = "nothing is pending" if pending is None else f"layer {pending.layer} is pending"
+        position = self._position_of(layer, slot)
+        flight = state.in_flight
+        if flight is None or flight.layer != layer:
+            expected = "nothing is pending" if flight is None else f"layer {flight.layer} is pending"
             raise WaitMismatchError(f"wait for layer {layer}, but {expected}.")
-        state.pending = None
+        state.in_flight = None
+        self._complete(flight)
+        state.last_awaited = layer
+        state.next_position = position + 1
+        if self.timeline is not None:
+            self.timeline.add(f"wait L{layer}", "wait", start, time.perf_counter_ns(), layer=layer)
+        return self._views[layer]
+
+    def _complete(self, flight: InFlight) -> None:
+        if flight.work is None:
+            return
         try:
-            self.scheduler.complete(pending)
-        except Exception as exc:
-            state.failure = exc
+            self.transport.complete(flight)
+        except TransferFailedError as exc:
+            self._break(exc)
             raise
-        state.awaited.append(layer)
-        return self.view(layer)
+        self._stats.record(flight.layer, flight.nbytes)
+        if self.timeline is not None:
+            self.timeline.add(f"broadcast L{flight.layer}", "broadcast", flight.issued_ns,
+                              time.perf_counter_ns(), layer=flight.layer, bytes=flight.nbytes,
+                              src=self._src[flight.layer])
 
     # --- counters and lifetime ---------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        out = self.transport.counters.snapshot()
+        """Totals, per-layer totals and the last forward; O(layers) whatever the number of forwards.
+
+        Keys: ``forwards`` (count), ``broadcasts``, ``bytes`` (sent or received by this rank),
+        ``per_layer`` ({layer: {broadcasts, bytes}}), ``last_forward`` ({has_history, broadcasts,
+        bytes, layers} or None), ``broken`` (the first cause, or None), and the allocation.
+        """
+        out = self._stats.snapshot()
         out.update(rank=self.rank, allocated_bytes=self.storage.allocated_bytes,
                    persistent_layers=list(self.storage.persistent_layers),
-                   scratch_buffers=len(self.storage.scratch))
+                   scratch_buffers=len(self.storage.scratch),
+                   broken=None if self._broken is None else f"{type(self._broken).__name__}: {self._broken}")
         return out
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.scheduler.close()
+        """Release the runtime; a broadcast still in flight gets at most the timeout to complete."""
+        if self._closed:
+            return
+        self._closed = True
+        state = self._forward
+        if state is not None and state.in_flight is not None and state.in_flight.work is not None:
+            try:
+                self.transport.complete_on_host(state.in_flight)
+            except TransferFailedError as exc:
+                self._break(exc)
+            state.in_flight = None
 
     def __enter__(self) -> KVPPRuntime:
         return self

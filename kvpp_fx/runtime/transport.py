@@ -1,13 +1,21 @@
-"""Whole-layer broadcast of one layer's bundle from its owner to the KVPP group, on a side stream.
+"""One layer's broadcast from its owner to the KVPP group, issued in program order on a side stream.
 
-Protocol (DESIGN.md, "Runtime"), for every rank, the owner included, once per target layer in
-execution order:
-  1. the transfer stream waits on the ``ready`` event recorded on the compute stream at prefetch;
-  2. ``dist.broadcast(view, src=<owner's global rank>, group=<kvpp group>, async_op=True)``;
-  3. ``work.wait()``;
-  4. record ``done`` on the transfer stream and synchronize it.
-Step 4 returns only when the bytes have landed, so the owner's persistent view is never rewritten by
-the next step's attention while the broadcast still reads it.
+Protocol (DESIGN.md, "Runtime"), on every rank of the group, the owner included, once per target layer:
+
+  issue (at ``prefetch``, on the forward's own thread):
+    1. record ``ready[slot]`` on the compute stream;
+    2. the transfer stream waits on ``ready[slot]``;
+    3. ``dist.broadcast(view, src=owner, async_op=True)`` under the transfer stream; return at once.
+  complete (at ``wait``):
+    4. under the transfer stream, wait for the work (bounded by the timeout where the host waits);
+    5. record ``done[slot]`` on the transfer stream; the compute stream waits on it.
+
+Invariants. Step 2 orders the broadcast into a slot after every compute-stream access issued before
+the prefetch: the previous layer that used the slot, and on the owner the writes into its persistent
+view. Step 5 orders every compute-stream access issued after the wait (attention's reads and writes,
+the owner's next writes) after the broadcast. No step blocks the host on a device; on CPU the gloo work
+runs on gloo's own threads and step 4 is a bounded host wait. Events are reused per slot, so the
+per-layer cost allocates nothing.
 """
 
 from __future__ import annotations
@@ -15,18 +23,16 @@ from __future__ import annotations
 import logging
 import os
 import random
-import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from kvpp_fx.runtime.device import DeviceAPI
-from kvpp_fx.runtime.timeline import Timeline
+from kvpp_fx.runtime.errors import TransferFailedError, TransferTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +42,8 @@ DELAY_ENV = "KVPP_TRANSPORT_DELAY_MS"
 def delay_from_env(value: str | None = None) -> Callable[[int], float] | None:
     """Parse ``KVPP_TRANSPORT_DELAY_MS``: "5" (fixed) or "0-20" (uniform random), in milliseconds.
 
-    A test hook: the delay is slept on the transfer thread before each broadcast.
+    A test hook: the delay is slept on the issuing thread before each broadcast is issued, so ranks
+    issue their broadcasts with a skew.
     """
     value = os.environ.get(DELAY_ENV) if value is None else value
     if not value:
@@ -55,67 +62,68 @@ def delay_from_env(value: str | None = None) -> Callable[[int], float] | None:
 
 
 @dataclass
-class TransferCounters:
-    """Broadcast counts and bytes, in total, per layer and per forward."""
+class InFlight:
+    """A broadcast issued and not yet completed. ``work`` is None once completed."""
 
-    broadcasts: int = 0
-    bytes: int = 0
-    per_layer: dict[int, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
-    forwards: list[dict[str, Any]] = field(default_factory=list)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def begin_forward(self, has_history: bool) -> None:
-        with self._lock:
-            self.forwards.append({"has_history": has_history, "broadcasts": 0, "bytes": 0, "layers": []})
-
-    def record(self, layer: int, nbytes: int) -> None:
-        with self._lock:
-            self.broadcasts += 1
-            self.bytes += nbytes
-            self.per_layer[layer][0] += 1
-            self.per_layer[layer][1] += nbytes
-            if self.forwards:
-                current = self.forwards[-1]
-                current["broadcasts"] += 1
-                current["bytes"] += nbytes
-                current["layers"].append(layer)
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {
-                "broadcasts": self.broadcasts,
-                "bytes": self.bytes,
-                "per_layer": {layer: {"broadcasts": c, "bytes": b} for layer, (c, b) in sorted(self.per_layer.items())},
-                "forwards": [dict(f, layers=list(f["layers"])) for f in self.forwards],
-            }
+    layer: int
+    slot: int
+    nbytes: int
+    work: Any
+    issued_ns: int
 
 
 class BroadcastTransport:
-    """Carries out the broadcast protocol for one KVPP group."""
+    """Issues and completes broadcasts for one KVPP group; holds the transfer stream and the events."""
 
-    def __init__(self, group: Any, device_api: DeviceAPI, *, delay: Callable[[int], float] | None = None,
-                 timeline: Timeline | None = None) -> None:
+    def __init__(self, group: Any, device_api: DeviceAPI, depth: int, timeout: timedelta, *,
+                 delay: Callable[[int], float] | None = None) -> None:
         self.group = group
         self.api = device_api
-        self.stream = device_api.new_stream()
+        self.timeout = timeout
         self.delay = delay if delay is not None else delay_from_env()
-        self.timeline = timeline
-        self.counters = TransferCounters()
+        self.compute_stream = device_api.current_stream()
+        self.stream = device_api.new_stream()
+        self._ready = [device_api.new_event() for _ in range(depth)]
+        self._done = [device_api.new_event() for _ in range(depth)]
 
-    def broadcast(self, layer: int, view: torch.Tensor, owner_in_group: int, ready: Any) -> None:
-        start = time.perf_counter_ns()
-        self.stream.wait_event(ready)
+    def issue(self, layer: int, slot: int, view: torch.Tensor, src: int) -> InFlight:
         if self.delay is not None:
             time.sleep(self.delay(layer))
-        src = dist.get_global_rank(self.group, owner_in_group)
+        ready = self._ready[slot]
+        ready.record(self.compute_stream)
+        self.stream.wait_event(ready)
         with self.api.stream(self.stream):
-            work = dist.broadcast(view, src=src, group=self.group, async_op=True)
-            work.wait()
-            done = self.api.new_event()
+            try:
+                work = self.api.broadcast(view, src, self.group)
+            except Exception as exc:
+                raise TransferFailedError(f"broadcast of layer {layer} could not be issued: {exc}") from exc
+        return InFlight(layer, slot, view.numel() * view.element_size(), work, time.perf_counter_ns())
+
+    def complete(self, flight: InFlight) -> None:
+        """Make the compute stream wait for the broadcast. Raises `TransferFailedError` on failure."""
+        work, flight.work = flight.work, None
+        if work is None:
+            return
+        done = self._done[flight.slot]
+        with self.api.stream(self.stream):
+            self._wait(flight.layer, lambda: self.api.wait_work(work, self.timeout))
             done.record(self.stream)
-        done.synchronize()
-        nbytes = view.numel() * view.element_size()
-        self.counters.record(layer, nbytes)
-        if self.timeline is not None:
-            self.timeline.add(f"broadcast L{layer}", "broadcast", start, time.perf_counter_ns(),
-                              layer=layer, bytes=nbytes, src=src)
+        self.compute_stream.wait_event(done)
+
+    def complete_on_host(self, flight: InFlight) -> None:
+        """Block the host until the broadcast completed or the timeout expired (forward exit, close)."""
+        work, flight.work = flight.work, None
+        if work is not None:
+            self._wait(flight.layer, lambda: self.api.host_wait_work(work, self.timeout))
+
+    def _wait(self, layer: int, wait: Callable[[], None]) -> None:
+        start = time.monotonic()
+        try:
+            wait()
+        except Exception as exc:
+            elapsed = time.monotonic() - start
+            if elapsed >= self.timeout.total_seconds() * 0.99 or "timed out" in str(exc).lower():
+                raise TransferTimeoutError(
+                    f"broadcast of layer {layer} did not complete within {self.timeout.total_seconds():g}s "
+                    f"(a peer died or stopped issuing collectives): {exc}") from exc
+            raise TransferFailedError(f"broadcast of layer {layer} failed: {exc}") from exc

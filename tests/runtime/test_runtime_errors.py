@@ -39,7 +39,8 @@ def test_a_correct_forward_passes_and_returns_the_views():
             rt.wait(2, 0)
             rt.prefetch(3, 1)
             rt.wait(3, 1)
-        assert rt.stats()["forwards"][-1]["broadcasts"] == 0  # a group of one moves nothing
+        stats = rt.stats()
+        assert stats["forwards"] == 1 and stats["last_forward"]["broadcasts"] == 0  # a group of one moves nothing
 
 
 def test_ops_outside_a_forward():
@@ -75,6 +76,16 @@ def test_prefetch_while_pending_and_slot_busy():
                 rt.prefetch(2, 0)
 
 
+def test_prefetch_into_the_slot_the_last_awaited_layer_reads():
+    # The hazard is the slot layer 0's attention is still reading, not the (empty) pending one.
+    with make_runtime() as rt:
+        with pytest.raises(E.SlotBusyError, match="layer 1 into slot 0, which layer 0's attention is still reading"):
+            with rt.forward(has_history=True):
+                rt.prefetch(0, 0)
+                rt.wait(0, 0)
+                rt.prefetch(1, 0)
+
+
 def test_slot_that_disagrees_with_the_plan():
     with make_runtime() as rt:
         with pytest.raises(E.SlotMismatchError, match="layer 1 uses slot 1, the graph asked for slot 0"):
@@ -84,10 +95,21 @@ def test_slot_that_disagrees_with_the_plan():
 
 def test_out_of_order_prefetch():
     with make_runtime() as rt:
-        with pytest.raises(E.PrefetchOrderError, match="layer 1 prefetched after layer 2"):
+        with pytest.raises(E.PrefetchOrderError, match="layer 0 prefetched after layer 1"):
             with rt.forward(has_history=True):
-                rt.prefetch(2, 0)
-                rt.wait(2, 0)
+                run_all(rt, [0, 1])
+                rt.prefetch(0, 0)
+
+
+def test_a_skipped_layer_raises_at_the_prefetch_that_skips_it():
+    with make_runtime() as rt:
+        with pytest.raises(E.SkippedLayerError, match=r"prefetch of layer 3 skips layers \[1, 2\]"):
+            with rt.forward(has_history=True):
+                rt.prefetch(0, 0)
+                rt.wait(0, 0)
+                rt.prefetch(3, 1)
+        with pytest.raises(E.SkippedLayerError, match=r"prefetch of layer 1 skips layers \[0\]"):
+            with rt.forward(has_history=True):
                 rt.prefetch(1, 1)
 
 

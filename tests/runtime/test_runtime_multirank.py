@@ -1,4 +1,7 @@
-"""The runtime on real ranks: gloo on 127.0.0.1, spawned processes, timeouts everywhere."""
+"""The runtime on real ranks: gloo on 127.0.0.1, spawned processes, timeouts everywhere.
+
+Every correctness test here has a negative control: the same test with a deliberate fault fails.
+"""
 
 import pytest
 
@@ -12,19 +15,22 @@ pytestmark = pytest.mark.multirank
 def test_every_rank_reads_the_owners_bytes(world, tp, pp):
     forwards = 6
     results = run_ranks(workers.correctness_worker, world, tp, pp, 8, forwards, timeout_s=120)
+    bytes_per_layer = workers.BLOCKS * workers.BLOCK * workers.WIDTH * 4
     for rank, res in enumerate(results):
         assert res["mismatches"] == [], f"rank {rank}"
         stage_layers = res["layers"]
         assert len(stage_layers) == 8 // pp
-        fwd = res["stats"]["forwards"]
-        assert len(fwd) == forwards
-        for f, record in enumerate(fwd):
+        assert res["stats"]["forwards"] == forwards
+        for f, record in enumerate(res["records"]):
             if f % 3 == 0:
                 assert not record["has_history"] and record["broadcasts"] == 0 and record["bytes"] == 0
             else:
                 assert record["layers"] == stage_layers  # once per target layer, in order
-                bytes_per_layer = workers.BLOCKS * workers.BLOCK * workers.WIDTH * 4
                 assert record["bytes"] == len(stage_layers) * bytes_per_layer
+        with_history = sum(1 for f in range(forwards) if f % 3)
+        assert res["stats"]["bytes"] == with_history * len(stage_layers) * bytes_per_layer
+        assert all(v == {"broadcasts": with_history, "bytes": with_history * bytes_per_layer}
+                   for v in res["stats"]["per_layer"].values())
         # each rank keeps only its own layers, plus two scratch buffers
         assert res["stats"]["persistent_layers"] == res["owned"]
         assert res["stats"]["scratch_buffers"] == 2
@@ -32,29 +38,102 @@ def test_every_rank_reads_the_owners_bytes(world, tp, pp):
     assert owned == list(range(8))
 
 
-def test_race_random_delays_never_overwrite_a_view_early():
-    forwards = 60
-    results = run_ranks(workers.race_worker, 2, forwards, timeout_s=180)
-    for res in results:
-        assert res["early"] == []
-        assert res["final_ok"]
-        assert res["broadcasts"] == (forwards - 1) * 6
+@pytest.mark.parametrize("fault", [None, "no-wait"], ids=["runtime", "negative-control-no-wait"])
+def test_race_random_skews_never_read_a_view_early(fault):
+    forwards = 40
+    results = run_ranks(workers.race_worker, 2, forwards, fault, timeout_s=180)
+    if fault is None:
+        for res in results:
+            assert res["early"] == []
+            assert res["final_ok"]
+            assert res["broadcasts"] == (forwards - 1) * 6
+    else:  # without the wait, attention reads and writes slots the broadcast has not filled yet
+        assert any(res["early"] for res in results)
 
 
-def test_a_dead_rank_becomes_an_error_within_the_timeout():
-    pg_timeout = 5.0
-    results = run_ranks(workers.dying_worker, 3, 1, pg_timeout, timeout_s=90, pg_timeout_s=pg_timeout,
-                        may_die={1})
-    assert results[1] is None
+@pytest.mark.parametrize("how", ["kill", "stall"])
+def test_a_dead_or_stalled_peer_becomes_an_error_within_the_timeout(how):
+    timeout = 3.0
+    results = run_ranks(workers.dying_worker, 3, 1, how, timeout, timeout_s=90, may_die={1})
+    assert results[1] is None or how == "stall"
     for rank in (0, 2):
-        assert results[rank]["error"] == "TransferFailedError", results[rank]
-        assert results[rank]["elapsed"] < pg_timeout + 5.0
+        res = results[rank]
+        assert res["error"] in ("TransferFailedError", "TransferTimeoutError"), res
+        assert res["elapsed"] < timeout + 5.0, res
+        assert res["later"] == "RuntimeBrokenError", res
+    if how == "stall":  # alive but silent: only the timeout can tell
+        assert {results[r]["error"] for r in (0, 2)} == {"TransferTimeoutError"}
 
 
-def test_a_failed_transfer_is_reraised_at_wait_and_closes_the_forward():
+def test_a_failed_transfer_breaks_the_runtime_for_good():
     for seen in run_ranks(workers.failing_transfer_worker, 2, timeout_s=60):
         assert seen[0][:2] == ("wait", "TransferFailedError")
         assert "broadcast of layer 2 failed: injected transfer failure" in seen[0][2]
         assert seen[0][3] == "OSError"
-        assert seen[1][:2] == ("prefetch", "ForwardClosedError")
-        assert len(seen) == 2, seen
+        assert seen[1][:2] == ("prefetch", "RuntimeBrokenError")
+        assert seen[2][:2] == ("exit", "RuntimeBrokenError")  # the caller swallowed the errors: exit raises
+        assert seen[3][:2] == ("later", "RuntimeBrokenError") and seen[4][:2] == ("later", "RuntimeBrokenError")
+        assert "injected transfer failure" in seen[3][2] and "new process group" in seen[3][2]
+        assert seen[5][0] == "stats-broken" and "injected transfer failure" in seen[5][1]
+        assert len(seen) == 6, seen
+
+
+@pytest.mark.parametrize("mode", ["after-first", "mixed"])
+def test_an_aborted_forward_never_yields_wrong_bytes_later(mode):
+    results = run_ranks(workers.abort_worker, 2, 4, 3, mode, None, timeout_s=150)
+    for rank, res in enumerate(results):
+        assert res["wrong"] == [], res
+        for outcomes in res["outcomes"]:
+            assert set(outcomes) <= {"exact", "broken", "failed:TransferTimeoutError", "failed:TransferFailedError"}, outcomes
+            assert outcomes[-1] == "broken"  # every rank ends up refusing: the group is out of step
+    if mode == "after-first":  # every rank issued a broadcast and raised: all broken at once
+        assert all(o == ["broken"] * 3 for res in results for o in res["outcomes"])
+
+
+def test_negative_control_without_breaking_an_abort_yields_wrong_bytes():
+    results = run_ranks(workers.abort_worker, 2, 1, 3, "mixed", "no-break", timeout_s=150)
+    assert any(res["wrong"] for res in results), results
+
+
+def test_one_rank_raising_a_protocol_error_does_not_hang_its_peer():
+    timeout = 3.0
+    results = run_ranks(workers.one_rank_errs_worker, 2, timeout, timeout_s=60)
+    assert results[0]["error"] == "WaitMismatchError" and results[0]["broken"]
+    # rank 1 waits for a broadcast rank 0 never issues: a timeout, or a closed connection once rank 0 exits
+    assert results[1]["error"] in ("TransferTimeoutError", "TransferFailedError") and results[1]["broken"]
+    for res in results:
+        assert res["elapsed"] < timeout + 5.0
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "negative-control-serial"])
+def test_prefetch_returns_before_its_broadcast_completes(tmp_path, overlap):
+    results = run_ranks(workers.overlap_handshake_worker, 2, str(tmp_path), overlap, 3.0, timeout_s=60)
+    if overlap:
+        assert all(res["ok"] for res in results), results
+    else:  # a prefetch that completes its broadcast before returning cannot pass the handshake
+        assert not all(res["ok"] for res in results)
+        assert any("never returned from prefetch" in (res["error"] or "") for res in results)
+
+
+@pytest.mark.parametrize("drop", [(), ("transfer",), ("compute",)],
+                         ids=["runtime", "negative-control-no-ready-wait", "negative-control-no-done-wait"])
+def test_device_ordering_happens_before(drop):
+    results = run_ranks(workers.ordering_worker, 2, drop, 4, timeout_s=60)
+    for res in results:
+        assert res["collectives"] == 3 * 5 and res["accesses"] == 2 * 5 * 4
+        if not drop:
+            assert res["races"] == [], res["races"][:5]
+        else:
+            assert res["races"], "the checker must see the missing wait"
+    if drop == ("transfer",):  # the broadcast into a slot races the previous reader of that slot
+        assert any("broadcast" in race.split(" is not")[0] for res in results for race in res["races"])
+
+
+def test_memory_and_stats_stay_flat_over_3000_forwards():
+    results = run_ranks(workers.memory_worker, 2, 3000, 300, timeout_s=300)
+    for res in results:
+        assert res["forwards"] == 3000 and res["broadcasts"] == 3000 * 4
+        assert res["sizes"]["end"] == res["sizes"]["warm"]
+        assert res["traced_growth"] < 64 * 1024, res
+        assert res["rss"]["end"] - res["rss"]["warm"] < 8 * 2**20, res
+
