@@ -18,7 +18,17 @@ from typing import Any
 
 import pydantic
 
+# vllm-ascend's KVPP-aware PD connector: the only one that knows which rank owns a layer.
 SUPPORTED_CONNECTOR = "MooncakeConnectorV2"
+# vLLM 0.32's own KV connectors (vllm.distributed.kv_transfer.kv_connector.factory). Each reads every
+# layer's cache on every rank, and under KVPP a rank holds only its own layers (the rest are scratch
+# buffers), so none of them may run with KVPP.
+VLLM_CONNECTORS = (
+    "ExampleConnector", "ExampleHiddenStatesConnector", "LMCacheConnectorV1", "LMCacheMPConnector",
+    "NixlConnector", "NixlPullConnector", "NixlPushConnector", "MultiConnector", "HiSparseConnector",
+    "MoRIIOConnector", "OffloadingConnector", "DecodeBenchConnector", "MooncakeConnector",
+    "MooncakeStoreConnector", "FlexKVConnectorV1", "SimpleCPUOffloadConnector", "HF3FSKVConnector",
+)
 SUPPORTED_SPEC_METHODS = (None, "mtp", "dspark")
 GRAPH_MODES = ("eager", "piecewise", "full")
 MODEL_KINDS = ("mla", "sfa", "hybrid", "mha")
@@ -26,6 +36,11 @@ KV_ROLES = (None, "kv_producer", "kv_consumer", "kv_both")
 
 MSG_DCP = "KVPP and DCP cannot be enabled at the same time."
 MSG_CONNECTOR = "KVPP broadcast supports only MooncakeConnectorV2 for PD disaggregation."
+MSG_VLLM_CONNECTOR = (
+    "KVPP cannot run with vLLM's KV connector {name}: it reads every layer's KV cache on every rank, "
+    "while under KVPP a rank keeps only the layers it owns. Remove kv_transfer_config, or use "
+    "vllm-ascend's MooncakeConnectorV2 for PD disaggregation with KVPP."
+)
 MSG_DECODE_NODE = "KVPP must be disabled on the decode-only node."
 MSG_GRAPH_MODE = "KVPP supports eager execution or PIECEWISE only."
 MSG_MODEL_KIND = "KVPP currently supports only non-hybrid MLA models."
@@ -116,10 +131,15 @@ class Deployment:
         fields["model_kind"] = _model_kind_of(getattr(vllm_config, "model_config", None))
         spec = getattr(vllm_config, "speculative_config", None)
         if spec is not None:
+            # vLLM's names: SpeculativeConfig.method, .num_speculative_tokens_per_batch_size (a
+            # per-batch-size schedule, which `uses_dynamic_speculative_decoding()` reports) and
+            # .enable_adaptive_verification.
             fields["spec_method"] = _spec_method_of(getattr(spec, "method", None))
-            fields["spec_tokens_fixed"] = bool(getattr(spec, "num_speculative_tokens_fixed",
-                                                       not getattr(spec, "dynamic", False)))
-            fields["adaptive_verification"] = bool(getattr(spec, "adaptive_verification", False))
+            dynamic = getattr(spec, "uses_dynamic_speculative_decoding", None)
+            dynamic = dynamic() if callable(dynamic) else (
+                getattr(spec, "num_speculative_tokens_per_batch_size", None) is not None)
+            fields["spec_tokens_fixed"] = not dynamic
+            fields["adaptive_verification"] = bool(getattr(spec, "enable_adaptive_verification", False))
         transfer = getattr(vllm_config, "kv_transfer_config", None)
         if transfer is not None:
             fields["kv_connector"] = getattr(transfer, "kv_connector", None)
@@ -212,6 +232,8 @@ class KVPPConfig:
         if d.dcp != 1:
             raise ValueError(MSG_DCP)
         if d.kv_connector is not None:
+            if d.kv_connector in VLLM_CONNECTORS:
+                raise ValueError(MSG_VLLM_CONNECTOR.format(name=d.kv_connector))
             if d.kv_connector != SUPPORTED_CONNECTOR:
                 raise ValueError(MSG_CONNECTOR)
             if d.kv_role == "kv_consumer":

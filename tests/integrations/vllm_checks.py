@@ -7,36 +7,110 @@ import json
 import os
 import sys
 
+# What vllm/v1/worker/cpu/shm.py replaces process-wide when a CPU worker module is imported.
+PATCH_TARGETS = ("torch.cuda.Event", "torch.cuda.Stream", "torch.cuda.current_stream", "torch.cuda.stream",
+                 "torch.accelerator.synchronize", "torch.Tensor.pin_memory", "torch.Tensor.record_stream")
+PLATFORM_WORKER_MODULES = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.gpu_worker", "vllm.v1.worker.cpu.shm",
+                           "vllm.v1.worker.gpu_model_runner")
+KVPP_HEAVY_MODULES = ("kvpp_fx.integrations.vllm.worker", "kvpp_fx.ops", "kvpp_fx.runtime.runtime")
 
-def construct(model_dir: str, extra_json: str) -> dict:
-    """Build an LLM's engine config with the given arguments; report the error, if any."""
+
+def _resolve(path: str):
+    import importlib
+
+    module, _, rest = path.partition(".")
+    obj = importlib.import_module(module)
+    for part in rest.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _snapshot() -> dict:
+    return {path: id(_resolve(path)) for path in PATCH_TARGETS}
+
+
+def _process_state(before: dict) -> dict:
+    return {"replaced": sorted(p for p, ident in _snapshot().items() if ident != before[p]),
+            "platform_modules": sorted(m for m in PLATFORM_WORKER_MODULES if m in sys.modules),
+            "kvpp_modules": sorted(m for m in KVPP_HEAVY_MODULES if m in sys.modules)}
+
+
+def plugin_off(model_dir: str) -> dict:
+    """Load vLLM's general plugins and build configs with KVPP off and on; report what changed."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch  # noqa: F401
+
+    before = _snapshot()
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    out = {"plugin_loaded": "kvpp_fx.integrations.vllm.plugin" in sys.modules,
+           "config_wrapped": bool(getattr(VllmConfig.__post_init__, "_kvpp_fx_validation", False))}
+    out["after_plugins"] = _process_state(before)
+    off = EngineArgs(model=model_dir, skip_tokenizer_init=True, enforce_eager=True).create_engine_config()
+    out["off_worker_cls"] = off.parallel_config.worker_cls
+    out["after_off_config"] = _process_state(before)
+    on = EngineArgs(model=model_dir, skip_tokenizer_init=True, enforce_eager=True, tensor_parallel_size=2,
+                    additional_config={"enable_kvpp": True}).create_engine_config()
+    out["on_worker_cls"] = on.parallel_config.worker_cls
+    out["after_on_config"] = _process_state(before)
+    import vllm.v1.worker.cpu_worker  # noqa: F401  (the control: this import does replace them)
+
+    out["after_cpu_worker_import"] = _process_state(before)
+    return out
+
+
+def construct_many(cases_json: str) -> dict:
+    """Build each case's engine config in this one interpreter; report the error or the config."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from vllm.engine.arg_utils import EngineArgs
 
-    extra = json.loads(extra_json)
-    try:
-        config = EngineArgs(model=model_dir, skip_tokenizer_init=True, **extra).create_engine_config()
-    except Exception as exc:  # the test compares the message
-        return {"error": type(exc).__name__, "message": str(exc), "is_value_error": isinstance(exc, ValueError)}
-    return {"error": None, "additional_config": dict(config.additional_config),
-            "cudagraph_mode": str(config.compilation_config.cudagraph_mode)}
+    results = {}
+    for name, case in json.loads(cases_json).items():
+        saved = {k: os.environ.get(k) for k in case.get("env", {})}
+        os.environ.update(case.get("env", {}))
+        try:
+            config = EngineArgs(skip_tokenizer_init=True, **case["args"]).create_engine_config()
+        except Exception as exc:  # the test compares the message
+            results[name] = {"error": type(exc).__name__, "message": str(exc),
+                             "is_value_error": isinstance(exc, ValueError)}
+        else:
+            results[name] = {"error": None, "worker_cls": config.parallel_config.worker_cls,
+                             "additional_config": dict(config.additional_config),
+                             "mode": int(config.compilation_config.mode),
+                             "backend": config.compilation_config.backend,
+                             "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+                             "hash": config.compute_hash()}
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    return results
 
 
-def generate(model_dir: str, kvpp: str, extra_json: str = "{}") -> dict:
+PROMPTS = [[(7 * i + 3) % 500 for i in range(90)], [(5 * i + 1) % 500 for i in range(70)]]
+
+
+def generate(model_dir: str, variant_json: str = "{}") -> dict:
     """Greedy tokens from LLM(...) at TP 2, and what each worker's KVPP runtime saw."""
+    variant = json.loads(variant_json)
     os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-                      VLLM_USE_AOT_COMPILE="0")
+                      VLLM_USE_AOT_COMPILE="0", **variant.get("env", {}))
     from vllm import LLM, SamplingParams
 
     from kvpp_fx.integrations.vllm.worker import worker_stats
 
     args = dict(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=2, enforce_eager=True,
                 kv_cache_memory_bytes=32 << 20, compilation_config={"custom_ops": ["-rotary_embedding"]},
-                additional_config={"enable_kvpp": kvpp == "on"})
-    args.update(json.loads(extra_json))
+                additional_config={"enable_kvpp": variant.get("kvpp", False)})
+    args.update(variant.get("args", {}))
     llm = LLM(**args)
-    prompts = [[(7 * i + 3) % 500 for i in range(90)], [(5 * i + 1) % 500 for i in range(70)]]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=16, temperature=0))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     stats = llm.collective_rpc(worker_stats)
     blocks = llm.collective_rpc(vllm_num_blocks)
     return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "stats": stats, "num_blocks": blocks}
@@ -83,5 +157,5 @@ def split(_: str = "") -> dict:
 
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
-    checks = {"construct": construct, "split": split, "generate": generate}
+    checks = {"plugin_off": plugin_off, "construct_many": construct_many, "split": split, "generate": generate}
     print("KVPP-CHECK " + json.dumps(checks[name](*args)))

@@ -1,9 +1,15 @@
-"""The ``vllm.general_plugins`` entry point: validate KVPP settings when vLLM builds its config.
+"""The ``vllm.general_plugins`` entry point. It runs in every vLLM process, so it stays harmless.
 
-`register` wraps ``VllmConfig.__post_init__``. The KVPP rules run twice: on the configuration as the
-user gave it (before vLLM's platform hooks, which on CPU quietly turn a requested FULL cudagraph mode
-into NONE), and on the resolved configuration (where GPU defaults may select a FULL mode). With KVPP
-off, nothing else happens: the wrapper calls vLLM's own ``__post_init__`` unchanged.
+`register` imports ``vllm.config`` and wraps ``VllmConfig.__post_init__``; nothing else. With KVPP
+off the wrapper only reads ``additional_config.enable_kvpp`` and calls vLLM's own ``__post_init__``:
+no platform worker module is imported and no vLLM class or function changes. If even that wrapper
+cannot be applied (a vLLM this plugin does not know), `register` logs it and returns.
+
+With ``enable_kvpp`` on, the wrapper validates twice: the configuration as given (before vLLM's
+platform hooks, which on CPU quietly turn a requested FULL cudagraph mode into NONE) with the KVPP
+rules, and the resolved one with the KVPP rules plus `validation.check_execution`. Then it points
+``parallel_config.worker_cls`` at KVPP's subclass of the platform's worker (see `worker`), so only the
+worker processes of that engine are hooked.
 """
 
 from __future__ import annotations
@@ -26,24 +32,38 @@ def validate_vllm_config(vllm_config) -> KVPPConfig:
     return config
 
 
+def enable_kvpp(vllm_config) -> KVPPConfig:
+    """For a resolved config with KVPP on: check it runs, then route its workers to the KVPP hooks."""
+    from kvpp_fx.integrations.vllm.state import hooked_worker_qualname
+    from kvpp_fx.integrations.vllm.validation import check_execution
+
+    config = validate_vllm_config(vllm_config)
+    check_execution(vllm_config)
+    parallel = vllm_config.parallel_config
+    parallel.worker_cls = hooked_worker_qualname(str(parallel.worker_cls))
+    logger.info("KVPP on: group size %d (TP %d x PCP %d); workers %s.", config.size, config.tp, config.pcp,
+                parallel.worker_cls)
+    return config
+
+
 def register() -> None:
-    from vllm.config import VllmConfig
+    try:
+        from vllm.config import VllmConfig
 
-    from kvpp_fx.integrations.vllm import worker
-
-    worker.install()
-
-    original = VllmConfig.__post_init__
+        original = VllmConfig.__post_init__
+    except Exception as exc:  # noqa: BLE001 - a plugin must never stop vLLM from starting
+        logger.warning("kvpp-fx: cannot hook vLLM's config (%s: %s); enable_kvpp will have no effect.",
+                       type(exc).__name__, exc)
+        return
     if getattr(original, _PATCHED, False):
         return
 
     @functools.wraps(original)
     def post_init(self) -> None:
-        config = validate_vllm_config(self)  # as requested
+        requested = validate_vllm_config(self)
         original(self)
-        if config.enabled:
-            validate_vllm_config(self)  # as resolved by vLLM and its platform
-            logger.info("KVPP enabled: group size %d (TP %d x PCP %d).", config.size, config.tp, config.pcp)
+        if requested.enabled:
+            enable_kvpp(self)
 
     setattr(post_init, _PATCHED, True)
     VllmConfig.__post_init__ = post_init

@@ -1,76 +1,288 @@
-"""KVPP inside vLLM's worker (eager path): budget, cache allocation, per-step forward, attention hook.
+"""KVPP inside vLLM's worker process: budget, cache allocation, per-step forward, attention waits.
 
-Installed by the plugin in every vLLM process; each hook does nothing unless the worker's config has
-KVPP enabled (``additional_config.enable_kvpp`` with TP x PCP > 1), so KVPP off changes nothing.
+Only engines with KVPP on reach this module. For them the plugin replaces
+``parallel_config.worker_cls`` (the platform's worker, e.g. ``vllm.v1.worker.cpu_worker.CPUWorker``
+or ``vllm.v1.worker.gpu_worker.Worker``) by ``kvpp_fx.integrations.vllm.worker.KVPPWorker__<that
+name, dots as __>``. vLLM resolves that name in its worker processes; this module then builds a
+subclass of the platform's worker, and after ``init_device`` turns the worker's model runner into a
+subclass of its own class (vLLM's V1 ``GPUModelRunner`` or its CPU subclass). Nothing else in the
+process changes, except one module attribute: ``gpu_model_runner.allocate_kv_cache`` delegates to
+vLLM's function unless a KVPP runner is allocating.
 
-- Budget: ``determine_available_memory`` returns the *logical* budget ``plan.num_blocks(avail) x sum of
-  the layers' page sizes``, so vLLM's unchanged planner lands on the block count KVPP can hold.
-- Allocation: ``allocate_kv_cache`` (as the model runner calls it) returns our allocator's views:
-  the persistent bundle for owned layers, a scratch slot for the others. vLLM binds them by layer name.
-- Steps: ``execute_model`` runs under ``runtime.forward(has_history)``, with
-  ``has_history = any(num_computed_tokens > 0)`` over the scheduled requests. Dummy and profile runs
-  never enter it, so they broadcast nothing.
-- Eager attention: ``MLAAttention.forward`` waits for its layer and prefetches the next one first.
-- Compiled graphs (see `compilation`): dummy, profile and warm-up runs go through the rewritten graph
-  before any cache exists, so ``_dummy_run`` runs with the kvpp ops in passthrough.
+- Budget: ``determine_available_memory`` returns the *logical* budget ``plan.num_blocks(avail) x the
+  sum of vLLM's page sizes``, so vLLM's unchanged planner lands on the block count KVPP can hold.
+- Allocation: the runner's ``initialize_kv_cache_tensors`` runs with KVPP's allocator in place of
+  vLLM's: owned layers get persistent bundles, the others a scratch slot, MTP layers a local draft
+  cache. vLLM binds them by layer name. A self-check then proves every cache layer is bound to its
+  KVPP view and vLLM's ``num_blocks`` equals the budget's.
+- Steps: ``_model_forward`` (the target model's forward inside ``execute_model``) runs under
+  ``runtime.forward(has_history)``, ``has_history = any(num_computed_tokens > 0)`` over the input
+  batch. Drafting (``sample_tokens``) runs outside it: MTP layers are local and get no kvpp ops.
+  Dummy, profile and warm-up runs run with the kvpp ops in passthrough and broadcast nothing.
+- Eager attention: each target layer's ``MLAAttention`` (and SFA ``Indexer``) becomes a subclass whose
+  forward waits for its layer and prefetches the next one first; under Dynamo the graph pass places
+  the ops instead (see `compilation`).
+
+What CPU runs and CUDA would run differently: the worker classes (``CPUWorker`` overrides
+``determine_available_memory``, ``CPUModelRunner`` overrides ``load_model``); every hooked runner
+method is ``GPUModelRunner``'s own on both.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import inspect
 import logging
-from dataclasses import dataclass, field
+import os
 from typing import Any
 
 import torch
 
 from kvpp_fx.cache.allocate import allocate_cache
-from kvpp_fx.cache.placement import KVPPPlan
-from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
 from kvpp_fx.config import KVPPConfig
+from kvpp_fx.integrations.vllm.specs import (
+    INDEXER_COMPONENT,
+    VllmPlan,
+    active_blocks,
+    per_layer_specs,
+    plan_from_specs,
+)
+from kvpp_fx.integrations.vllm.state import (
+    SUPPRESS_BROADCASTS_ENV,
+    WORKER_PREFIX,
+    EngineState,
+    KVPPAllocationError,
+    KVPPHookError,
+    current_engine,
+    hooked_worker_qualname,
+    wrapped_worker_qualname,
+)
 from kvpp_fx.ops import passthrough
-from kvpp_fx.passes.registry import LAYER_NAME_PATTERN
 from kvpp_fx.runtime.runtime import KVPPRuntime, active_runtime
 
 logger = logging.getLogger(__name__)
 
-_PATCHED = "_kvpp_fx_hook"
+SUPPORTED_VLLM = ">=0.32,<0.33"
+_HOOK_MARK = "_kvpp_fx_hook"
+_RUNTIME_TAKES_BLOCKS = "blocks" in inspect.signature(KVPPRuntime.forward).parameters
 
-_TORCH_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
-                      torch.int8: "int8", torch.uint8: "uint8"}
-
-
-@dataclass
-class WorkerState:
-    config: KVPPConfig | None = None
-    runtime: KVPPRuntime | None = None
-    layer_index: dict[str, int] = field(default_factory=dict)
-    runner: Any = None
-    group: Any = None
-    group_ranks: list[int] = field(default_factory=list)
+__all__ = ["hooked_worker_qualname", "kvpp_worker_class", "kvpp_runner_class", "worker_stats", "current_engine"]
 
 
-STATE = WorkerState()
+def vllm_version() -> str:
+    try:
+        import vllm
+        return str(vllm.__version__)
+    except Exception:  # noqa: BLE001 - only for the message
+        return "unknown"
 
 
-def layer_index(name: str) -> int:
-    match = LAYER_NAME_PATTERN.search(name)
-    if match is None:
-        raise ValueError(f"cannot read a layer index from vLLM layer name {name!r}.")
-    return int(match.group(1))
+def hook_error(hook: str, why: str) -> KVPPHookError:
+    return KVPPHookError(f"KVPP cannot hook {hook} on vLLM {vllm_version()} (kvpp-fx supports vLLM "
+                         f"{SUPPORTED_VLLM}): {why}")
 
 
-def plan_from_specs(specs: dict[str, Any], group_size: int) -> tuple[KVPPPlan, dict[str, int]]:
-    """A plan from vLLM's per-layer KV cache specs (one MLA latent component per layer)."""
-    names = {name: layer_index(name) for name in specs}
-    layers, block_size = [], None
-    for name, spec in specs.items():
-        block_size = spec.block_size
-        dtype = _TORCH_DTYPE_NAMES[spec.dtype]
-        width = spec.head_size * getattr(spec, "num_kv_heads", 1)
-        layers.append(LayerCacheSpec(names[name], (ComponentSpec("kv", dtype, (width,)),)))
-    spec = ModelCacheSpec("vllm", block_size, tuple(sorted(layers, key=lambda l: l.index)))
-    return KVPPPlan(spec, group_size=group_size), names
+def __getattr__(name: str) -> Any:
+    if name.startswith(WORKER_PREFIX):
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        return kvpp_worker_class(resolve_obj_by_qualname(wrapped_worker_qualname(name)))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _require(cls: type, methods: tuple[str, ...]) -> None:
+    for method in methods:
+        if not callable(getattr(cls, method, None)):
+            raise hook_error(f"{cls.__module__}.{cls.__qualname__}.{method}", "the method does not exist.")
+
+
+@functools.cache
+def kvpp_worker_class(base: type) -> type:
+    """KVPP's subclass of a vLLM worker class."""
+    _require(base, ("init_device", "determine_available_memory", "load_model"))
+
+    class KVPPWorker(base):  # type: ignore[misc, valid-type]
+        def init_device(self) -> None:
+            super().init_device()
+            runner = getattr(self, "model_runner", None)
+            if runner is None:
+                raise hook_error(f"{base.__qualname__}.init_device", "the worker built no model_runner.")
+            runner.__class__ = kvpp_runner_class(type(runner))
+            runner._kvpp = EngineState(KVPPConfig.from_vllm_config(self.vllm_config), self.vllm_config,
+                                       suppress_broadcasts=os.environ.get(SUPPRESS_BROADCASTS_ENV) == "1")
+            if runner._kvpp.suppress_broadcasts:
+                logger.warning("KVPP: %s=1, broadcasts are suppressed (test-only fault).", SUPPRESS_BROADCASTS_ENV)
+
+        def determine_available_memory(self) -> int:
+            state: EngineState = self.model_runner._kvpp
+            with state.active():
+                available = super().determine_available_memory()
+            vplan = _plan(self.model_runner, state, self.model_runner.get_kv_cache_spec())
+            state.vplan = vplan
+            blocks = vplan.plan.num_blocks(available)
+            state.budget_blocks = blocks
+            logical = blocks * vplan.logical_bytes_per_block
+            logger.warning("KVPP: %d blocks per rank in %d bytes (replicated: %d); logical budget %d bytes.",
+                           blocks, available, vplan.plan.replicated_num_blocks(available), logical)
+            return logical
+
+        def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
+            with self.model_runner._kvpp.active():
+                return super().compile_or_warm_up_model(*args, **kwargs)
+
+    KVPPWorker.__name__ = f"KVPP{base.__name__}"
+    KVPPWorker.__qualname__ = WORKER_PREFIX + f"{base.__module__}.{base.__qualname__}".replace(".", "__")
+    return KVPPWorker
+
+
+RUNNER_HOOKS = ("load_model", "initialize_kv_cache_tensors", "execute_model", "_model_forward", "_dummy_run",
+                "sample_tokens", "get_kv_cache_spec")
+
+
+@functools.cache
+def kvpp_runner_class(base: type) -> type:
+    """KVPP's subclass of vLLM's V1 model runner class `base` (GPU or CPU)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not issubclass(base, GPUModelRunner):
+        raise hook_error(f"{base.__module__}.{base.__qualname__}",
+                         "KVPP hooks vLLM's V1 GPUModelRunner and its subclasses; set VLLM_USE_V2_MODEL_RUNNER=0.")
+    _require(base, RUNNER_HOOKS)
+    _install_allocator()
+
+    class KVPPModelRunner(base):  # type: ignore[misc, valid-type]
+        _kvpp: EngineState
+
+        def load_model(self, *args: Any, **kwargs: Any) -> Any:
+            result = super().load_model(*args, **kwargs)
+            state = self._kvpp
+            state.vplan = _plan(self, state, self.get_kv_cache_spec())
+            hooked = _hook_attention(self, state)
+            plan = state.plan
+            logger.warning("KVPP: layers %s broadcast, drafts %s local; eager waits on %d modules.",
+                           list(plan.target_layers), list(plan.local_draft_layers), hooked)
+            return result
+
+        def initialize_kv_cache_tensors(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
+            state = self._kvpp
+            token = _ALLOCATING.set(functools.partial(_allocate, self, state))
+            try:
+                kv_caches = super().initialize_kv_cache_tensors(kv_cache_config, *args, **kwargs)
+            finally:
+                _ALLOCATING.reset(token)
+            _self_check(self, state, kv_cache_config)
+            return kv_caches
+
+        def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+            with self._kvpp.active():
+                return super().execute_model(*args, **kwargs)
+
+        def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+            state = self._kvpp
+            if state.runtime is None:
+                raise KVPPAllocationError("a step ran before KVPP allocated the KV cache.")
+            batch = self.input_batch
+            computed = batch.num_computed_tokens_cpu[: batch.num_reqs]
+            has_history = bool((computed > 0).any()) and not state.suppress_broadcasts
+            options: dict[str, Any] = {}
+            if _RUNTIME_TAKES_BLOCKS:
+                options["blocks"] = active_blocks(batch.block_table, computed, batch.num_reqs)
+            state.awaited.clear()
+            with state.runtime.forward(has_history=has_history, **options):
+                return super()._model_forward(*args, **kwargs)
+
+        def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
+            with self._kvpp.active(), passthrough():
+                return super()._dummy_run(*args, **kwargs)
+
+        def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+            with self._kvpp.active():
+                return super().sample_tokens(*args, **kwargs)
+
+    KVPPModelRunner.__name__ = KVPPModelRunner.__qualname__ = f"KVPP{base.__name__}"
+    return KVPPModelRunner
+
+
+def num_target_layers(runner: Any) -> int:
+    """The target model's layer count: MTP layers are numbered from it."""
+    hf = runner.model_config.hf_text_config
+    return int(getattr(hf, "num_hidden_layers"))
+
+
+def _plan(runner: Any, state: EngineState, specs: dict[str, Any]) -> VllmPlan:
+    return plan_from_specs(specs, state.config.size, num_target_layers(runner))
+
+
+# --- allocation ---------------------------------------------------------------------------------------
+
+_ALLOCATING: contextvars.ContextVar[Any] = contextvars.ContextVar("kvpp_vllm_allocating", default=None)
+
+
+def _install_allocator() -> None:
+    from vllm.v1.worker import gpu_model_runner as module
+
+    original = getattr(module, "allocate_kv_cache", None)
+    if not callable(original):
+        raise hook_error("vllm.v1.worker.gpu_model_runner.allocate_kv_cache", "the function does not exist.")
+    if getattr(original, _HOOK_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def allocate_kv_cache(kv_cache_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
+        allocate = _ALLOCATING.get()
+        if allocate is None:
+            return original(kv_cache_config, device, *args, **kwargs)
+        return allocate(kv_cache_config, device)
+
+    setattr(allocate_kv_cache, _HOOK_MARK, True)
+    module.allocate_kv_cache = allocate_kv_cache
+
+
+def _allocate(runner: Any, state: EngineState, kv_cache_config: Any, device: Any) -> dict[str, torch.Tensor]:
+    vplan = _plan(runner, state, per_layer_specs(kv_cache_config))
+    if state.vplan is not None and vplan.plan.spec != state.vplan.plan.spec:
+        raise KVPPAllocationError(f"vLLM's KV cache config {vplan.plan.spec} differs from the model's cache "
+                                  f"specs {state.vplan.plan.spec}.")
+    state.vplan = vplan
+    if state.group is None:
+        state.group, state.group_ranks = _kvpp_group(state.config)
+    rank = torch.distributed.get_rank(state.group)
+    storage = allocate_cache(vplan.plan, rank, kv_cache_config.num_blocks, device)
+    if state.runtime is not None:
+        state.runtime.close()
+    state.runtime = KVPPRuntime.create(vplan.plan, storage, state.group)
+    plan = vplan.plan
+    logger.warning("KVPP: group %s, rank %d owns layers %s of %d; %d blocks; %d bytes allocated.",
+                   state.group_ranks, rank, list(plan.owned_layers(rank)), len(plan.target_layers),
+                   kv_cache_config.num_blocks, storage.allocated_bytes)
+    # vLLM's per-layer cache view is [blocks, heads=1, tokens, record]; MLA layers squeeze the head.
+    return {name: storage.typed_views(index)[vplan.component[name]].unsqueeze(1)
+            for name, index in vplan.layer_index.items()}
+
+
+def _self_check(runner: Any, state: EngineState, kv_cache_config: Any) -> None:
+    """Every cache layer is bound to its KVPP view, and vLLM plans exactly the budget's blocks."""
+    if state.runtime is None:
+        raise KVPPAllocationError("vLLM allocated its KV cache without KVPP's allocator "
+                                  "(gpu_model_runner.allocate_kv_cache was not called).")
+    storage = state.runtime.storage
+    if state.budget_blocks is not None and kv_cache_config.num_blocks != state.budget_blocks:
+        raise KVPPAllocationError(
+            f"vLLM planned {kv_cache_config.num_blocks} blocks, the KVPP budget holds {state.budget_blocks} "
+            "(num_gpu_blocks_override and other block-count overrides cannot be combined with KVPP).")
+    context = runner.compilation_config.static_forward_context
+    vplan = state.vplan
+    for name in runner.get_kv_cache_spec():
+        if name not in vplan.layer_index:
+            raise KVPPAllocationError(f"cache layer {name!r} is not in the KVPP plan.")
+    for name, index in vplan.layer_index.items():
+        view = storage.typed_views(index)[vplan.component[name]]
+        bound = getattr(context.get(name), "kv_cache", None)
+        if isinstance(bound, (list, tuple)):
+            bound = bound[0] if bound else None
+        if not isinstance(bound, torch.Tensor) or bound.data_ptr() != view.data_ptr() or bound.numel() != view.numel():
+            raise KVPPAllocationError(f"cache layer {name!r} is not bound to its KVPP view of layer {index}.")
 
 
 def _kvpp_group(config: KVPPConfig):
@@ -88,104 +300,7 @@ def _kvpp_group(config: KVPPConfig):
     return create_kvpp_process_groups(groups), mine
 
 
-def _patch(owner: Any, name: str, make) -> None:
-    original = getattr(owner, name)
-    if getattr(original, _PATCHED, False):
-        return
-    wrapper = make(original)
-    setattr(wrapper, _PATCHED, True)
-    setattr(owner, name, wrapper)
-
-
-def install() -> None:
-    from vllm.model_executor.layers.attention import mla_attention
-    from vllm.v1.worker import cpu_worker, gpu_model_runner
-
-    def budget(original):
-        @functools.wraps(original)
-        def determine_available_memory(self) -> int:
-            # Set first: the warm-up inside vLLM's own function compiles the graph (see `compilation`).
-            STATE.config = config = KVPPConfig.from_vllm_config(self.vllm_config)
-            available = original(self)
-            if not config.enabled:
-                return available
-            specs = self.model_runner.get_kv_cache_spec()
-            plan, _ = plan_from_specs(specs, config.size)
-            blocks = plan.num_blocks(available)
-            logical = blocks * sum(spec.page_size_bytes for spec in specs.values())
-            replicated = plan.replicated_num_blocks(available)
-            logger.warning("KVPP: %d blocks per rank in %d bytes (replicated: %d); logical budget %d bytes.",
-                           blocks, available, replicated, logical)
-            return logical
-        return determine_available_memory
-
-    def remember_runner(original):
-        @functools.wraps(original)
-        def initialize_kv_cache_tensors(self, kv_cache_config, *args, **kwargs):
-            STATE.runner = self
-            return original(self, kv_cache_config, *args, **kwargs)
-        return initialize_kv_cache_tensors
-
-    def allocation(original):
-        @functools.wraps(original)
-        def allocate_kv_cache(kv_cache_config, device, *args, **kwargs):
-            runner = STATE.runner
-            config = KVPPConfig.from_vllm_config(runner.vllm_config) if runner is not None else None
-            if config is None or not config.enabled:
-                return original(kv_cache_config, device, *args, **kwargs)
-            specs = {name: group.kv_cache_spec for group in kv_cache_config.kv_cache_groups
-                     for name in group.layer_names}
-            plan, names = plan_from_specs(specs, config.size)
-            if STATE.group is None:
-                STATE.group, STATE.group_ranks = _kvpp_group(config)
-            rank = torch.distributed.get_rank(STATE.group)
-            storage = allocate_cache(plan, rank, kv_cache_config.num_blocks, device)
-            if STATE.runtime is not None:
-                STATE.runtime.close()
-            STATE.runtime = KVPPRuntime.create(plan, storage, STATE.group)
-            STATE.layer_index = names
-            logger.warning("KVPP: group %s, rank %d owns layers %s of %d; %d blocks; %d bytes allocated.",
-                           STATE.group_ranks, rank, list(plan.owned_layers(rank)), len(plan.target_layers),
-                           kv_cache_config.num_blocks, storage.allocated_bytes)
-            return {name: storage.typed_views(index)["kv"] for name, index in names.items()}
-        return allocate_kv_cache
-
-    def step(original):
-        @functools.wraps(original)
-        def execute_model(self, scheduler_output, *args, **kwargs):
-            runtime = STATE.runtime
-            if runtime is None or scheduler_output.total_num_scheduled_tokens == 0:
-                return original(self, scheduler_output, *args, **kwargs)
-            computed = [r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs]
-            computed += list(scheduler_output.scheduled_cached_reqs.num_computed_tokens)
-            with runtime.forward(has_history=any(n > 0 for n in computed)):
-                return original(self, scheduler_output, *args, **kwargs)
-        return execute_model
-
-    def attention(original):
-        @functools.wraps(original)
-        def forward(self, *args, **kwargs):
-            # Traced by Dynamo in the compiled path, where the graph pass places the ops instead.
-            if not torch.compiler.is_compiling():
-                runtime = active_runtime()
-                if runtime is not None:
-                    wait_for_layer(runtime, STATE.layer_index[self.layer_name])
-            return original(self, *args, **kwargs)
-        return forward
-
-    def dummy(original):
-        @functools.wraps(original)
-        def _dummy_run(self, *args, **kwargs):
-            with passthrough():
-                return original(self, *args, **kwargs)
-        return _dummy_run
-
-    _patch(cpu_worker.CPUWorker, "determine_available_memory", budget)
-    _patch(gpu_model_runner.GPUModelRunner, "initialize_kv_cache_tensors", remember_runner)
-    _patch(gpu_model_runner, "allocate_kv_cache", allocation)
-    _patch(gpu_model_runner.GPUModelRunner, "execute_model", step)
-    _patch(mla_attention.MLAAttention, "forward", attention)
-    _patch(gpu_model_runner.GPUModelRunner, "_dummy_run", dummy)
+# --- eager attention ----------------------------------------------------------------------------------
 
 
 def wait_for_layer(runtime: KVPPRuntime, layer: int) -> None:
@@ -200,15 +315,61 @@ def wait_for_layer(runtime: KVPPRuntime, layer: int) -> None:
         runtime.prefetch(nxt, plan.slot(nxt))
 
 
+@functools.cache
+def _waiting_class(cls: type) -> type:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Traced by Dynamo in the compiled path, where the graph pass places the ops instead.
+        if not torch.compiler.is_compiling():
+            state: EngineState = self._kvpp_engine
+            runtime = active_runtime()
+            if runtime is not None and runtime is state.runtime and self._kvpp_layer not in state.awaited:
+                state.awaited.add(self._kvpp_layer)
+                wait_for_layer(runtime, self._kvpp_layer)
+        return cls.forward(self, *args, **kwargs)
+
+    return type(f"KVPP{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+
+
+def _hook_attention(runner: Any, state: EngineState) -> int:
+    """Make the modules that read a target layer's cache wait for it: the MLA attention layer and,
+    for SFA, the indexer that owns ``<...>.indexer.k_cache`` (it runs first)."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    context = runner.compilation_config.static_forward_context
+    modules = dict(runner.get_model().named_modules())
+    vplan, targets = state.vplan, set(state.plan.target_layers)
+    hooked = 0
+    for name, index in vplan.layer_index.items():
+        if index not in targets:
+            continue
+        if vplan.component[name] == INDEXER_COMPONENT:
+            reader = modules.get(name.rsplit(".", 1)[0])
+        else:
+            reader = context.get(name)
+            if not isinstance(reader, MLAAttention):
+                raise hook_error(f"attention layer {name!r}", f"expected an MLAAttention, got {type(reader).__name__}.")
+        if reader is None:
+            raise hook_error(f"cache reader of {name!r}", "no module of the model reads this cache.")
+        reader._kvpp_engine, reader._kvpp_layer = state, index
+        reader.__class__ = _waiting_class(type(reader))
+        hooked += 1
+    return hooked
+
+
+# --- inspection -----------------------------------------------------------------------------------------
+
+
 def worker_stats(worker: Any = None) -> dict[str, Any] | None:
     """For ``llm.collective_rpc(worker_stats)``: this worker's KVPP counters and allocation."""
-    runtime = STATE.runtime
-    if runtime is None:
+    state = getattr(getattr(worker, "model_runner", None), "_kvpp", None)
+    if state is None or state.runtime is None:
         return None
+    runtime = state.runtime
     stats = runtime.stats()
     stats["num_blocks"] = runtime.storage.num_blocks
     stats["owned_layers"] = list(runtime.plan.owned_layers(runtime.rank))
-    from kvpp_fx.integrations.vllm.compilation import REWRITTEN_GRAPHS
-
-    stats["rewritten_graphs"] = [list(layers) for layers in REWRITTEN_GRAPHS]
+    stats["draft_layers"] = list(runtime.plan.local_draft_layers)
+    stats["compiled_graphs"] = [{"kind": kind, "layers": list(layers)} for kind, layers in state.compiled_graphs]
+    stats["worker_class"] = type(worker.worker if hasattr(worker, "worker") else worker).__name__
+    stats["runner_class"] = type(worker.model_runner).__name__
     return stats

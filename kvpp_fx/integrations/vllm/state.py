@@ -1,0 +1,81 @@
+"""Per-engine KVPP state inside a vLLM worker, and which engine is running right now.
+
+Each model runner of an engine with KVPP on carries one `EngineState` (``runner._kvpp``); nothing is
+shared between engines in a process. The compiled path's Dynamo backend finds the engine whose model
+it compiles through `current_engine`, which the runner hooks set around every method that can run or
+compile the model (dummy runs, steps, drafting).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpp_fx.config import KVPPConfig
+
+logger = logging.getLogger(__name__)
+
+# Test-only fault: every step runs as if it had no history, so no layer is broadcast and non-owners
+# read stale scratch. The vLLM tests use it as the negative control of their token equality.
+SUPPRESS_BROADCASTS_ENV = "KVPP_FX_TEST_SUPPRESS_BROADCASTS"
+
+_ENGINE: contextvars.ContextVar[EngineState | None] = contextvars.ContextVar("kvpp_vllm_engine", default=None)
+
+
+WORKER_MODULE = "kvpp_fx.integrations.vllm.worker"
+WORKER_PREFIX = "KVPPWorker__"
+
+
+def hooked_worker_qualname(original: str) -> str:
+    """The worker class name vLLM resolves to KVPP's subclass of `original` (idempotent)."""
+    if original.startswith(f"{WORKER_MODULE}.{WORKER_PREFIX}"):
+        return original
+    if not original or "__" in original:
+        raise KVPPHookError(f"KVPP cannot wrap vLLM worker class {original!r}.")
+    return f"{WORKER_MODULE}.{WORKER_PREFIX}{original.replace('.', '__')}"
+
+
+def wrapped_worker_qualname(hooked: str) -> str:
+    return hooked.removeprefix(f"{WORKER_MODULE}.").removeprefix(WORKER_PREFIX).replace("__", ".")
+
+
+class KVPPHookError(RuntimeError):
+    """A vLLM hook KVPP needs cannot be applied to this vLLM version."""
+
+
+class KVPPAllocationError(RuntimeError):
+    """After vLLM allocated its KV cache, attention would not read KVPP's views."""
+
+
+@dataclass
+class EngineState:
+    config: KVPPConfig
+    vllm_config: Any = field(repr=False)
+    vplan: Any = None  # specs.VllmPlan, from the loaded model's cache specs
+    budget_blocks: int | None = None  # what determine_available_memory promised vLLM's planner
+    runtime: Any = None
+    group: Any = None
+    group_ranks: list[int] = field(default_factory=list)
+    compiled_graphs: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    awaited: set[int] = field(default_factory=set)  # eager hooks, per step
+    suppress_broadcasts: bool = False
+
+    @property
+    def plan(self):
+        return None if self.vplan is None else self.vplan.plan
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[EngineState]:
+        token = _ENGINE.set(self)
+        try:
+            yield self
+        finally:
+            _ENGINE.reset(token)
+
+
+def current_engine() -> EngineState | None:
+    return _ENGINE.get()

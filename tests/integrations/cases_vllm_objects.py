@@ -1,0 +1,245 @@
+"""Tests against vLLM's real classes, in-process. vLLM's import changes process-wide state, so
+`test_vllm.py::test_against_vllm_objects` runs this file in a pytest of its own (the name keeps the
+main run from collecting it)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MLAAttentionSpec,
+    SparseCacheRole,
+    UniformTypeKVCacheSpecs,
+    get_kv_quant_mode,
+)
+
+from kvpp_fx.cache.allocate import allocate_cache
+from kvpp_fx.config import (
+    MSG_ADAPTIVE,
+    MSG_DECODE_NODE,
+    MSG_SPEC_TOKENS,
+    MSG_VLLM_CONNECTOR,
+    VLLM_CONNECTORS,
+    Deployment,
+    KVPPConfig,
+)
+from kvpp_fx.integrations.vllm.specs import KVPPSpecError, active_blocks, per_layer_specs, plan_from_specs
+
+ON = KVPPConfig(enable_kvpp=True, tp=2)
+
+
+def mla(block_size=16, head_size=576, dtype=torch.bfloat16, cache_dtype="auto", **extra):
+    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, max_tp_shards=1, head_size=head_size, dtype=dtype,
+                            cache_dtype_str=cache_dtype, kv_quant_mode=get_kv_quant_mode(cache_dtype), **extra)
+
+
+def indexer(block_size=16, head_dim=128 + 4):
+    # As DeepseekV32IndexerCache.get_kv_cache_spec builds it: fp8 keys plus a 4-byte scale, one uint8 row.
+    return MLAAttentionSpec(block_size=block_size, num_kv_heads=1, max_tp_shards=1, head_size=head_dim,
+                            dtype=torch.uint8, cache_role=SparseCacheRole.INDEXER)
+
+
+def attn(i):
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def test_bf16_mla_uses_vllms_page_size():
+    vplan = plan_from_specs({attn(i): mla() for i in range(4)}, 2, 4)
+    comp = vplan.plan.spec.layer(0).components[0]
+    assert (comp.name, comp.dtype, comp.per_token) == ("kv", "bfloat16", (576,))
+    assert vplan.plan.bundle_bytes_per_block(0) == mla().page_size_bytes == 16 * 576 * 2
+    assert vplan.plan.target_layers == (0, 1, 2, 3) and vplan.plan.local_draft_layers == ()
+
+
+def test_fp8_ds_mla_is_656_bytes_per_token_not_head_size():
+    spec = mla(block_size=64, dtype=torch.uint8, cache_dtype="fp8_ds_mla", state_content_bytes=656)
+    vplan = plan_from_specs({attn(0): spec, attn(1): spec}, 2, 2)
+    comp = vplan.plan.spec.layer(0).components[0]
+    assert (comp.dtype, comp.per_token) == ("uint8", (656,))
+    assert vplan.plan.bundle_bytes_per_block(0) == spec.page_size_bytes == 64 * 656 != 64 * 576
+
+
+@pytest.mark.parametrize("cache_dtype,torch_dtype,name", [("fp8", torch.uint8, "uint8"),
+                                                         ("fp8_e5m2", torch.uint8, "uint8"),
+                                                         ("fp8_inc", torch.float8_e4m3fn, "float8_e4m3fn")])
+def test_fp8_caches_allocate_with_vllms_dtype(cache_dtype, torch_dtype, name):
+    spec = mla(dtype=torch_dtype, cache_dtype=cache_dtype)
+    vplan = plan_from_specs({attn(0): spec, attn(1): spec}, 2, 2)
+    assert vplan.plan.spec.layer(0).components[0].dtype == name
+    view = allocate_cache(vplan.plan, 0, 8).typed_views(1)["kv"]
+    assert view.dtype == torch_dtype and tuple(view.shape) == (8, 16, 576)
+
+
+def test_sfa_indexer_is_a_component_of_the_same_bundle():
+    specs = {}
+    for i in range(3):
+        specs[attn(i)] = mla()
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = indexer()
+    vplan = plan_from_specs(specs, 2, 3)
+    assert vplan.plan.target_layers == (0, 1, 2)
+    assert [c.name for c in vplan.plan.spec.layer(1).components] == ["kv", "indexer"]
+    assert vplan.component["model.layers.1.self_attn.indexer.k_cache"] == "indexer"
+    assert vplan.plan.bundle_bytes_per_block(1) == mla().page_size_bytes + indexer().page_size_bytes
+    assert vplan.logical_bytes_per_block == sum(s.page_size_bytes for s in specs.values())
+    views = allocate_cache(vplan.plan, 0, 4).typed_views(2)
+    assert tuple(views["indexer"].shape) == (4, 16, 132) and views["indexer"].dtype == torch.uint8
+    # Same bundle, one owner: the indexer moves with its layer.
+    assert vplan.plan.owners[2] == 1
+
+
+def test_mtp_layers_are_local_drafts():
+    specs = {attn(i): mla() for i in range(5)}  # 4 target layers + MTP layer 4
+    plan = plan_from_specs(specs, 2, 4).plan
+    assert plan.target_layers == (0, 1, 2, 3) and plan.local_draft_layers == (4,)
+    assert 4 not in plan.owners
+    for rank in (0, 1):
+        assert plan.is_local(4, rank)
+        assert 4 in allocate_cache(plan, rank, 4).persistent_layers
+    # Without the target layer count every layer would be a broadcast target (the old behaviour).
+    assert plan_from_specs(specs, 2).plan.target_layers == (0, 1, 2, 3, 4)
+
+
+def test_uniform_type_group_is_unpacked():
+    specs = {attn(0): mla(), "model.layers.0.self_attn.indexer.k_cache": indexer()}
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=UniformTypeKVCacheSpecs(block_size=16,
+                                                                                        kv_cache_specs=specs))])
+    assert per_layer_specs(config) == specs
+
+
+@pytest.mark.parametrize("specs,match", [
+    ({attn(0): FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)},
+     "places only MLA caches"),
+    ({attn(0): mla(dtype=torch.float64)}, "dtype float64"),
+    ({attn(0): mla(alignment=4096)}, "padded pages"),
+    ({attn(0): mla(), "model.layers.0.self_attn.mla_attn": mla()}, "both the 'kv' cache of layer 0"),
+    ({"model.layers.0.self_attn.indexer.k_cache": indexer()}, "indexer cache but no MLA cache"),
+    ({attn(0): mla(block_size=16), attn(1): mla(block_size=32)}, "one block size"),
+    ({"lm_head.attn": mla()}, "cannot read a layer index"),
+], ids=["mha", "float64", "padded", "duplicate", "indexer-only", "block-sizes", "no-index"])
+def test_specs_kvpp_cannot_place_are_named(specs, match):
+    with pytest.raises(KVPPSpecError, match=match):
+        plan_from_specs(specs, 2)
+
+
+def test_active_blocks_from_vllms_block_table():
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    table = MultiGroupBlockTable(max_num_reqs=4, max_num_batched_tokens=64, pin_memory=False,
+                                 device=torch.device("cpu"), block_sizes=[16], max_num_blocks=[8])
+    table.append_row(([7, 3, 9],), 0)  # 40 tokens computed: blocks 7, 3, 9 (partly)
+    table.append_row(([5, 2],), 1)     # first prefill: nothing computed yet
+    table.append_row(([3, 11],), 2)    # a prefix-cache hit of 16 tokens: block 3, shared with row 0
+    table.append_row(([30],), 3)       # not scheduled this step (beyond num_reqs)
+    computed = [40, 0, 16, 16]
+    assert active_blocks(table, computed, 3) == [3, 7, 9]
+    assert active_blocks(table, [32, 0, 0, 0], 1) == [3, 7]  # exactly two full blocks
+    assert active_blocks(table, computed, 4) == [3, 7, 9, 30]
+
+
+# --- validation with vLLM's config objects ---------------------------------------------------------------
+
+
+def test_connector_names_are_vllms():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    assert set(VLLM_CONNECTORS) == set(KVConnectorFactory._registry)
+    assert "MooncakeConnectorV2" not in KVConnectorFactory._registry  # vllm-ascend's, KVPP-aware
+
+
+@pytest.mark.parametrize("name,role,message", [
+    ("OffloadingConnector", "kv_both", MSG_VLLM_CONNECTOR.format(name="OffloadingConnector")),
+    ("MooncakeConnector", "kv_producer", MSG_VLLM_CONNECTOR.format(name="MooncakeConnector")),
+    ("MooncakeConnectorV2", "kv_consumer", MSG_DECODE_NODE),
+])
+def test_connector_rule_reads_kv_transfer_config(name, role, message):
+    from vllm.config import KVTransferConfig
+
+    config = types.SimpleNamespace(kv_transfer_config=KVTransferConfig(kv_connector=name, kv_role=role))
+    with pytest.raises(ValueError) as err:
+        ON.validate(Deployment.from_vllm_config(config))
+    assert str(err.value) == message
+
+
+def _speculative(**fields):
+    # SpeculativeConfig's validation loads the draft model; the rule only reads these attributes.
+    from vllm.config import SpeculativeConfig
+
+    spec = object.__new__(SpeculativeConfig)
+    defaults = dict(method="mtp", num_speculative_tokens=1, num_speculative_tokens_per_batch_size=None,
+                    enable_adaptive_verification=False)
+    for key, value in {**defaults, **fields}.items():
+        object.__setattr__(spec, key, value)
+    return types.SimpleNamespace(speculative_config=spec)
+
+
+def test_speculative_rules_read_vllms_attributes():
+    ON.validate(Deployment.from_vllm_config(_speculative()))
+    dynamic = _speculative(num_speculative_tokens_per_batch_size=[(1, 8, 2), (9, 64, 1)])
+    assert dynamic.speculative_config.uses_dynamic_speculative_decoding()
+    with pytest.raises(ValueError, match=MSG_SPEC_TOKENS):
+        ON.validate(Deployment.from_vllm_config(dynamic))
+    adaptive = _speculative(method="dspark", enable_adaptive_verification=True)
+    with pytest.raises(ValueError, match=MSG_ADAPTIVE):
+        ON.validate(Deployment.from_vllm_config(adaptive))
+    ON.validate(Deployment.from_vllm_config(_speculative(method="dspark")))
+
+
+# --- hooks -----------------------------------------------------------------------------------------------
+
+
+class MockAscendPlatform:
+    """Stands in for vllm-ascend's NPU platform (NPU hardware is not available here)."""
+
+    device_name = "npu"
+
+
+def test_ascend_is_refused_with_a_pointer_to_vllm_ascend():
+    from kvpp_fx.integrations.vllm.validation import MSG_ASCEND, check_execution
+
+    with pytest.raises(ValueError) as err:
+        check_execution(None, platform=MockAscendPlatform())
+    assert str(err.value) == MSG_ASCEND and "vllm-ascend" in MSG_ASCEND
+
+
+def test_hooks_reach_vllms_worker_and_runner_classes():
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from kvpp_fx.integrations.vllm import worker
+
+    original = gpu_model_runner.allocate_kv_cache
+    for base in (CPUWorker, Worker):
+        assert issubclass(worker.kvpp_worker_class(base), base)
+    for base in (CPUModelRunner, gpu_model_runner.GPUModelRunner):
+        hooked = worker.kvpp_runner_class(base)
+        assert issubclass(hooked, base)
+        assert {"_model_forward", "initialize_kv_cache_tensors", "load_model"} <= set(vars(hooked))
+    # vLLM's own allocator still runs whenever no KVPP runner is allocating.
+    assert gpu_model_runner.allocate_kv_cache is not original
+    assert gpu_model_runner.allocate_kv_cache.__wrapped__ is original
+    qualname = worker.hooked_worker_qualname("vllm.v1.worker.gpu_worker.Worker")
+    assert worker.__getattr__(qualname.rsplit(".", 1)[1]) is worker.kvpp_worker_class(Worker)
+
+
+def test_a_hook_that_cannot_be_applied_names_vllm_version_and_hook():
+    import vllm
+
+    from kvpp_fx.integrations.vllm import worker
+
+    class NoBudget:
+        def init_device(self): ...
+        def load_model(self): ...
+
+    with pytest.raises(worker.KVPPHookError) as err:
+        worker.kvpp_worker_class(NoBudget)
+    assert f"vLLM {vllm.__version__}" in str(err.value) and "NoBudget.determine_available_memory" in str(err.value)
+    with pytest.raises(worker.KVPPHookError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        worker.kvpp_runner_class(NoBudget)

@@ -1,0 +1,66 @@
+"""A tiny random DeepSeek-V3 checkpoint that vLLM's CPU MLA can run, with one MTP layer and a tokenizer.
+
+vLLM's CPU MLA needs the 512/64 latent; layers 0-3 are dense, 4-5 MoE. The MTP layer (index 6) is a
+seventh HF decoder layer plus DeepSeek's MTP weights (enorm, hnorm, eh_proj, shared head). The
+tokenizer is a small byte-level BPE trained here on a fixed text, so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+NUM_LAYERS = 6
+VOCAB = 512
+TEXT = """KV layer parallelism keeps each layer's latent cache on one rank of the tensor parallel group.
+The other ranks receive that layer by a broadcast into a scratch buffer just before attention reads it.
+The next layer's broadcast is prefetched while the current layer computes. The scheduler does not change:
+block tables, slot mappings and block ids stay as they are; only where the bytes live changes.
+Once upon a time a small model answered questions about caches, layers, ranks and broadcasts."""
+
+
+def make_tiny_deepseek(path: Path) -> str:
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+        num_hidden_layers=NUM_LAYERS + 1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+        kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=1024,
+        initializer_range=0.3, bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    DeepseekV3ForCausalLM(config).save_pretrained(path)
+    weights = load_file(path / "model.safetensors")
+    mtp = f"model.layers.{NUM_LAYERS}"
+    hidden = config.hidden_size
+    weights.update({
+        f"{mtp}.enorm.weight": torch.ones(hidden), f"{mtp}.hnorm.weight": torch.ones(hidden),
+        f"{mtp}.eh_proj.weight": torch.randn(hidden, 2 * hidden) * 0.05,
+        f"{mtp}.shared_head.norm.weight": torch.ones(hidden),
+        f"{mtp}.shared_head.head.weight": weights["lm_head.weight"].clone(),
+        f"{mtp}.embed_tokens.weight": weights["model.embed_tokens.weight"].clone(),
+    })
+    save_file({k: v.contiguous() for k, v in weights.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    hf = json.loads((path / "config.json").read_text())
+    hf.update(num_hidden_layers=NUM_LAYERS, num_nextn_predict_layers=1, topk_method="noaux_tc",
+              scoring_func="sigmoid")
+    (path / "config.json").write_text(json.dumps(hf))
+    _write_tokenizer(path)
+    return str(path)
+
+
+def _write_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(TEXT.splitlines(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(path)
