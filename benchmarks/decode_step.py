@@ -37,8 +37,7 @@ def make_engine(rank, world, kvpp, group, *, kv_memory=None, num_blocks=None):
 
 
 def decode_bytes(engine, since):
-    forwards = engine.runtime.stats()["forwards"]
-    return [f["bytes"] for f, s in list(zip(forwards, engine.steps))[since:] if s["decode_only"]]
+    return [s["broadcast_bytes"] for s in engine.steps[since:] if s["decode_only"]]
 
 
 def step_times(rank, world, kvpp, kv_memory, repeats, group):

@@ -315,9 +315,11 @@ class Engine:
         if self.config.speculative:
             with torch.no_grad():
                 self._propose(batch, accepted_spans, hidden)
+        moved = self.runtime.last_forward() if self.config.graph_mode != "none" else None
         record = {"has_history": has_history, "num_tokens": int(inputs["input_ids"].numel()),
                   "requests": [(i.request.rid, i.start, i.count) for i in batch], "seconds": elapsed,
-                  "decode_only": decode_only}
+                  "decode_only": decode_only, "broadcast_bytes": moved["bytes"] if moved else 0,
+                  "broadcasts": moved["broadcasts"] if moved else 0}
         self.steps.append(record)
         return record
 

@@ -337,6 +337,11 @@ class KVPPRuntime:
                    broken=None if self._broken is None else f"{type(self._broken).__name__}: {self._broken}")
         return out
 
+    def last_forward(self) -> dict[str, Any] | None:
+        """What the last completed forward moved: {has_history, broadcasts, bytes, layers}."""
+        last = self._stats.last
+        return last.as_dict() if last is not None else None
+
     def close(self) -> None:
         """Release the runtime; a broadcast still in flight gets at most the timeout to complete."""
         if self._closed:
