@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch._dynamo.backends.registry import lookup_backend, register_backend
-from torch._dynamo.resume_execution import TORCH_DYNAMO_RESUME_IN_PREFIX
+from torch._dynamo.symbolic_convert import InstructionTranslator
 
 from kvpp_fx.config import MSG_GRAPH_MODE
 from kvpp_fx.passes.insert import insert_kvpp_ops
@@ -57,15 +57,16 @@ class PlanChangedError(RuntimeError):
     """A graph compiled for one runtime's plan runs under a runtime with another plan."""
 
 
-def cut_by_graph_break(gm: torch.fx.GraphModule) -> bool:
-    """True when Dynamo split this graph's frame at a graph break: the graph ends at a break, or it is
-    the resumed rest of a frame that broke. Such a graph may hold part of the plan's layers, or none."""
-    reason = getattr(gm, "compile_subgraph_reason", None)
-    if reason is not None and getattr(reason, "graph_break", False):
+def may_hold_part_of_the_model(gm: torch.fx.GraphModule) -> bool:
+    """False when Dynamo traces this graph with ``fullgraph=True``: the compiled function is then one graph,
+    which must hold every target layer. Otherwise graph breaks may have split the model into several
+    graphs (Dynamo may even compile each layer's frame on its own), each holding a run of the layers or
+    none."""
+    try:
+        tx = InstructionTranslator.current_tx()
+    except AttributeError:  # not called from Dynamo's tracing (a graph compiled later, or by hand)
         return True
-    context = torch._guards.TracingContext.try_get()
-    traced = getattr(context, "traced_code", None) or []
-    return bool(traced) and traced[0].co_name.startswith(TORCH_DYNAMO_RESUME_IN_PREFIX)
+    return tx is None or not getattr(tx, "one_graph", False)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class CompileRecord:
     piece_summary: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     dump_dir: Path | None = None
+
 
 
 def resolve_inner(inner: str | Callable) -> Callable:
@@ -175,7 +177,7 @@ class KVPPBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         t0 = time.perf_counter()
         before = gm.code
-        result = insert_kvpp_ops(gm, self.table, graph_breaks=cut_by_graph_break(gm))
+        result = insert_kvpp_ops(gm, self.table, graph_breaks=may_hold_part_of_the_model(gm))
         t1 = time.perf_counter()
         record = CompileRecord(self.mode, result.layers, before, gm.code)
         record.timings["insert_s"] = t1 - t0

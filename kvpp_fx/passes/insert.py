@@ -1,7 +1,8 @@
 """Insert explicit ``kvpp.prefetch`` / ``kvpp.wait`` nodes and rebind each layer's cache operands.
 
 Invariant after the pass, for the run of target layers Li .. Lj that the graph holds (a contiguous,
-in-order slice of the plan's target layers; the whole plan unless Dynamo graph breaks split the model):
+in-order slice of the plan's target layers; the whole plan when the graph is the whole compiled
+function, ``fullgraph=True``):
 - ``prefetch(Li, slot(Li))`` follows the graph's placeholders when Li is the plan's first layer;
   otherwise Li is already pending from the previous graph and is not prefetched here;
 - immediately before the first node that touches Lk's cache stands ``wait(Lk, slot(Lk), caches)``,
@@ -10,7 +11,10 @@ in-order slice of the plan's target layers; the whole plan unless Dynamo graph b
 - every cache operand of Lk's registered ops reads the matching ``getitem`` of that wait (the
   rebinding), and the graph's original cache values are read only by the waits: any other reader (an
   unregistered op, a view, a Python-level use) is refused before anything is changed;
-- draft layers get no nodes. Running the pass again changes nothing.
+- draft layers get no nodes. Running the pass again changes nothing;
+- a graph without registered ops is left alone only when graph breaks may have split the model and
+  nothing in it names a target layer (no KVPP handle read, no layer name): it cannot read a cache.
+  Otherwise the model's attention op is not registered: `NoGraphLayersError`.
 Ranks that issued broadcasts in a different order would deadlock or exchange the wrong layers, so a
 run that is not a contiguous slice of the plan in plan order is a `LayerOrderError`.
 """
@@ -26,7 +30,15 @@ import torch.fx
 
 from kvpp_fx.ops import is_kvpp_op
 from kvpp_fx.passes.layer_table import LayerTable
-from kvpp_fx.passes.registry import AttentionOpSpec, SpecLookup, get_arg, layer_of, registered_specs, set_arg
+from kvpp_fx.passes.registry import (
+    LAYER_NAME_PATTERN,
+    AttentionOpSpec,
+    SpecLookup,
+    get_arg,
+    layer_of,
+    registered_specs,
+    set_arg,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +149,8 @@ def collect_layers(graph: torch.fx.Graph, table: LayerTable,
 
 
 def check_layer_run(found: list[int], table: LayerTable, graph_breaks: bool) -> None:
-    """`found` must be a contiguous slice of the plan's order; the whole plan unless graph breaks split it."""
+    """`found` must be a contiguous slice of the plan's order; the whole plan unless graph breaks may have
+    split the model. Across graphs, the runtime refuses a prefetch or wait out of plan order."""
     plan = list(table.target_layers)
     start = table.position(found[0])
     if found != plan[start:start + len(found)]:
@@ -147,13 +160,14 @@ def check_layer_run(found: list[int], table: LayerTable, graph_breaks: bool) -> 
             "contiguous run of the plan's layers in plan order.")
     if not graph_breaks and found != plan:
         raise LayerOrderError(
-            f"the graph holds layers {found} but the plan's execution order is {plan}, and no graph break "
-            "split the model: only a graph that Dynamo graph breaks cut off may hold part of the plan.")
+            f"the graph holds layers {found} but the plan's execution order is {plan}, and it is the whole "
+            "compiled function (fullgraph): only a model split by graph breaks may hold part of the plan "
+            "in one graph.")
 
 
 def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable, *, graph_breaks: bool = False) -> InsertResult:
-    """Rewrite `gm` in place (see the module docstring). `graph_breaks`: Dynamo cut this graph at a graph
-    break (it may hold part of the plan, or no layer at all)."""
+    """Rewrite `gm` in place (see the module docstring). `graph_breaks`: graph breaks may have split the
+    model, so this graph may hold a run of the plan's layers, or none if nothing in it names a layer."""
     graph = gm.graph
     nodes = list(graph.nodes)
     if any(n.op == "call_function" and is_kvpp_op(n.target) for n in nodes):
@@ -164,10 +178,13 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable, *, graph_breaks
     operands = {group.layer: _cache_operands(group, order) for group in layers}
     _refuse_stray_readers(graph, layers, operands)
     if not layers:
-        if table.target_layers and not graph_breaks:
+        mention = _layer_mention(graph, table) if table.target_layers else None
+        if table.target_layers and (not graph_breaks or mention is not None):
+            why = (f"{mention} names a target layer" if mention is not None else
+                   "the graph is the whole compiled function (fullgraph)")
             raise NoGraphLayersError(
                 f"the plan has target layers {list(table.target_layers)} but no node of this graph is a "
-                f"registered attention/cache op of one of them; registered ops: "
+                f"registered attention/cache op of one of them, and {why}; registered ops: "
                 f"{sorted(s.op for s in registered_specs())}. Register the model's attention op with "
                 "register_attention_op.")
         return InsertResult(changed=False, layers=())
@@ -250,6 +267,30 @@ def _cache_operands(group: LayerNodes, order: dict[torch.fx.Node, int]) -> list[
                     f"layer's first cache-touching node; the wait cannot take it.")
             seen[operand.component] = value
     return [(node, component) for component, node in seen.items()]
+
+
+def _layer_mention(graph: torch.fx.Graph, table: LayerTable) -> str | None:
+    """A node of a graph without registered ops that names a target layer (a layer name as a constant
+    argument or as an input's value), which means the graph reaches a layer through an unregistered op."""
+    targets = set(table.target_layers)
+
+    def names_target(value: object) -> bool:
+        value = getattr(getattr(value, "real_obj", value), "value", value)
+        if not isinstance(value, str):
+            return False
+        if value in table.names:
+            return table.names[value] in targets
+        match = LAYER_NAME_PATTERN.search(value)
+        return match is not None and int(match.group(1)) in targets
+
+    for node in graph.nodes:
+        if node.op == "placeholder" and names_target(node.meta.get("example_value", node.meta.get("val"))):
+            return f"input {node.name!r}"
+        if node.op == "call_function":
+            for arg in (*node.args, *node.kwargs.values()):
+                if names_target(arg):
+                    return f"{node.format_node()}"
+    return None
 
 
 def _refuse_stray_readers(graph: torch.fx.Graph, layers: list[LayerNodes],

@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from kvpp_fx.backend import KVPPBackendError, TorchairNotInstalledError, kvpp_backend
+from kvpp_fx.backend import KVPPBackendError, PlanChangedError, TorchairNotInstalledError, kvpp_backend
+from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.launch import run_ranks
 from kvpp_fx.runtime.runtime import KVPPRuntime
 from tests.passes import toy, workers
@@ -38,6 +39,13 @@ def test_unknown_inner_backend():
         kvpp_backend(toy.toy_plan(4), mode="piecewise", inner="nope")
 
 
+@pytest.mark.parametrize("inner", ["inductor", "no-such-backend", "aot_eager"])
+def test_eager_mode_refuses_any_inner_but_eager(inner):
+    with pytest.raises(KVPPBackendError, match=f"mode='eager' .* inner='{inner}' would be ignored"):
+        kvpp_backend(toy.toy_plan(4), mode="eager", inner=inner)
+    assert kvpp_backend(toy.toy_plan(4), mode="eager", inner="eager").inner is not None  # resolved when built
+
+
 def run_once(model, backend_or_name, plan, num_layers=4, options=None):
     storage = toy.allocate(plan)
     caches = toy.runtime_caches(storage, range(num_layers))
@@ -57,6 +65,34 @@ def test_registered_backend_name_takes_options_or_the_current_runtime(tmp_path):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="unknown kvpp backend options"):
         run_once(toy.ToyMLA(4), "kvpp", plan, options={"plan": plan, "colour": "red"})
+
+
+def test_registered_backend_refuses_a_runtime_with_another_plan():
+    plan = toy.toy_plan(4)
+    other = KVPPPlan(toy.toy_spec(4), group_size=1, depth=3)  # same layers, other slots
+    x, *meta = toy.step_inputs(0, 5, 5)
+    torch._dynamo.reset()
+    compiled = torch.compile(toy.ToyMLA(4), backend="kvpp", fullgraph=True)  # plan from the runtime
+    storage = toy.allocate(plan)
+    with KVPPRuntime.create(plan, storage) as rt, rt.forward(has_history=False):
+        compiled(x, toy.runtime_caches(storage, range(4)), *meta)
+    storage = toy.allocate(other)
+    with KVPPRuntime.create(other, storage) as rt:
+        with pytest.raises(PlanChangedError, match="depth 2.*depth 3"), rt.forward(has_history=False):
+            compiled(x, toy.runtime_caches(storage, range(4)), *meta)  # Dynamo reuses the graph: no guard fails
+
+
+def test_fullgraph_model_whose_attention_is_not_registered_is_refused():
+    from kvpp_fx.passes.insert import NoGraphLayersError
+
+    plan = toy.toy_plan(4)
+    torch._dynamo.reset()
+    compiled = torch.compile(toy.ToyUnregistered(4), backend=kvpp_backend(plan), fullgraph=True)
+    x, *meta = toy.step_inputs(0, 5, 5)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as err:
+        compiled(x, toy.replicated_caches(4), *meta)
+    assert isinstance(err.value.inner_exception, NoGraphLayersError)
+    assert "'kvpp_ref::mla_attention'" in str(err.value.inner_exception)
 
 
 def test_dump_dir_writes_before_after_pieces_and_index(tmp_path, monkeypatch):
