@@ -3,7 +3,7 @@ import types
 import pytest
 
 from kvpp_fx import config as C
-from kvpp_fx.config import Deployment, KVPPConfig
+from kvpp_fx.config import MSG_VLLM_CONNECTOR, Deployment, KVPPConfig
 
 
 @pytest.mark.parametrize("raw", [True, "True", "true", "yes", "on", 1, "1"])
@@ -55,8 +55,12 @@ ON = KVPPConfig(enable_kvpp=True, tp=4)
 # (deployment overrides, expected message): one case per rule
 RULES = [
     (dict(dcp=2), "KVPP and DCP cannot be enabled at the same time."),
-    (dict(kv_connector="LMCacheConnectorV1", kv_role="kv_producer"),
+    (dict(kv_connector="SomeThirdPartyConnector", kv_role="kv_producer"),
      "KVPP broadcast supports only MooncakeConnectorV2 for PD disaggregation."),
+    (dict(kv_connector="LMCacheConnectorV1", kv_role="kv_producer"),
+     MSG_VLLM_CONNECTOR.format(name="LMCacheConnectorV1")),
+    (dict(kv_connector="MooncakeConnector", kv_role="kv_producer"),
+     MSG_VLLM_CONNECTOR.format(name="MooncakeConnector")),
     (dict(kv_connector="MooncakeConnectorV2", kv_role="kv_consumer"),
      "KVPP must be disabled on the decode-only node."),
     (dict(graph_mode="full"), "KVPP supports eager execution or PIECEWISE only."),
@@ -154,8 +158,16 @@ def test_vllm_like_config_is_read_by_attribute():
     with pytest.raises(ValueError, match="eager execution or PIECEWISE only"):
         cfg.validate(_vllm_like(enforce_eager=False, cudagraph="FULL_AND_PIECEWISE"))
     cfg.validate(_vllm_like(enforce_eager=False, cudagraph="PIECEWISE"))
-    mtp = types.SimpleNamespace(method="deepseek_mtp", num_speculative_tokens=1)
+    mtp = types.SimpleNamespace(method="deepseek_mtp", num_speculative_tokens=1,
+                                num_speculative_tokens_per_batch_size=None)
     cfg.validate(_vllm_like(spec=mtp))
+    # vLLM's attribute names: a per-batch-size schedule is dynamic; adaptive verification is refused.
+    dynamic = types.SimpleNamespace(method="mtp", num_speculative_tokens_per_batch_size=[(1, 8, 2)])
+    with pytest.raises(ValueError, match="fixed number of speculative tokens"):
+        cfg.validate(_vllm_like(spec=dynamic))
+    adaptive = types.SimpleNamespace(method="dspark", enable_adaptive_verification=True)
+    with pytest.raises(ValueError, match="adaptive verification"):
+        cfg.validate(_vllm_like(spec=adaptive))
     with pytest.raises(ValueError, match="decode-only node"):
         cfg.validate(_vllm_like(kv=types.SimpleNamespace(kv_connector="MooncakeConnectorV2",
                                                          kv_role="kv_consumer")))
