@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kvpp_fx.cache.placement import DEFAULT_DEPTH, MIN_DEPTH
+from kvpp_fx.cache.placement import DEFAULT_DEPTH, DEFAULT_STAGING_FRACTION, MIN_DEPTH
 from kvpp_fx.cache.spec import KV_DTYPES, UnknownModelError
 
 
@@ -30,6 +30,36 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1], got {text!r}")
+    return value
+
+
 def _depth(text: str) -> int:
     value = _positive_int(text)
     if value < MIN_DEPTH:
@@ -40,12 +70,15 @@ def _depth(text: str) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from kvpp_fx.plan_report import build_plan, format_plan_table, parse_bytes, plan_report
+    from kvpp_fx.plan_report import build_plan, format_plan_table, parse_bytes, plan_report, transfer_cost
 
     available = parse_bytes(args.kv_memory)
     plan = build_plan(args.model, tp=args.tp, pcp=args.pcp, block_size=args.block_size,
-                      kv_dtype=args.kv_dtype, mtp=args.mtp, shard_draft=args.shard_draft, depth=args.depth)
+                      kv_dtype=args.kv_dtype, mtp=args.mtp, shard_draft=args.shard_draft, depth=args.depth,
+                      staging_fraction=args.staging_fraction)
     report = plan_report(plan, available)
+    if args.context_tokens is not None:
+        report["transfer_cost"] = transfer_cost(plan, report["engine_blocks"], args.context_tokens, args.link_gbps)
     print(json.dumps(report, indent=2) if args.json else format_plan_table(report))
     return 0
 
@@ -84,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"scratch buffers per rank (at least {MIN_DEPTH})")
     plan.add_argument("--mtp", action="store_true", help="include the config's nextn layers as drafts")
     plan.add_argument("--shard-draft", action="store_true", help="give draft layers owners too")
+    plan.add_argument("--staging-fraction", type=_fraction, default=DEFAULT_STAGING_FRACTION,
+                      help="active-block staging as a fraction of the pool (0 disables active blocks)")
+    plan.add_argument("--context-tokens", type=_non_negative_int, default=None,
+                      help="total tokens one step reads: prints bytes and link time per layer and forward")
+    plan.add_argument("--link-gbps", type=_positive_float, default=400.0,
+                      help="link bandwidth in GB/s (gigabytes) for --context-tokens (default 400)")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_cmd_plan)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvpp_fx.cache.placement import KVPPPlan
+from kvpp_fx.cache.placement import DEFAULT_STAGING_FRACTION, KVPPPlan
 from kvpp_fx.cache.spec import ModelCacheSpec, load_hf_config
 
 _UNITS = {
@@ -47,11 +47,13 @@ def layer_ranges(layers: tuple[int, ...] | list[int]) -> str:
 
 
 def build_plan(model: str, *, tp: int, pcp: int = 1, block_size: int = 128, kv_dtype: str = "bf16",
-               mtp: bool = False, shard_draft: bool = False, depth: int = 2) -> KVPPPlan:
+               mtp: bool = False, shard_draft: bool = False, depth: int = 2,
+               staging_fraction: float = DEFAULT_STAGING_FRACTION) -> KVPPPlan:
     name, config = load_hf_config(model)
     spec = ModelCacheSpec.from_hf_config(config, name=name, block_size=block_size, kv_dtype=kv_dtype,
                                          include_mtp=mtp)
-    return KVPPPlan(spec, group_size=tp * pcp, depth=depth, shard_draft_layers=shard_draft)
+    return KVPPPlan(spec, group_size=tp * pcp, depth=depth, shard_draft_layers=shard_draft,
+                    staging_fraction=staging_fraction)
 
 
 def plan_report(plan: KVPPPlan, available_bytes: int) -> dict[str, Any]:
@@ -67,7 +69,9 @@ def plan_report(plan: KVPPPlan, available_bytes: int) -> dict[str, Any]:
             "local_draft_layers": list(plan.local_draft_layers),
             "persistent_bytes_per_block": plan.persistent_bytes_per_block(rank),
             "scratch_bytes_per_block": plan.scratch_bytes_per_block(rank),
-            "bytes_per_block": plan.persistent_bytes_per_block(rank) + plan.scratch_bytes_per_block(rank),
+            "staging_bytes_per_block": plan.staging_bytes_per_block(rank),
+            "bytes_per_block": (plan.persistent_bytes_per_block(rank) + plan.scratch_bytes_per_block(rank)
+                                + plan.staging_bytes_per_block(rank)),
             "blocks": rank_blocks,
             "tokens": rank_blocks * block_size,
             "allocated_bytes": plan.bytes_for(rank_blocks, rank),
@@ -93,6 +97,9 @@ def plan_report(plan: KVPPPlan, available_bytes: int) -> dict[str, Any]:
         "worst_rank": worst["rank"],
         "capacity_ratio": plan.capacity_ratio(available_bytes),
         "formula_capacity_ratio": plan.formula_capacity_ratio(),
+        "staging_fraction": plan.staging_fraction,
+        "staging_blocks": plan.staging_blocks(blocks),
+        "capacity_ratio_without_staging": plan.without_staging().capacity_ratio(available_bytes),
         "broadcast_bytes_per_forward": plan.broadcast_bytes_per_forward(blocks),
     }
     if plan.shard_draft_layers and plan.spec.draft_layers:
@@ -100,6 +107,36 @@ def plan_report(plan: KVPPPlan, available_bytes: int) -> dict[str, Any]:
         base = unsharded.num_blocks(available_bytes)
         report["draft_sharding_gain"] = blocks / base if base else None
     return report
+
+
+def transfer_cost(plan: KVPPPlan, num_blocks: int, context_tokens: int, link_gb_per_s: float) -> dict[str, Any]:
+    """Bytes and link time per layer and per forward for a step that reads `context_tokens` tokens.
+
+    The step reads ``ceil(context_tokens / block_size)`` blocks (its requests' contexts packed into
+    whole blocks, a lower bound), capped at the pool. Whole-layer broadcasts move every block of every
+    target layer; active-block broadcasts move the read blocks and their ids, unless the set exceeds
+    the staging capacity or the crossover fraction, where the runtime sends whole layers too.
+    """
+    if context_tokens < 0 or link_gb_per_s <= 0:
+        raise ValueError("context tokens must be >= 0 and the link bandwidth > 0.")
+    active = min(num_blocks, -(-context_tokens // plan.spec.block_size))
+    uses_active = plan.uses_active_blocks(active, num_blocks)
+    per_layer_whole = [num_blocks * plan.bundle_bytes_per_block(i) for i in plan.target_layers]
+    per_layer_active = ([plan.active_broadcast_bytes(i, active) for i in plan.target_layers] if uses_active
+                        else per_layer_whole)
+    bandwidth = link_gb_per_s * 1e9
+    whole, act = sum(per_layer_whole), sum(per_layer_active)
+    return {
+        "context_tokens": context_tokens, "active_blocks": active, "pool_blocks": num_blocks,
+        "active_fraction": active / num_blocks if num_blocks else 0.0, "link_gb_per_s": link_gb_per_s,
+        "path": "active-block" if uses_active else "whole-layer",
+        "whole_layer": {"bytes_per_layer": max(per_layer_whole, default=0), "bytes_per_forward": whole,
+                        "seconds_per_layer": max(per_layer_whole, default=0) / bandwidth,
+                        "seconds_per_forward": whole / bandwidth},
+        "active_block": {"bytes_per_layer": max(per_layer_active, default=0), "bytes_per_forward": act,
+                         "seconds_per_layer": max(per_layer_active, default=0) / bandwidth,
+                         "seconds_per_forward": act / bandwidth},
+    }
 
 
 def format_plan_table(report: dict[str, Any]) -> str:
@@ -124,9 +161,25 @@ def format_plan_table(report: dict[str, Any]) -> str:
         f"{'repl':>4}  {'all':<16} {rep['bytes_per_block']:>14,} {0:>14,} {rep['blocks']:>10,} {rep['tokens']:>12,}",
         "",
         f"capacity ratio (worst rank {report['worst_rank']}): {report['capacity_ratio']:.3f}x"
-        f"   formula: {report['formula_capacity_ratio']:.3f}x",
+        f"   formula: {report['formula_capacity_ratio']:.3f}x"
+        f"   without staging: {report['capacity_ratio_without_staging']:.3f}x",
+        f"active-block staging: {report['staging_fraction']:.0%} of the pool = "
+        f"{report['staging_blocks']:,} blocks per broadcast at most",
         f"broadcast per forward at full occupancy: {format_bytes(report['broadcast_bytes_per_forward'])}",
     ]
+    cost = report.get("transfer_cost")
+    if cost is not None:
+        gbps = cost["link_gb_per_s"]
+        lines += [
+            "",
+            f"transfer for a step reading {cost['context_tokens']:,} tokens = {cost['active_blocks']:,} blocks "
+            f"({cost['active_fraction']:.1%} of the pool) at {gbps:g} GB/s: {cost['path']} path",
+            f"{'':>14} {'bytes/layer':>14} {'ms/layer':>10} {'bytes/forward':>15} {'ms/forward':>11}",
+        ]
+        for key, label in (("whole_layer", "whole-layer"), ("active_block", "active-block")):
+            c = cost[key]
+            lines.append(f"{label:>14} {format_bytes(c['bytes_per_layer']):>14} {c['seconds_per_layer'] * 1e3:>10.3f} "
+                         f"{format_bytes(c['bytes_per_forward']):>15} {c['seconds_per_forward'] * 1e3:>11.2f}")
     if "draft_sharding_gain" in report:
         lines.append(f"draft sharding gain over local drafts: {report['draft_sharding_gain']:.3f}x")
     return "\n".join(lines)

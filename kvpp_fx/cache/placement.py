@@ -11,6 +11,9 @@ Invariants (from the reference implementation unless marked):
   back.
 - Every buffer (each owned bundle, each local draft cache, each scratch slot) is 2 MiB aligned, and
   (ours) the padding is counted in the budget: ``bytes_for(num_blocks(a)) <= a`` always holds.
+- (ours) A rank of an enabled group also holds one staging buffer for active-block broadcasts:
+  ``staging_blocks(num_blocks) = ceil(staging_fraction * num_blocks)`` blocks of the largest target
+  bundle plus their block ids. It is counted in the budget like every other buffer.
 """
 
 from __future__ import annotations
@@ -26,6 +29,13 @@ ALIGNMENT = 2 * 1024 * 1024
 DEFAULT_DEPTH = 2
 # With one slot, layer k+1's broadcast would overwrite the slot layer k's attention is still reading.
 MIN_DEPTH = 2
+# Staging for active-block broadcasts, as a fraction of the pool (see docs/design.md, "Active blocks").
+DEFAULT_STAGING_FRACTION = 0.25
+# Above this fraction of the pool a step sends whole layers: gather + broadcast + scatter of the listed
+# blocks stops being cheaper than one broadcast of the layer (benchmarks/active_blocks.py measures it).
+DEFAULT_CROSSOVER_FRACTION = 0.5
+# Each staged block travels with its id (int64), so receivers can check they scatter the owner's set.
+BLOCK_ID_BYTES = 8
 
 
 def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
@@ -50,20 +60,34 @@ def assign_owners(layer_indices: Iterable[int], group_size: int) -> dict[int, in
     return owners
 
 
+def staging_blocks(num_blocks: int, fraction: float) -> int:
+    """Blocks the staging buffer holds for a pool of `num_blocks`: ``ceil(fraction * num_blocks)``."""
+    return min(num_blocks, math.ceil(fraction * num_blocks - 1e-9)) if fraction > 0 else 0
+
+
 @dataclass(frozen=True)
 class BufferPlan:
-    """One physical buffer of a rank: ``kind`` is "persistent", "draft" or "scratch"."""
+    """One physical buffer of a rank: ``kind`` is "persistent", "draft", "scratch" or "staging".
+
+    A staging buffer holds ``staging_blocks(num_blocks, fraction)`` blocks; the others ``num_blocks``.
+    """
 
     kind: str
     key: int  # the layer index for persistent/draft buffers, the slot for scratch buffers
     bytes_per_block: int
+    fraction: float = 1.0
 
     @property
     def name(self) -> str:
-        return f"scratch[{self.key}]" if self.kind == "scratch" else f"{self.kind}[layer {self.key}]"
+        if self.kind in ("scratch", "staging"):
+            return f"{self.kind}[{self.key}]"
+        return f"{self.kind}[layer {self.key}]"
+
+    def blocks(self, num_blocks: int) -> int:
+        return num_blocks if self.fraction == 1.0 else staging_blocks(num_blocks, self.fraction)
 
     def nbytes(self, num_blocks: int) -> int:
-        return align_up(num_blocks * self.bytes_per_block)
+        return align_up(self.blocks(num_blocks) * self.bytes_per_block)
 
 
 @dataclass(frozen=True)
@@ -85,6 +109,7 @@ class KVPPPlan:
     depth: int = DEFAULT_DEPTH
     shard_draft_layers: bool = False
     layers: tuple[int, ...] | None = None
+    staging_fraction: float = DEFAULT_STAGING_FRACTION
     owners: Mapping[int, int] = field(init=False, compare=False, repr=False)
     target_layers: tuple[int, ...] = field(init=False, compare=False)
     local_draft_layers: tuple[int, ...] = field(init=False, compare=False)
@@ -94,6 +119,10 @@ class KVPPPlan:
             raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}.")
         if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < MIN_DEPTH:
             raise ValueError(f"scratch depth must be at least {MIN_DEPTH}, got {self.depth!r}.")
+        if (isinstance(self.staging_fraction, bool) or not isinstance(self.staging_fraction, (int, float))
+                or not 0.0 <= self.staging_fraction <= 1.0):
+            raise ValueError(f"staging_fraction must be a number in [0, 1], got {self.staging_fraction!r}.")
+        object.__setattr__(self, "staging_fraction", float(self.staging_fraction))
         local = self._local_layer_specs()
         targets = tuple(l.index for l in local if not l.is_draft or self.shard_draft_layers)
         drafts = tuple(l.index for l in local if l.is_draft and not self.shard_draft_layers)
@@ -169,7 +198,20 @@ class KVPPPlan:
         scratch = []
         if self.needs_scratch(rank):
             scratch = [BufferPlan("scratch", s, self.largest_target_bytes_per_block) for s in range(self.depth)]
-        return tuple(owned + drafts + scratch)
+        staging = []
+        if self.enabled and self.staging_fraction > 0 and self.target_layers:
+            staging = [BufferPlan("staging", 0, self.largest_target_bytes_per_block + BLOCK_ID_BYTES,
+                                  self.staging_fraction)]
+        return tuple(owned + drafts + scratch + staging)
+
+    def staging_blocks(self, num_blocks: int) -> int:
+        """Most blocks one active-block broadcast can carry; a larger set goes whole-layer."""
+        if not self.enabled:
+            return 0
+        return staging_blocks(num_blocks, self.staging_fraction)
+
+    def without_staging(self) -> KVPPPlan:
+        return self.with_(staging_fraction=0.0)
 
     def replicated_buffers(self) -> tuple[BufferPlan, ...]:
         """The buffers of the same stage without KVPP: every layer persistent on every rank."""
@@ -179,10 +221,14 @@ class KVPPPlan:
         )
 
     def persistent_bytes_per_block(self, rank: int) -> int:
-        return sum(b.bytes_per_block for b in self.buffers(rank) if b.kind != "scratch")
+        return sum(b.bytes_per_block for b in self.buffers(rank) if b.kind in ("persistent", "draft"))
 
     def scratch_bytes_per_block(self, rank: int) -> int:
         return sum(b.bytes_per_block for b in self.buffers(rank) if b.kind == "scratch")
+
+    def staging_bytes_per_block(self, rank: int) -> float:
+        """Staging bytes per pool block (a fraction of a block of the largest bundle, ids included)."""
+        return sum(b.bytes_per_block * b.fraction for b in self.buffers(rank) if b.kind == "staging")
 
     def bytes_for(self, num_blocks: int, rank: int) -> int:
         """Allocated bytes for `num_blocks` blocks on `rank`, 2 MiB padding included."""
@@ -209,7 +255,7 @@ class KVPPPlan:
         """
         replicated = sum(b.bytes_per_block for b in self.replicated_buffers())
         worst = max(self.persistent_bytes_per_block(r) + self.scratch_bytes_per_block(r)
-                    for r in range(self.group_size))
+                    + self.staging_bytes_per_block(r) for r in range(self.group_size))
         return replicated / worst
 
     def broadcast_bytes_per_forward(self, num_blocks: int) -> int:
@@ -217,6 +263,16 @@ class KVPPPlan:
         if not self.enabled:
             return 0
         return sum(num_blocks * self.bundle_bytes_per_block(i) for i in self.target_layers)
+
+    def uses_active_blocks(self, active_blocks: int, num_blocks: int,
+                           crossover: float = DEFAULT_CROSSOVER_FRACTION) -> bool:
+        """Whether a step reading `active_blocks` of `num_blocks` sends those blocks, not whole layers."""
+        return (self.enabled and active_blocks <= self.staging_blocks(num_blocks)
+                and active_blocks <= crossover * num_blocks)
+
+    def active_broadcast_bytes(self, layer: int, active_blocks: int) -> int:
+        """Bytes of one layer's active-block broadcast: the listed blocks of every component, and their ids."""
+        return active_blocks * (self.bundle_bytes_per_block(layer) + BLOCK_ID_BYTES)
 
     def layout(self, layer: int, num_blocks: int) -> tuple[ComponentLayout, ...]:
         """Component-major ``(offset, size)`` of each component in the layer's bundle."""
@@ -230,7 +286,8 @@ class KVPPPlan:
 
     def with_(self, **changes) -> KVPPPlan:
         fields = dict(spec=self.spec, group_size=self.group_size, depth=self.depth,
-                      shard_draft_layers=self.shard_draft_layers, layers=self.layers)
+                      shard_draft_layers=self.shard_draft_layers, layers=self.layers,
+                      staging_fraction=self.staging_fraction)
         fields.update(changes)
         return KVPPPlan(**fields)
 
@@ -246,10 +303,10 @@ def _cost(buffers: Iterable[BufferPlan], num_blocks: int) -> int:
 def _max_blocks(buffers: tuple[BufferPlan, ...], available_bytes: int) -> int:
     if available_bytes < 0:
         raise ValueError(f"available bytes must be non-negative, got {available_bytes}.")
-    per_block = sum(b.bytes_per_block for b in buffers)
+    per_block = sum(b.bytes_per_block * b.fraction for b in buffers)
     if per_block == 0:
         return 0
-    lo, hi = 0, available_bytes // per_block  # padding only ever lowers the unaligned bound
+    lo, hi = 0, int(available_bytes // per_block)  # padding and rounding only ever lower this bound
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if _cost(buffers, mid) <= available_bytes:

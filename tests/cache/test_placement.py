@@ -101,7 +101,7 @@ def test_layer_table_refuses_depth_one():
 
 def test_budget_at_its_exact_edges():
     # 4 layers of 576 bf16 x 16 tokens = 18432 B/block; rank 0 holds 2 owned + 2 scratch buffers.
-    plan = KVPPPlan(uniform_spec(4), group_size=2)
+    plan = KVPPPlan(uniform_spec(4), group_size=2, staging_fraction=0.0)
     assert plan.bundle_bytes_per_block(0) == 18432
     assert len(plan.buffers(0)) == 4
     # 113 blocks = 2,082,816 B -> one 2 MiB buffer each; 114 blocks spill to 4 MiB each.
@@ -135,17 +135,49 @@ def test_engine_blocks_are_the_worst_rank():
 
 def test_capacity_ratio_matches_formula_within_alignment():
     L, N = 61, 8
-    plan = KVPPPlan(uniform_spec(L, block_size=128), group_size=N)
+    plan = KVPPPlan(uniform_spec(L, block_size=128), group_size=N, staging_fraction=0.0)
     formula = L / (math.ceil(L / N) + 2)
     assert plan.formula_capacity_ratio() == pytest.approx(formula)
     ratio = plan.capacity_ratio(64 * 1024 * MiB)
     assert abs(ratio - formula) / formula < 1e-3
 
 
+def test_staging_is_counted_in_the_budget():
+    L, N, f = 61, 8, 0.25
+    plan = KVPPPlan(uniform_spec(L, block_size=128), group_size=N, staging_fraction=f)
+    bpb = 576 * 2 * 128
+    # staging: f of a block of the largest bundle, plus the 8-byte id of each staged block
+    formula = L / (math.ceil(L / N) + 2 + f * (bpb + 8) / bpb)
+    assert plan.formula_capacity_ratio() == pytest.approx(formula)
+    available = 64 * 1024 * MiB
+    assert abs(plan.capacity_ratio(available) - formula) / formula < 1e-3
+    assert plan.capacity_ratio(available) < plan.without_staging().capacity_ratio(available)
+    n = plan.num_blocks(available, 0)
+    assert plan.staging_blocks(n) == math.ceil(f * n)
+    staging = [b for b in plan.buffers(0) if b.kind == "staging"]
+    assert len(staging) == 1 and staging[0].nbytes(n) == -(-math.ceil(f * n) * (bpb + 8) // (2 * MiB)) * 2 * MiB
+    assert plan.bytes_for(n, 0) <= available < plan.bytes_for(n + 1, 0)
+
+
+@given(st.integers(1, 30), st.integers(2, 8), st.floats(0.0, 1.0), st.integers(1, 2_000_000_000))
+@settings(max_examples=60)
+def test_budget_with_staging_is_tight(layers, size, fraction, available):
+    plan = KVPPPlan(uniform_spec(layers), group_size=size, staging_fraction=fraction)
+    for rank in range(size):
+        n = plan.num_blocks(available, rank)
+        assert plan.bytes_for(n, rank) <= available < plan.bytes_for(n + 1, rank)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "0.2", True, float("nan")])
+def test_staging_fraction_is_validated(bad):
+    with pytest.raises(ValueError, match="staging_fraction"):
+        KVPPPlan(uniform_spec(4), group_size=2, staging_fraction=bad)
+
+
 def test_more_ranks_than_layers():
     plan = KVPPPlan(uniform_spec(2), group_size=4)
     assert [plan.owned_layers(r) for r in range(4)] == [(0,), (1,), (), ()]
-    assert [b.kind for b in plan.buffers(3)] == ["scratch", "scratch"]
+    assert [b.kind for b in plan.buffers(3)] == ["scratch", "scratch", "staging"]
 
 
 def test_group_of_one_owns_everything_and_needs_no_scratch():
