@@ -8,7 +8,10 @@ Invariants:
   keeps it, ``scratch[plan.slot(layer)]`` otherwise. Layers that share a slot share bytes; no other
   layers do.
 - Every component has a typed view ``[num_blocks, block_size, *per_token]`` over the byte view, at the
-  component-major offset of ``plan.layout``.
+  component-major offset of ``plan.layout``, and a block view ``[num_blocks, bytes_per_block]`` (uint8)
+  over the same bytes, which active-block broadcasts gather from and scatter into whatever the dtype.
+- A rank of an enabled group has one staging buffer (``plan.staging_blocks``) for active-block
+  broadcasts; it holds no cache state between layers.
 """
 
 from __future__ import annotations
@@ -41,10 +44,22 @@ class CacheStorage:
     scratch: tuple[torch.Tensor, ...] = field(repr=False)
     byte_views: dict[int, torch.Tensor] = field(repr=False)
     typed: dict[int, dict[str, torch.Tensor]] = field(repr=False)
+    staging: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(b.numel() for b in self.persistent.values()) + sum(b.numel() for b in self.scratch)
+        staging = self.staging.numel() if self.staging is not None else 0
+        return sum(b.numel() for b in self.persistent.values()) + sum(b.numel() for b in self.scratch) + staging
+
+    @property
+    def staging_blocks(self) -> int:
+        return self.plan.staging_blocks(self.num_blocks)
+
+    def block_views(self, layer: int) -> list[torch.Tensor]:
+        """Per component, in layout order: ``[num_blocks, bytes_per_block]`` uint8 over the layer's bytes."""
+        view = self.byte_view(layer)
+        return [view[where.offset: where.offset + where.size].view(self.num_blocks, -1)
+                for where in self.plan.layout(layer, self.num_blocks)]
 
     @property
     def persistent_layers(self) -> tuple[int, ...]:
@@ -80,10 +95,13 @@ def allocate_cache(plan: KVPPPlan, rank: int, num_blocks: int,
     device = torch.device(device)
     persistent: dict[int, torch.Tensor] = {}
     scratch: list[torch.Tensor] = []
+    staging = None
     for buf in plan.buffers(rank):
         tensor = torch.zeros(buf.nbytes(num_blocks), dtype=torch.uint8, device=device)
         if buf.kind == "scratch":
             scratch.append(tensor)
+        elif buf.kind == "staging":
+            staging = tensor
         else:
             persistent[buf.key] = tensor
 
@@ -94,7 +112,7 @@ def allocate_cache(plan: KVPPPlan, rank: int, num_blocks: int,
         view = backing[: num_blocks * plan.bundle_bytes_per_block(layer)]
         byte_views[layer] = view
         typed[layer] = _typed_views(plan, layer, view, num_blocks)
-    return CacheStorage(plan, rank, num_blocks, device, persistent, tuple(scratch), byte_views, typed)
+    return CacheStorage(plan, rank, num_blocks, device, persistent, tuple(scratch), byte_views, typed, staging)
 
 
 def _typed_views(plan: KVPPPlan, layer: int, view: torch.Tensor, num_blocks: int) -> dict[str, torch.Tensor]:

@@ -77,6 +77,16 @@ class DeviceAPI:
         event.record(stream if stream is not None else self.current_stream())
         return event
 
+    # --- block copies (active-block broadcasts) ---------------------------------------------------
+
+    def gather_blocks(self, source: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[j] = source[ids[j]]`` on the current stream, into preallocated memory."""
+        torch.index_select(source, 0, ids, out=out)
+
+    def scatter_blocks(self, dest: torch.Tensor, ids: torch.Tensor, source: torch.Tensor) -> None:
+        """``dest[ids[j]] = source[j]`` on the current stream, in place."""
+        dest.index_copy_(0, ids, source)
+
     # --- collectives ------------------------------------------------------------------------------
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> Any:

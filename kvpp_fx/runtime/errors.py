@@ -17,6 +17,14 @@ class UnsupportedPlanError(KVPPRuntimeError):
     """The plan asks for something the runtime does not implement (e.g. sharded draft layers)."""
 
 
+class InvalidBlocksError(KVPPRuntimeError, ValueError):
+    """The active-block set passed to ``runtime.forward`` is not a set of block ids of the pool."""
+
+
+class BlockSetMismatchError(KVPPRuntimeError):
+    """Ranks passed different active-block sets; the forward read wrong bytes and the runtime breaks."""
+
+
 class UnknownLayerError(KVPPRuntimeError):
     """The layer is not a broadcast (target) layer of the plan."""
 

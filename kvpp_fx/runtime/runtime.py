@@ -6,6 +6,13 @@ layer's broadcast on the calling thread and returns at once; ``wait`` makes the 
 it and returns the view attention must read: persistent on the owner, the layer's scratch slot
 elsewhere. A forward without history moves no bytes.
 
+Active blocks: ``forward(has_history, blocks=ids)`` names the blocks the step reads that hold tokens
+computed before it. Then each layer's owner gathers those blocks of every component (and their ids)
+into its staging buffer, one broadcast carries them, and receivers scatter them into the layer's slot
+at the same ids; blocks outside the set are not sent. A set larger than the staging capacity or the
+crossover fraction of the pool is sent as whole layers. Receivers check that the ids they received are
+their own set (a mismatch raises `BlockSetMismatchError` when the forward ends and breaks the runtime).
+
 Invariants:
 - Every rank issues its broadcasts from the forward's thread in plan order, interleaved with its other
   collectives exactly as the graph orders them (no transfer thread).
@@ -24,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,10 +42,12 @@ import torch
 import torch.distributed as dist
 
 from kvpp_fx.cache.allocate import CacheStorage
-from kvpp_fx.cache.placement import MIN_DEPTH, KVPPPlan
+from kvpp_fx.cache.placement import BLOCK_ID_BYTES, DEFAULT_CROSSOVER_FRACTION, MIN_DEPTH, KVPPPlan
 from kvpp_fx.runtime.device import DeviceAPI
 from kvpp_fx.runtime.errors import (
+    BlockSetMismatchError,
     ForwardClosedError,
+    InvalidBlocksError,
     NestedForwardError,
     NoActiveForwardError,
     PrefetchOrderError,
@@ -56,6 +66,9 @@ from kvpp_fx.runtime.timeline import Timeline
 from kvpp_fx.runtime.transport import BroadcastTransport, InFlight
 
 logger = logging.getLogger(__name__)
+
+# Test-only faults, for negative controls: "drop-block" leaves the highest id out of every active set.
+FAULT_ENV = "KVPP_TEST_FAULT"
 
 _CURRENT: contextvars.ContextVar[KVPPRuntime | None] = contextvars.ContextVar("kvpp_runtime", default=None)
 
@@ -82,8 +95,19 @@ def group_timeout(group: Any, device: torch.device) -> timedelta:
 
 
 @dataclass
+class _ActiveSet:
+    """One forward's active blocks, prepared once on the device: ids and staging views per bundle shape."""
+
+    ids: torch.Tensor
+    count: int
+    ids_ok: torch.Tensor  # receivers AND in whether each received id list equals their own
+    staging: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]
+
+
+@dataclass
 class _Forward:
     has_history: bool
+    active: _ActiveSet | None = None
     next_position: int = 0  # plan position of the only layer the next prefetch may name
     in_flight: InFlight | None = None
     last_awaited: int | None = None
@@ -107,6 +131,11 @@ class KVPPRuntime:
         self._views = {layer: storage.byte_view(layer) for layer in targets}
         self._src = ({layer: dist.get_global_rank(group, plan.owners[layer]) for layer in targets}
                      if group is not None else {})
+        self._owned = {layer: plan.owners[layer] == rank for layer in targets}
+        self._block_views = {layer: storage.block_views(layer) for layer in targets}
+        self._shape = {layer: tuple(v.shape[1] for v in self._block_views[layer]) for layer in targets}
+        self.crossover = DEFAULT_CROSSOVER_FRACTION
+        self._fault = os.environ.get(FAULT_ENV, "")
         self._stats = TransferStats(targets)
         self._forward: _Forward | None = None
         self._broken: BaseException | None = None
@@ -116,7 +145,8 @@ class KVPPRuntime:
     def create(cls, plan: KVPPPlan, storage: CacheStorage, group: Any = None, *,
                delay: Callable[[int], float] | None = None, timeline: Timeline | None = None,
                overlap: bool = True, timeout: timedelta | float | None = None,
-               device_api: DeviceAPI | None = None) -> KVPPRuntime:
+               device_api: DeviceAPI | None = None,
+               crossover: float = DEFAULT_CROSSOVER_FRACTION) -> KVPPRuntime:
         """`group` is this rank's KVPP process group (None only for a group of one).
 
         ``timeout`` bounds every broadcast (seconds or a timedelta); by default the group's own
@@ -124,7 +154,10 @@ class KVPPRuntime:
         nothing hides behind compute (a baseline for benchmarks). ``delay(layer)`` returns seconds to
         sleep before issuing a broadcast (a test hook; also ``KVPP_TRANSPORT_DELAY_MS``).
         ``device_api`` replaces the device API (tests record device ordering through it).
+        ``crossover``: the fraction of the pool above which an active-block set is sent whole-layer.
         """
+        if not 0.0 <= crossover <= 1.0:
+            raise ValueError(f"crossover must be a fraction in [0, 1], got {crossover!r}.")
         if plan.shard_draft_layers and plan.spec.draft_layers:
             raise UnsupportedPlanError(
                 "shard_draft_layers=True is a planning what-if only: draft layers stay local on every "
@@ -153,7 +186,9 @@ class KVPPRuntime:
             if timeout.total_seconds() <= 0:
                 raise ValueError(f"timeout must be positive, got {timeout}.")
             transport = BroadcastTransport(group, api, plan.depth, timeout, delay=delay)
-        return cls(plan, storage, group, rank, api, transport, timeline, overlap)
+        runtime = cls(plan, storage, group, rank, api, transport, timeline, overlap)
+        runtime.crossover = crossover
+        return runtime
 
     # --- views ------------------------------------------------------------------------------------
 
@@ -175,13 +210,17 @@ class KVPPRuntime:
         return self._broken
 
     @contextlib.contextmanager
-    def forward(self, has_history: bool) -> Iterator[KVPPRuntime]:
+    def forward(self, has_history: bool, blocks: Any = None) -> Iterator[KVPPRuntime]:
+        """One model forward. ``blocks``: ids of the blocks the step reads that hold tokens computed
+        before it (every rank must pass the same set); None sends whole layers."""
         if self._closed:
             raise KVPPRuntimeClosed("this KVPPRuntime was closed.")
         self._raise_if_broken()
         if self._forward is not None:
             raise NestedForwardError("runtime.forward() is already open.")
         state = _Forward(has_history=bool(has_history) and self.transport is not None)
+        if state.has_history and blocks is not None:
+            state.active = self._prepare_active(blocks)
         self._forward = state
         self._stats.begin_forward(state.has_history)
         token = _CURRENT.set(self)
@@ -213,6 +252,12 @@ class KVPPRuntime:
                     self._break(exc)
                 return
             self._raise_if_broken()  # a failure inside this forward was caught by the caller
+            if state.active is not None and state.issued and not bool(state.active.ids_ok.item()):
+                error = BlockSetMismatchError(
+                    "the owner broadcast a different block set than this rank's: every rank must pass the "
+                    "same `blocks` to runtime.forward(); this forward read wrong bytes.")
+                self._break(error)
+                raise error
             missing = len(self.plan.target_layers) - state.next_position
             if missing:
                 skipped = list(self.plan.target_layers[state.next_position:])
@@ -256,6 +301,56 @@ class KVPPRuntime:
                                     f"for slot {slot}.")
         return position
 
+    def _prepare_active(self, blocks: Any) -> _ActiveSet | None:
+        """Validate the set and build its device index and staging views; None means whole layers."""
+        num_blocks = self.storage.num_blocks
+        try:
+            ids = sorted({int(b) for b in (blocks.tolist() if isinstance(blocks, torch.Tensor) else blocks)})
+        except (TypeError, ValueError):
+            raise InvalidBlocksError(f"blocks must be an iterable of block ids, got {blocks!r}.") from None
+        if ids and (ids[0] < 0 or ids[-1] >= num_blocks):
+            bad = ids[0] if ids[0] < 0 else ids[-1]
+            raise InvalidBlocksError(f"block id {bad} is outside the pool of {num_blocks} blocks.")
+        if self._fault == "drop-block" and ids:
+            ids.pop()
+        count = len(ids)
+        if not self.plan.uses_active_blocks(count, num_blocks, self.crossover):
+            return None
+        device = self.storage.device
+        staging = {}
+        for shape in set(self._shape.values()):
+            header = self.storage.staging[: count * BLOCK_ID_BYTES].view(torch.int64)
+            offset, parts = count * BLOCK_ID_BYTES, []
+            for width in shape:
+                parts.append(self.storage.staging[offset: offset + count * width].view(count, width))
+                offset += count * width
+            staging[shape] = (self.storage.staging[:offset], header, parts)
+        return _ActiveSet(torch.tensor(ids, dtype=torch.int64, device=device), count,
+                          torch.ones((), dtype=torch.bool, device=device), staging)
+
+    def _issue(self, state: _Forward, layer: int, slot: int) -> InFlight:
+        active = state.active
+        if active is None:
+            return self.transport.issue(layer, slot, self._views[layer], self._src[layer])
+        if active.count == 0:  # the step reads no block with history: nothing to move
+            return InFlight(layer, slot, 0, None, time.perf_counter_ns())
+        payload, header, parts = active.staging[self._shape[layer]]
+        sources = self._block_views[layer]
+        if self._owned[layer]:
+            def pack() -> None:
+                header.copy_(active.ids)
+                for source, part in zip(sources, parts):
+                    self.api.gather_blocks(source, active.ids, part)
+
+            return self.transport.issue(layer, slot, payload, self._src[layer], pack=pack)
+
+        def unpack() -> None:
+            active.ids_ok.logical_and_((header == active.ids).all())  # checked on the host at forward end
+            for dest, part in zip(sources, parts):
+                self.api.scatter_blocks(dest, active.ids, part)
+
+        return self.transport.issue(layer, slot, payload, self._src[layer], unpack=unpack)
+
     # --- the two ops ------------------------------------------------------------------------------
 
     def prefetch(self, layer: int, slot: int) -> None:
@@ -282,7 +377,7 @@ class KVPPRuntime:
                                      "plan's execution order on every rank.")
         flight = InFlight(layer, slot, 0, None, start)
         if state.has_history:
-            flight = self.transport.issue(layer, slot, self._views[layer], self._src[layer])
+            flight = self._issue(state, layer, slot)
             state.issued += 1
         state.in_flight = flight
         if not self.overlap:

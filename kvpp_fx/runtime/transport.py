@@ -5,9 +5,11 @@ Protocol (DESIGN.md, "Runtime"), on every rank of the group, the owner included,
   issue (at ``prefetch``, on the forward's own thread):
     1. record ``ready[slot]`` on the compute stream;
     2. the transfer stream waits on ``ready[slot]``;
-    3. ``dist.broadcast(view, src=owner, async_op=True)`` under the transfer stream; return at once.
+    3. under the transfer stream: ``pack`` (the owner's gather of active blocks into staging, if any),
+       then ``dist.broadcast(payload, src=owner, async_op=True)``; return at once.
   complete (at ``wait``):
-    4. under the transfer stream, wait for the work (bounded by the timeout where the host waits);
+    4. under the transfer stream, wait for the work (bounded by the timeout where the host waits), then
+       ``unpack`` (a receiver's scatter from staging into the slot, if any);
     5. record ``done[slot]`` on the transfer stream; the compute stream waits on it.
 
 Invariants. Step 2 orders the broadcast into a slot after every compute-stream access issued before
@@ -70,6 +72,7 @@ class InFlight:
     nbytes: int
     work: Any
     issued_ns: int
+    unpack: Callable[[], None] | None = None
 
 
 class BroadcastTransport:
@@ -86,18 +89,22 @@ class BroadcastTransport:
         self._ready = [device_api.new_event() for _ in range(depth)]
         self._done = [device_api.new_event() for _ in range(depth)]
 
-    def issue(self, layer: int, slot: int, view: torch.Tensor, src: int) -> InFlight:
+    def issue(self, layer: int, slot: int, payload: torch.Tensor, src: int, *,
+              pack: Callable[[], None] | None = None, unpack: Callable[[], None] | None = None) -> InFlight:
         if self.delay is not None:
             time.sleep(self.delay(layer))
         ready = self._ready[slot]
         ready.record(self.compute_stream)
         self.stream.wait_event(ready)
         with self.api.stream(self.stream):
+            if pack is not None:
+                pack()
             try:
-                work = self.api.broadcast(view, src, self.group)
+                work = self.api.broadcast(payload, src, self.group)
             except Exception as exc:
                 raise TransferFailedError(f"broadcast of layer {layer} could not be issued: {exc}") from exc
-        return InFlight(layer, slot, view.numel() * view.element_size(), work, time.perf_counter_ns())
+        return InFlight(layer, slot, payload.numel() * payload.element_size(), work, time.perf_counter_ns(),
+                        unpack)
 
     def complete(self, flight: InFlight) -> None:
         """Make the compute stream wait for the broadcast. Raises `TransferFailedError` on failure."""
@@ -107,6 +114,8 @@ class BroadcastTransport:
         done = self._done[flight.slot]
         with self.api.stream(self.stream):
             self._wait(flight.layer, lambda: self.api.wait_work(work, self.timeout))
+            if flight.unpack is not None:
+                flight.unpack()
             done.record(self.stream)
         self.compute_stream.wait_event(done)
 

@@ -137,3 +137,39 @@ def test_memory_and_stats_stay_flat_over_3000_forwards():
         assert res["traced_growth"] < 64 * 1024, res
         assert res["rss"]["end"] - res["rss"]["warm"] < 8 * 2**20, res
 
+
+
+# --- active blocks ----------------------------------------------------------------------------------------
+
+def test_active_block_fuzz_every_listed_block_arrives_and_nothing_else():
+    results = run_ranks(workers.active_fuzz_worker, 2, 25, None, timeout_s=120)
+    for res in results:
+        assert res["n_problems"] == 0, res["problems"]
+        for count, nbytes in res["records"]:
+            # 4 layers, each: the listed blocks of kv (bf16 576) + indexer (int8 128) + scale (fp32 1), and ids
+            assert nbytes == 4 * count * (res["bpb"] + 8)
+        assert res["bpb"] == 4 * (576 * 2 + 128 + 4)
+
+
+def test_negative_control_a_dropped_block_is_missing_at_the_receiver():
+    results = run_ranks(workers.active_fuzz_worker, 2, 6, "drop-block", timeout_s=120)
+    assert any(res["n_problems"] for res in results)
+    assert all(listed for res in results for (_, _, _, _, listed) in res["problems"])  # only listed blocks
+
+
+def test_ranks_that_disagree_on_the_set_get_a_named_error():
+    # each rank receives some layers, sees the other's ids there, and refuses; later forwards are refused too
+    for outcome in run_ranks(workers.mismatched_sets_worker, 2, timeout_s=60):
+        assert outcome == ["BlockSetMismatchError", "RuntimeBrokenError"]
+
+
+@pytest.mark.parametrize("drop", [(), ("transfer",), ("compute",)],
+                         ids=["runtime", "negative-control-no-ready-wait", "negative-control-no-done-wait"])
+def test_staging_reuse_is_ordered_on_the_device(drop):
+    results = run_ranks(workers.active_ordering_worker, 2, drop, 4, timeout_s=60)
+    for res in results:
+        assert res["collectives"] == 3 * 5
+        if not drop:
+            assert res["races"] == [], res["races"][:5]
+        else:
+            assert res["races"]

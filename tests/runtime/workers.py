@@ -396,3 +396,96 @@ def memory_worker(rank: int, world: int, forwards: int, warmup: int):
     rt.close()
     return {"sizes": sizes, "rss": rss, "traced_growth": traced, "forwards": stats["forwards"],
             "broadcasts": stats["broadcasts"]}
+
+
+# --- active blocks ----------------------------------------------------------------------------------------
+
+SFA_LIKE = (ComponentSpec("kv", "bfloat16", (576,)), ComponentSpec("indexer", "int8", (128,)),
+            ComponentSpec("indexer_scale", "float32", (1,)))
+
+
+def fill_layer(rt: KVPPRuntime, layer: int, seed: int) -> None:
+    """Deterministic bytes for one layer's whole bundle (every component, every block)."""
+    view = rt.view(layer)
+    gen = torch.Generator().manual_seed(seed * 1000 + layer)
+    view.copy_(torch.randint(0, 256, view.shape, dtype=torch.uint8, generator=gen))
+
+
+def expected_layer(rt: KVPPRuntime, layer: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1000 + layer)
+    return torch.randint(0, 256, rt.view(layer).shape, dtype=torch.uint8, generator=gen)
+
+
+def active_fuzz_worker(rank: int, world: int, rounds: int, fault: str | None):
+    """Random active sets over a bundle of three dtypes; check every listed block, and nothing else, moved."""
+    if fault is not None:
+        os.environ["KVPP_TEST_FAULT"] = fault
+    group = create_kvpp_process_groups(kvpp_groups(world, tp=world), timeout=timedelta(seconds=20))
+    spec = ModelCacheSpec("sfa-like", BLOCK, tuple(LayerCacheSpec(i, SFA_LIKE) for i in range(4)))
+    num_blocks = 40
+    plan = KVPPPlan(spec, group_size=world, staging_fraction=0.5)
+    rt = KVPPRuntime.create(plan, allocate_cache(plan, dist.get_rank(group), num_blocks), group, crossover=0.5)
+    rng = random.Random(99)  # the same sets on every rank
+    bpb = plan.bundle_bytes_per_block(0)
+    problems, records = [], []
+    for r in range(rounds):
+        count = rng.randint(0, plan.staging_blocks(num_blocks))
+        blocks = rng.sample(range(num_blocks), count)
+        for layer in rt.plan.owned_layers(rt.rank):
+            fill_layer(rt, layer, r)
+        for slot in rt.storage.scratch:  # a sentinel, so a block sent by mistake shows
+            slot.fill_(0xA5)
+
+        def check(layer, view):
+            if rt.plan.owner(layer) == rt.rank:
+                return
+            got, want = rt.storage.block_views(layer), None
+            want_bytes = expected_layer(rt, layer, r)
+            for where, got_c in zip(rt.plan.layout(layer, num_blocks), got):
+                want_c = want_bytes[where.offset: where.offset + where.size].view(num_blocks, -1)
+                for b in range(num_blocks):
+                    expected = want_c[b] if b in blocks else torch.full_like(got_c[b], 0xA5)
+                    if not torch.equal(got_c[b], expected):
+                        problems.append((r, layer, where.name, b, b in blocks))
+
+        with rt.forward(has_history=True, blocks=blocks):
+            run_layers(rt, check)
+        records.append((count, rt.last_forward()["bytes"]))
+    rt.close()
+    return {"problems": problems[:20], "n_problems": len(problems), "records": records, "bpb": bpb}
+
+
+def mismatched_sets_worker(rank: int, world: int):
+    """Ranks pass different sets of the same size: the forward must end in BlockSetMismatchError."""
+    group = create_kvpp_process_groups(kvpp_groups(world, tp=world), timeout=timedelta(seconds=20))
+    plan = KVPPPlan(toy_spec(4), group_size=world, staging_fraction=0.5)
+    rt = KVPPRuntime.create(plan, allocate_cache(plan, dist.get_rank(group), BLOCKS), group)
+    blocks = [1, 2, 3] if rank == 0 else [1, 2, 4]
+    outcome = []
+    for attempt in range(2):
+        try:
+            with rt.forward(has_history=True, blocks=blocks):
+                run_layers(rt, lambda layer, view: None)
+            outcome.append("ok")
+        except E.KVPPRuntimeError as exc:
+            outcome.append(type(exc).__name__)
+    rt.close()
+    return outcome
+
+
+def active_ordering_worker(rank: int, world: int, drop_waits_on: tuple[str, ...], forwards: int):
+    """The staging buffer is shared by every layer's gather, broadcast and scatter: prove it is safe."""
+    api = RecordingDeviceAPI(drop_waits_on)
+    group = create_kvpp_process_groups(kvpp_groups(world, tp=world), timeout=timedelta(seconds=20))
+    plan = KVPPPlan(toy_spec(5), group_size=world, staging_fraction=0.5)
+    rt = KVPPRuntime.create(plan, allocate_cache(plan, dist.get_rank(group), BLOCKS), group, device_api=api)
+    for f in range(forwards):
+        def attend(layer, view):
+            api.access(view, "read", f"forward {f} attention reads L{layer}")
+            api.access(view, "write", f"forward {f} attention writes L{layer}'s new token")
+
+        with rt.forward(has_history=f > 0, blocks=[0, 3, 5, 6][: f + 1]):
+            run_layers(rt, attend)
+    rt.close()
+    report = check_happens_before(api.log)
+    return {"races": report.races, "accesses": report.accesses, "collectives": report.collectives}
