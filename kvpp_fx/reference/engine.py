@@ -45,6 +45,7 @@ class EngineConfig:
     inner: Any = "eager"           # inner backend of the piecewise mode
     speculative: bool = False      # MTP drafts (needs num_nextn_predict_layers >= 1)
     dump_dir: str | None = None
+    active_blocks: bool = True     # pass each step's blocks with history to the runtime (else whole layers)
 
     def __post_init__(self) -> None:
         if self.graph_mode not in GRAPH_MODES:
@@ -273,7 +274,16 @@ class Engine:
             "logits_indices": torch.tensor(logits_at, dtype=torch.long),
         }
 
-    def _run_target(self, inputs: dict[str, torch.Tensor], has_history: bool):
+    def active_blocks(self, batch: list[_Scheduled]) -> list[int]:
+        """The blocks this step reads that hold tokens computed before it: for every scheduled request,
+        the block-table entries covering its computed tokens (prefix-cache hits included)."""
+        block_size = self.config.block_size
+        blocks: set[int] = set()
+        for item in batch:
+            blocks.update(item.request.blocks[: -(-item.start // block_size)])
+        return sorted(blocks)
+
+    def _run_target(self, inputs: dict[str, torch.Tensor], has_history: bool, blocks: list[int] | None = None):
         hidden_in = None
         if self.link is not None and self.link.prev_rank is not None:
             hidden_in = torch.empty(inputs["input_ids"].numel(), self.cfg.hidden_size)
@@ -284,7 +294,7 @@ class Engine:
         if self.config.graph_mode == "none":
             logits, hidden = self.forward_fn(*args)
         else:
-            with self.runtime.forward(has_history):
+            with self.runtime.forward(has_history, blocks=blocks):
                 logits, hidden = self.forward_fn(*args)
         if self.link is not None and self.link.next_rank is not None:
             torch.distributed.send(hidden.contiguous(), dst=self.link.next_rank)
@@ -305,9 +315,10 @@ class Engine:
         has_history = any(item.request.num_computed > 0 for item in batch)
         decode_only = all(item.start >= len(item.request.prompt) for item in batch)
         inputs = self._inputs(batch)
+        blocks = self.active_blocks(batch) if self.config.active_blocks else None
         start = time.perf_counter()
         with torch.no_grad():
-            logits, hidden = self._run_target(inputs, has_history)
+            logits, hidden = self._run_target(inputs, has_history, blocks)
         elapsed = time.perf_counter() - start
         self.last_logits = logits
         sampled = self._sample(logits, int(inputs["logits_indices"].numel()))
@@ -319,7 +330,9 @@ class Engine:
         record = {"has_history": has_history, "num_tokens": int(inputs["input_ids"].numel()),
                   "requests": [(i.request.rid, i.start, i.count) for i in batch], "seconds": elapsed,
                   "decode_only": decode_only, "broadcast_bytes": moved["bytes"] if moved else 0,
-                  "broadcasts": moved["broadcasts"] if moved else 0}
+                  "broadcasts": moved["broadcasts"] if moved else 0,
+                  "active_blocks": len(blocks) if blocks is not None else None,
+                  "pool_blocks": len(self.pool.refs)}
         self.steps.append(record)
         return record
 

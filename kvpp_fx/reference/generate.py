@@ -36,9 +36,8 @@ def run_generation(rank: int, world: int, model: str | Path, prompts: list[list[
     tp, group, link = TPInfo(), None, None
     tp_size = world // pp
     if world > 1:
-        # The KVPP group has the TP group's ranks but is a process group of its own: its broadcasts run
-        # on the transfer thread while the model's all-reduces run on the compute thread, and gloo
-        # needs every rank to issue one group's collectives in the same order.
+        # The KVPP group has the TP group's ranks but is a communicator of its own, so its broadcasts
+        # do not queue behind the model's all-reduces.
         stage_groups = kvpp_groups(world, tp=tp_size, pp=pp)
         tp = TPInfo(rank % tp_size, tp_size, create_kvpp_process_groups(stage_groups))
         group = create_kvpp_process_groups(stage_groups)
@@ -59,11 +58,14 @@ def run_generation(rank: int, world: int, model: str | Path, prompts: list[list[
 def generate(model_dir_or_preset: str | Path, prompts: list[list[int]], max_new_tokens: int, *, tp: int = 1,
              pp: int = 1, kvpp: bool = False, block_size: int = 16, graph_mode: str | None = None, inner: Any = "eager",
              token_budget: int = 32, speculative: bool = False, num_blocks: int | None = None,
-             timeout_s: float = 600.0) -> list[list[int]]:
-    """Greedy tokens for each prompt. Spawns ``tp * pp`` gloo ranks itself when that is more than one."""
+             active_blocks: bool = True, timeout_s: float = 600.0) -> list[list[int]]:
+    """Greedy tokens for each prompt. Spawns ``tp * pp`` gloo ranks itself when that is more than one.
+
+    With ``kvpp=True`` each step broadcasts only the blocks it reads (``active_blocks=False``: whole layers).
+    """
     options = {"kvpp": kvpp, "pp": pp, "block_size": block_size, "token_budget": token_budget, "inner": inner,
                "graph_mode": graph_mode or ("eager" if kvpp and tp > 1 else "none"),
-               "speculative": speculative, "num_blocks": num_blocks}
+               "speculative": speculative, "num_blocks": num_blocks, "active_blocks": active_blocks}
     if isinstance(model_dir_or_preset, RefConfig):
         raise TypeError("pass a preset name or a HuggingFace model directory.")
     world = tp * pp
