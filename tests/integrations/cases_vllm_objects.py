@@ -207,6 +207,19 @@ def test_ascend_is_refused_with_a_pointer_to_vllm_ascend():
     assert str(err.value) == MSG_ASCEND and "vllm-ascend" in MSG_ASCEND
 
 
+def test_vllm_version_range():
+    import vllm
+
+    from kvpp_fx.integrations.vllm.validation import MSG_VERSION, SUPPORTED_VLLM, check_version
+
+    check_version(vllm.__version__)
+    check_version("0.32.3+cpu")
+    for other in ("0.31.2", "0.33.0", "1.0.0"):
+        with pytest.raises(ValueError) as err:
+            check_version(other)
+        assert str(err.value) == MSG_VERSION.format(supported=SUPPORTED_VLLM, found=other)
+
+
 def test_hooks_reach_vllms_worker_and_runner_classes():
     from vllm.v1.worker import gpu_model_runner
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner

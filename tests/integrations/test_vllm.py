@@ -48,7 +48,7 @@ def test_against_vllm_objects():
                           "tests/integrations/cases_vllm_objects.py"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env=ENV)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert "24 passed" in out.stdout, out.stdout[-1000:]
+    assert "25 passed" in out.stdout, out.stdout[-1000:]
 
 
 def test_plugin_is_harmless_when_off(tiny_deepseek):
@@ -65,7 +65,7 @@ def test_plugin_is_harmless_when_off(tiny_deepseek):
 
 
 def _on(**args):
-    return {"args": dict(tensor_parallel_size=2, additional_config={"enable_kvpp": True}, **args)}
+    return {"args": {"tensor_parallel_size": 2, "additional_config": {"enable_kvpp": True}, **args}}
 
 
 def test_configs_at_construction(tiny_deepseek):
@@ -134,13 +134,15 @@ def test_vllm_split_graph_keeps_kvpp_ops_in_splitting_pieces():
 
 @pytest.fixture(scope="module")
 def runs(tiny_deepseek):
-    """TP 2 with MTP: KVPP off (eager), on (eager), on with broadcasts suppressed, on (compiled)."""
+    """TP 2 with MTP, float32 (in bfloat16, inductor and eager round differently and this random
+    model's near-tied logits flip): KVPP off (eager), on (eager), on with broadcasts suppressed, on
+    (compiled)."""
+    common = {"speculative_config": MTP, "dtype": "float32"}
     variants = {
-        "off": {"args": {"speculative_config": MTP}},
-        "on": {"kvpp": True, "args": {"speculative_config": MTP}},
-        "suppressed": {"kvpp": True, "args": {"speculative_config": MTP},
-                       "env": {"KVPP_FX_TEST_SUPPRESS_BROADCASTS": "1"}},
-        "compiled": {"kvpp": True, "args": {"speculative_config": MTP, **COMPILED}},
+        "off": {"args": common},
+        "on": {"kvpp": True, "args": common},
+        "suppressed": {"kvpp": True, "args": common, "env": {"KVPP_FX_TEST_SUPPRESS_BROADCASTS": "1"}},
+        "compiled": {"kvpp": True, "args": {**common, **COMPILED}},
     }
     return {name: run_check("generate", tiny_deepseek, json.dumps(v)) for name, v in variants.items()}
 
@@ -179,8 +181,8 @@ def test_each_rank_holds_its_own_layers_the_mtp_layer_and_two_scratch(runs):
 
 
 def test_vllm_plans_the_kvpp_block_count(runs):
-    """32 MiB per rank; buffers: 3 owned + 1 MTP + 2 scratch, each 2 MiB aligned, 16 x 576 x 2 B per block."""
-    page, budget, align = 16 * 576 * 2, 32 << 20, 2 << 20
+    """32 MiB per rank; buffers: 3 owned + 1 MTP + 2 scratch, each 2 MiB aligned, 16 x 576 x 4 B per block."""
+    page, budget, align = 16 * 576 * 4, 32 << 20, 2 << 20
     expected = max(n for n in range(1, budget // page + 1) if 6 * (-(-n * page // align) * align) <= budget)
     assert runs["on"]["num_blocks"] == [expected, expected]
     assert runs["off"]["num_blocks"][0] == budget // (7 * page)  # replicated: 6 layers + MTP, unpadded

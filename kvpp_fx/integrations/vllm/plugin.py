@@ -61,6 +61,10 @@ def register() -> None:
     @functools.wraps(original)
     def post_init(self) -> None:
         requested = validate_vllm_config(self)
+        if requested.enabled:
+            from kvpp_fx.integrations.vllm.validation import check_requested
+
+            check_requested(self)
         original(self)
         if requested.enabled:
             enable_kvpp(self)

@@ -11,7 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 KVPP_BACKEND = "kvpp_fx.integrations.vllm.backend"
+# The vLLM releases whose worker and model runner the hooks were written against and tested with.
+SUPPORTED_VLLM = ">=0.32,<0.33"
+SUPPORTED_RELEASES = ((0, 32),)
 
+MSG_VERSION = (
+    "kvpp-fx's KVPP hooks support vLLM {supported}, found vLLM {found}: its worker and model runner "
+    "may differ. Use a supported vLLM, or run without additional_config.enable_kvpp."
+)
 MSG_ASCEND = (
     "kvpp-fx does not run on Ascend NPUs: vllm-ascend has its own KVPP, switched on by the same "
     "additional_config={'enable_kvpp': true} (vllm-ascend PR #16094). Stop loading this plugin there "
@@ -40,15 +47,36 @@ def is_ascend(platform: Any) -> bool:
             or type(platform).__module__.split(".")[0] == "vllm_ascend")
 
 
-def check_execution(vllm_config: Any, platform: Any = None, aot_compile: bool | None = None) -> None:
+def check_requested(vllm_config: Any) -> None:
+    """Rules on the configuration as given: platforms rewrite some settings (vLLM's CPU platform turns
+    mode 3 into mode 2) and the refusal must name what the user asked for."""
+    if int(getattr(vllm_config.compilation_config, "mode", None) or 0) == 3:
+        raise ValueError(MSG_MODE_3.format(backend=KVPP_BACKEND))
+
+
+def check_version(version: str) -> None:
+    from packaging.version import Version
+
+    if tuple(Version(version).release[:2]) not in SUPPORTED_RELEASES:
+        raise ValueError(MSG_VERSION.format(supported=SUPPORTED_VLLM, found=version))
+
+
+def check_execution(vllm_config: Any, platform: Any = None, aot_compile: bool | None = None,
+                    version: str | None = None) -> None:
     """Raise `ValueError` unless attention would run with the kvpp ops under `vllm_config` (resolved).
 
-    `platform` and `aot_compile` default to vLLM's ``current_platform`` and ``VLLM_USE_AOT_COMPILE``.
+    `platform`, `aot_compile` and `version` default to vLLM's ``current_platform``,
+    ``VLLM_USE_AOT_COMPILE`` and ``vllm.__version__``.
     """
     if platform is None:
         from vllm.platforms import current_platform as platform
     if is_ascend(platform):
         raise ValueError(MSG_ASCEND)
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    check_version(version)
     compilation = vllm_config.compilation_config
     mode = int(compilation.mode or 0)
     if mode == 3:

@@ -48,6 +48,7 @@ from kvpp_fx.integrations.vllm.specs import (
     per_layer_specs,
     plan_from_specs,
 )
+from kvpp_fx.integrations.vllm.validation import SUPPORTED_VLLM
 from kvpp_fx.integrations.vllm.state import (
     SUPPRESS_BROADCASTS_ENV,
     WORKER_PREFIX,
@@ -63,7 +64,6 @@ from kvpp_fx.runtime.runtime import KVPPRuntime, active_runtime
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VLLM = ">=0.32,<0.33"
 _HOOK_MARK = "_kvpp_fx_hook"
 _RUNTIME_TAKES_BLOCKS = "blocks" in inspect.signature(KVPPRuntime.forward).parameters
 
@@ -100,7 +100,7 @@ def _require(cls: type, methods: tuple[str, ...]) -> None:
 @functools.cache
 def kvpp_worker_class(base: type) -> type:
     """KVPP's subclass of a vLLM worker class."""
-    _require(base, ("init_device", "determine_available_memory", "load_model"))
+    _require(base, ("init_device", "determine_available_memory", "load_model", "compile_or_warm_up_model"))
 
     class KVPPWorker(base):  # type: ignore[misc, valid-type]
         def init_device(self) -> None:
