@@ -105,8 +105,12 @@ prefetch = torch.ops.kvpp.prefetch
 wait = torch.ops.kvpp.wait
 
 KVPP_OPS = (torch.ops.kvpp.prefetch, torch.ops.kvpp.wait)
+_KVPP_TARGETS = frozenset(KVPP_OPS + (torch.ops.kvpp.prefetch.default, torch.ops.kvpp.wait.default))
 
 
 def is_kvpp_op(target: object) -> bool:
     """True for both ops, as the packet (Dynamo graphs) or the overload (after AOT)."""
-    return target in KVPP_OPS or target in (torch.ops.kvpp.prefetch.default, torch.ops.kvpp.wait.default)
+    try:
+        return target in _KVPP_TARGETS
+    except TypeError:  # an unhashable target
+        return False

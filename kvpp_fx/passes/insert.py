@@ -165,9 +165,11 @@ def check_layer_run(found: list[int], table: LayerTable, graph_breaks: bool) -> 
             "in one graph.")
 
 
-def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable, *, graph_breaks: bool = False) -> InsertResult:
+def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable, *, graph_breaks: bool = False,
+                    recompile: bool = True) -> InsertResult:
     """Rewrite `gm` in place (see the module docstring). `graph_breaks`: graph breaks may have split the
-    model, so this graph may hold a run of the plan's layers, or none if nothing in it names a layer."""
+    model, so this graph may hold a run of the plan's layers, or none if nothing in it names a layer.
+    `recompile=False` leaves regenerating ``gm.code`` to the caller (the backend times it apart)."""
     graph = gm.graph
     nodes = list(graph.nodes)
     if any(n.op == "call_function" and is_kvpp_op(n.target) for n in nodes):
@@ -192,6 +194,7 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable, *, graph_breaks
 
     plan = table.target_layers
     waits, prefetches = [], []
+    contiguous: dict = {}
     first = layers[0]
     if table.position(first.layer) == 0:
         placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -205,7 +208,7 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable, *, graph_breaks
         with graph.inserting_before(group.nodes[0]):
             wait = graph.create_node("call_function", WAIT, (group.layer, slot, [node for node, _ in reads],
                                      [component for _, component in reads]), name=f"kvpp_wait_L{group.layer}")
-            wait.meta["val"] = [_contiguous_like(_val(node)) for node, _ in reads]
+            wait.meta["val"] = [_contiguous_like(_val(node), contiguous) for node, _ in reads]
             wait.meta["kvpp"] = {"layer": group.layer, "name": group.name, "slot": slot, "role": "wait"}
             views = {}
             for i, (node, component) in enumerate(reads):
@@ -225,20 +228,26 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable, *, graph_breaks
             for operand in spec.cache_operands:
                 set_arg(node, operand.arg, views[operand.component])
 
-    gm.recompile()
+    if recompile:
+        gm.recompile()
     logger.debug("kvpp insert pass: %d layers rewritten", len(layers))
     return InsertResult(True, tuple(g.layer for g in layers), tuple(waits), tuple(prefetches))
 
 
-def _contiguous_like(value):
-    """Wait's outputs are contiguous views of the runtime's storage, whatever the inputs' strides."""
+def _contiguous_like(value, made: dict):
+    """Wait's outputs are contiguous views of the runtime's storage, whatever the inputs' strides. One
+    (fake or meta) tensor per shape, dtype and device serves every wait's metadata: nothing mutates it."""
     if not isinstance(value, torch.Tensor):
         return value
     fake_mode = getattr(value, "fake_mode", None)
-    if fake_mode is not None:
-        with fake_mode:
-            return torch.empty(value.shape, dtype=value.dtype, device=value.device)
-    return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    key = (tuple(value.shape), value.dtype, value.device, id(fake_mode))
+    if key not in made:
+        if fake_mode is not None:
+            with fake_mode:
+                made[key] = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+        else:
+            made[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+    return made[key]
 
 
 def _prefetch(graph: torch.fx.Graph, layer: int, name: str, table: LayerTable) -> torch.fx.Node:

@@ -9,7 +9,8 @@ therefore only ever touched by code that runs eagerly, never functionalized or c
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -35,6 +36,7 @@ class Piece:
 class SplitResult:
     split_gm: torch.fx.GraphModule
     pieces: tuple[Piece, ...]
+    timings: dict[str, float] = field(default_factory=dict, compare=False)  # assign_s, split_module_s
 
 
 def is_split_point(node: torch.fx.Node, lookup: SpecLookup | None = None) -> bool:
@@ -66,8 +68,11 @@ def assign_pieces(graph: torch.fx.Graph) -> tuple[dict[torch.fx.Node, int], dict
 
 
 def split_pieces(gm: torch.fx.GraphModule) -> SplitResult:
+    t0 = time.perf_counter()
     piece_of, eager = assign_pieces(gm.graph)
+    t1 = time.perf_counter()
     split_gm = split_module(gm, None, lambda node: piece_of[node], keep_original_order=True)
+    t2 = time.perf_counter()
     pieces = []
     for name, module in split_gm.named_children():
         if not name.startswith("submod_"):
@@ -75,4 +80,4 @@ def split_pieces(gm: torch.fx.GraphModule) -> SplitResult:
         index = int(name.removeprefix("submod_"))
         pieces.append(Piece(name, index, eager[index], module))
     pieces.sort(key=lambda p: p.index)
-    return SplitResult(split_gm, tuple(pieces))
+    return SplitResult(split_gm, tuple(pieces), {"assign_s": t1 - t0, "split_module_s": t2 - t1})

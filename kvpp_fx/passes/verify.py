@@ -35,8 +35,8 @@ from kvpp_fx.passes.insert import KVPPPassError, is_kvpp_handle
 from kvpp_fx.passes.layer_table import LayerTable
 from kvpp_fx.passes.registry import AttentionOpSpec, LayerResolutionError, get_arg, layer_of, registered_specs
 
-WAIT_TARGETS = (torch.ops.kvpp.wait.default, torch.ops.kvpp.wait)
-PREFETCH_TARGETS = (torch.ops.kvpp.prefetch.default, torch.ops.kvpp.prefetch)
+KVPP_KINDS = {torch.ops.kvpp.wait.default: "wait", torch.ops.kvpp.wait: "wait",
+              torch.ops.kvpp.prefetch.default: "prefetch", torch.ops.kvpp.prefetch: "prefetch"}
 
 
 class KVPPGraphVerificationError(KVPPPassError):
@@ -81,11 +81,10 @@ class _RegisteredOps:
 def _kvpp_kind(node: torch.fx.Node) -> str | None:
     if node.op != "call_function":
         return None
-    if node.target in WAIT_TARGETS:
-        return "wait"
-    if node.target in PREFETCH_TARGETS:
-        return "prefetch"
-    return None
+    try:
+        return KVPP_KINDS.get(node.target)
+    except TypeError:  # an unhashable target
+        return None
 
 
 def verify_graph(graph: torch.fx.Graph, table: LayerTable, pieces: Iterable = ()) -> None:
@@ -100,13 +99,15 @@ def verify_graph(graph: torch.fx.Graph, table: LayerTable, pieces: Iterable = ()
 
     waits: list[torch.fx.Node] = []
     prefetches: list[torch.fx.Node] = []
+    kvpp_in_order: list[tuple[str, torch.fx.Node]] = []
     registered: list[tuple[torch.fx.Node, AttentionOpSpec, int]] = []
     for node in nodes:
+        if node.op != "call_function":
+            continue
         kind = _kvpp_kind(node)
-        if kind == "wait":
-            waits.append(node)
-        elif kind == "prefetch":
-            prefetches.append(node)
+        if kind is not None:
+            (waits if kind == "wait" else prefetches).append(node)
+            kvpp_in_order.append((kind, node))
         else:
             spec = match(node)
             if spec is None:
@@ -163,9 +164,8 @@ def verify_graph(graph: torch.fx.Graph, table: LayerTable, pieces: Iterable = ()
 
     # outstanding: one prefetch in flight, each wait completes it
     pending = held[0] if held and plan_pos[held[0]] > 0 else None
-    for node in nodes:
-        kind = _kvpp_kind(node)
-        if kind is None or node.args[0] not in plan_pos:
+    for kind, node in kvpp_in_order:
+        if node.args[0] not in plan_pos:
             continue
         layer = node.args[0]
         if kind == "prefetch":
