@@ -1,0 +1,55 @@
+"""The integration's pure parts, without vLLM: layer tables for vLLM's graphs and worker class names."""
+
+import pytest
+
+from kvpp_fx.cache.placement import KVPPPlan
+from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
+from kvpp_fx.integrations.vllm.compilation import KVPPCompileError, layer_table_for
+from kvpp_fx.integrations.vllm.state import (
+    KVPPHookError,
+    hooked_worker_qualname,
+    wrapped_worker_qualname,
+)
+
+
+def plan_with_mtp() -> KVPPPlan:
+    kv = (ComponentSpec("kv", "bfloat16", (576,)),)
+    layers = tuple(LayerCacheSpec(i, kv) for i in range(4)) + (LayerCacheSpec(4, kv, is_draft=True),)
+    return KVPPPlan(ModelCacheSpec("m", 16, layers), group_size=2)
+
+
+def names(*layers):
+    return {f"model.layers.{i}.self_attn.attn": i for i in layers}
+
+
+def test_target_graph_uses_the_whole_plan():
+    plan = plan_with_mtp()
+    table = layer_table_for(names(0, 1, 2, 3), plan, names(0, 1, 2, 3, 4))
+    assert table.target_layers == (0, 1, 2, 3) and table.draft_layers == (4,)
+    assert [table.slot(i) for i in range(4)] == [plan.slot(i) for i in range(4)]
+    assert dict(table.names) == names(0, 1, 2, 3, 4)
+
+
+def test_drafter_graph_gets_no_kvpp_ops():
+    table = layer_table_for(names(4), plan_with_mtp(), names(0, 1, 2, 3, 4))
+    assert table.target_layers == () and table.draft_layers == (4,)
+
+
+def test_kvpp_off_graph_gets_no_kvpp_ops():
+    table = layer_table_for(names(0, 1), None)
+    assert table.target_layers == () and table.draft_layers == (0, 1)
+    assert dict(table.names) == names(0, 1)
+
+
+def test_a_graph_layer_outside_the_plan_is_refused():
+    with pytest.raises(KVPPCompileError, match=r"layers \[7\]"):
+        layer_table_for(names(0, 7), plan_with_mtp())
+
+
+def test_worker_class_names_round_trip():
+    name = hooked_worker_qualname("vllm.v1.worker.gpu_worker.Worker")
+    assert name == "kvpp_fx.integrations.vllm.worker.KVPPWorker__vllm__v1__worker__gpu_worker__Worker"
+    assert hooked_worker_qualname(name) == name  # __post_init__ may run again on the same config
+    assert wrapped_worker_qualname(name.rsplit(".", 1)[1]) == "vllm.v1.worker.gpu_worker.Worker"
+    with pytest.raises(KVPPHookError):
+        hooked_worker_qualname("pkg.__private.Worker")
