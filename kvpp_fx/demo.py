@@ -39,7 +39,9 @@ def _run(engine_options: dict, *, kvpp: bool, preset: str, kv_memory: int, promp
     engine.runtime.close()
     records = engine.backend.records if engine.backend is not None else []
     dump = records[-1].dump_dir if records else None
-    return {"outputs": outputs, "num_blocks": engine.runtime.storage.num_blocks, "stats": stats,
+    steps = [{"tokens": s["num_tokens"], "decode_only": s["decode_only"], "active_blocks": s["active_blocks"],
+              "pool_blocks": s["pool_blocks"], "broadcast_bytes": s["broadcast_bytes"]} for s in engine.steps]
+    return {"outputs": outputs, "num_blocks": engine.runtime.storage.num_blocks, "stats": stats, "steps": steps,
             "decode_step_s": [s["seconds"] for s in engine.steps if s["decode_only"]], "kv_memory": kv_memory,
             "dump_dir": str(dump.parent.parent) if dump is not None else None}  # <dir>/rankN/graph_NNN
 
@@ -100,6 +102,7 @@ def build_report(results: list[dict], options: dict) -> dict[str, Any]:
             "blocks_kvpp": r["on"]["num_blocks"], "blocks_replicated": r["off"]["num_blocks"],
             "broadcasts": r["on"]["stats"]["broadcasts"], "broadcast_bytes": r["on"]["stats"]["bytes"],
         } for r in results],
+        "steps": r0["on"]["steps"],
         "capacity_ratio": worst_on_blocks / r0["off"]["num_blocks"],
         "decode_step_ms": {"kvpp": on_step, "replicated": off_step,
                            "ratio": on_step / off_step if on_step and off_step else None},
@@ -121,6 +124,10 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{format_bytes(r['cache_bytes_replicated']):>12} "
                      f"{str(r['blocks_kvpp']) + ' vs ' + str(r['blocks_replicated']):>14} "
                      f"{r['broadcasts']:>10} {format_bytes(r['broadcast_bytes']):>16}")
+    lines += ["", f"{'step':>4}  {'tokens':>6}  {'blocks read (with history) / pool':>34}  {'bytes broadcast':>16}"]
+    for i, st in enumerate(report["steps"]):
+        read = "-" if not st["broadcast_bytes"] and i == 0 else f"{st['active_blocks']} / {st['pool_blocks']}"
+        lines.append(f"{i:>4}  {st['tokens']:>6}  {read:>34}  {format_bytes(st['broadcast_bytes']):>16}")
     step = report["decode_step_ms"]
     lines += [
         "",

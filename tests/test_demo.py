@@ -16,6 +16,11 @@ def check_outputs(report, tmp_path):
     assert report["ranks"] == 2
     assert [r["owned_layers"] for r in report["per_rank"]] == [[0, 1], [2, 3]]
     assert all(r["broadcasts"] > 0 for r in report["per_rank"])
+    steps = report["steps"]
+    assert steps[0]["broadcast_bytes"] == 0  # the first prefill has no history
+    for st in steps[1:]:  # active blocks: each step moves its read blocks of the 4 layers, not the pool
+        assert 0 < st["active_blocks"] < st["pool_blocks"]
+        assert st["broadcast_bytes"] == 4 * st["active_blocks"] * ((32 + 8) * 4 * 16 + 8)  # fp32 latent+rope, id
     trace = json.loads((tmp_path / "trace.json").read_text())
     categories = {e.get("cat") for e in trace["traceEvents"]}
     assert {"prefetch", "broadcast", "wait", "piece:eager", "piece:compiled"} <= categories
@@ -46,7 +51,7 @@ def test_report_marks_differing_tokens_and_the_demo_fails(monkeypatch, capsys):
     from kvpp_fx import demo
 
     def rank_result(rank, on_tokens):
-        run = {"outputs": on_tokens, "num_blocks": 10, "kv_memory": 1 << 20, "decode_step_s": [0.01],
+        run = {"outputs": on_tokens, "num_blocks": 10, "kv_memory": 1 << 20, "decode_step_s": [0.01], "steps": [],
                "dump_dir": None, "stats": {"persistent_layers": [rank], "allocated_bytes": 1, "broadcasts": 1,
                                            "bytes": 1}}
         return {"rank": rank, "on": run, "off": dict(run, outputs=[[1, 2, 3]])}
