@@ -1,0 +1,63 @@
+"""Bounded transfer statistics: totals, per-layer totals and the last forward only.
+
+Memory and the cost of `snapshot` are O(layers), whatever the number of forwards served.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ForwardRecord:
+    has_history: bool
+    broadcasts: int = 0
+    bytes: int = 0
+    layers: list[int] = field(default_factory=list)  # broadcast layers, in completion order
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"has_history": self.has_history, "broadcasts": self.broadcasts, "bytes": self.bytes,
+                "layers": list(self.layers)}
+
+
+class TransferStats:
+    def __init__(self, layers: tuple[int, ...]) -> None:
+        self._layers = layers
+        self._position = {layer: k for k, layer in enumerate(layers)}
+        self._broadcasts = [0] * len(layers)
+        self._bytes = [0] * len(layers)
+        self.forwards = 0
+        self.broadcasts = 0
+        self.bytes = 0
+        self.current: ForwardRecord | None = None
+        self.last: ForwardRecord | None = None
+
+    def begin_forward(self, has_history: bool) -> None:
+        self.current = ForwardRecord(has_history)
+
+    def end_forward(self) -> None:
+        if self.current is not None:
+            self.forwards += 1
+            self.last, self.current = self.current, None
+
+    def record(self, layer: int, nbytes: int) -> None:
+        k = self._position[layer]
+        self._broadcasts[k] += 1
+        self._bytes[k] += nbytes
+        self.broadcasts += 1
+        self.bytes += nbytes
+        if self.current is not None:
+            self.current.broadcasts += 1
+            self.current.bytes += nbytes
+            self.current.layers.append(layer)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "forwards": self.forwards,
+            "broadcasts": self.broadcasts,
+            "bytes": self.bytes,
+            "per_layer": {layer: {"broadcasts": self._broadcasts[k], "bytes": self._bytes[k]}
+                          for k, layer in enumerate(self._layers)},
+            "last_forward": self.last.as_dict() if self.last is not None else None,
+        }
