@@ -413,8 +413,8 @@ class KVPPRuntime:
         self._stats.record(flight.layer, flight.nbytes)
         if self.timeline is not None:
             self.timeline.add(f"broadcast L{flight.layer}", "broadcast", flight.issued_ns,
-                              time.perf_counter_ns(), layer=flight.layer, bytes=flight.nbytes,
-                              src=self._src[flight.layer])
+                              time.perf_counter_ns(), track="kvpp transfer stream", layer=flight.layer,
+                              bytes=flight.nbytes, src=self._src[flight.layer])
 
     # --- counters and lifetime ---------------------------------------------------------------------
 

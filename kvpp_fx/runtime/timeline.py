@@ -20,6 +20,7 @@ class Timeline:
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._thread_names: dict[int, str] = {}
+        self._tracks: dict[str, int] = {}
 
     @contextlib.contextmanager
     def span(self, name: str, cat: str, **args: Any) -> Iterator[None]:
@@ -29,12 +30,20 @@ class Timeline:
         finally:
             self.add(name, cat, start, time.perf_counter_ns(), **args)
 
-    def add(self, name: str, cat: str, start_ns: int, end_ns: int, **args: Any) -> None:
-        thread = threading.current_thread()
-        event = {"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": thread.ident,
+    def add(self, name: str, cat: str, start_ns: int, end_ns: int, *, track: str | None = None,
+            **args: Any) -> None:
+        """One span on the calling thread's track, or on a named track (e.g. a stream) of its own."""
+        if track is None:
+            thread = threading.current_thread()
+            tid, label = thread.ident, thread.name
+        else:
+            with self._lock:  # a numeric tid of its own (trace viewers want integers), stable per track
+                tid = self._tracks.setdefault(track, 1_000_000_000 + len(self._tracks))
+            label = track
+        event = {"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": tid,
                  "ts": start_ns / 1000.0, "dur": (end_ns - start_ns) / 1000.0, "args": args}
         with self._lock:
-            self._thread_names.setdefault(thread.ident, thread.name)
+            self._thread_names.setdefault(tid, label)
             self._events.append(event)
 
     @property
