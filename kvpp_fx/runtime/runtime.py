@@ -101,6 +101,8 @@ class _ActiveSet:
     ids: torch.Tensor
     count: int
     ids_ok: torch.Tensor  # receivers AND in whether each received id list equals their own
+    ids_equal: torch.Tensor  # scratch for that comparison, so no layer allocates
+    layer_ok: torch.Tensor
     staging: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]
 
 
@@ -326,7 +328,9 @@ class KVPPRuntime:
                 offset += count * width
             staging[shape] = (self.storage.staging[:offset], header, parts)
         return _ActiveSet(torch.tensor(ids, dtype=torch.int64, device=device), count,
-                          torch.ones((), dtype=torch.bool, device=device), staging)
+                          torch.ones((), dtype=torch.bool, device=device),
+                          torch.empty(count, dtype=torch.bool, device=device),
+                          torch.empty((), dtype=torch.bool, device=device), staging)
 
     def _issue(self, state: _Forward, layer: int, slot: int) -> InFlight:
         active = state.active
@@ -345,7 +349,9 @@ class KVPPRuntime:
             return self.transport.issue(layer, slot, payload, self._src[layer], pack=pack)
 
         def unpack() -> None:
-            active.ids_ok.logical_and_((header == active.ids).all())  # checked on the host at forward end
+            torch.eq(header, active.ids, out=active.ids_equal)
+            torch.all(active.ids_equal, out=active.layer_ok)
+            active.ids_ok.logical_and_(active.layer_ok)  # read on the host when the forward ends
             for dest, part in zip(sources, parts):
                 self.api.scatter_blocks(dest, active.ids, part)
 
