@@ -148,17 +148,20 @@ def format_plan_table(report: dict[str, Any]) -> str:
         + (" (sharded)" if report["shard_draft_layers"] and report["draft_layers"] else
            " (local on every rank)" if report["draft_layers"] else ""),
         "",
-        f"{'rank':>4}  {'owned layers':<16} {'persist B/blk':>14} {'scratch B/blk':>14} {'blocks':>10} {'tokens':>12}",
+        f"{'rank':>4}  {'owned layers':<16} {'persist B/blk':>14} {'scratch B/blk':>14} {'staging B/blk':>14} "
+        f"{'blocks':>10} {'tokens':>12}",
     ]
     for r in report["ranks"]:
         owned = f"{r['owned_ranges']} ({len(r['owned_layers'])})"
         lines.append(
             f"{r['rank']:>4}  {owned:<16} {r['persistent_bytes_per_block']:>14,} "
-            f"{r['scratch_bytes_per_block']:>14,} {r['blocks']:>10,} {r['tokens']:>12,}"
+            f"{r['scratch_bytes_per_block']:>14,} {r['staging_bytes_per_block']:>14,.0f} {r['blocks']:>10,} "
+            f"{r['tokens']:>12,}"
         )
     rep = report["replicated"]
     lines += [
-        f"{'repl':>4}  {'all':<16} {rep['bytes_per_block']:>14,} {0:>14,} {rep['blocks']:>10,} {rep['tokens']:>12,}",
+        f"{'repl':>4}  {'all':<16} {rep['bytes_per_block']:>14,} {0:>14,} {0:>14,} {rep['blocks']:>10,} "
+        f"{rep['tokens']:>12,}",
         "",
         f"capacity ratio (worst rank {report['worst_rank']}): {report['capacity_ratio']:.3f}x"
         f"   formula: {report['formula_capacity_ratio']:.3f}x"
