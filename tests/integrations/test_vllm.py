@@ -207,24 +207,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(port: int, prompt: str) -> str:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                       "ignore_eos": True}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+def _post(port: int, path: str, body: dict) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as response:
-        return json.loads(response.read())["choices"][0]["text"]
+        return json.loads(response.read() or b"null")
 
 
-def serve_and_query(model: str, kvpp: bool, log: Path) -> list[str]:
-    """Start vLLM's OpenAI server at TP 2, send two concurrent completions requests, stop it."""
+def _complete_concurrently(port: int) -> list[str]:
+    def complete(prompt: str) -> str:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        return _post(port, "/v1/completions", body)["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return list(pool.map(complete, SERVE_PROMPTS))
+
+
+def serve_and_query(model: str, kvpp: bool, log: Path) -> dict:
+    """Start vLLM's OpenAI server at TP 2, send two concurrent completions requests; with KVPP on,
+    read the workers' KVPP stats, then suppress broadcasts (test-only) and ask again. Stop it."""
     port = _free_port()
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
                "--tensor-parallel-size", "2", "--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20),
                "--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]}),
                "--additional-config", json.dumps({"enable_kvpp": kvpp})]
-    env = dict(ENV, VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_LOGGING_LEVEL="WARNING")
+    env = dict(ENV, VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_LOGGING_LEVEL="WARNING", VLLM_SERVER_DEV_MODE="1")
     with open(log, "w") as out:
         server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                   start_new_session=True)
@@ -238,8 +246,12 @@ def serve_and_query(model: str, kvpp: bool, log: Path) -> list[str]:
                     break
             except OSError:
                 time.sleep(2)
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            return list(pool.map(lambda p: _post(port, p), SERVE_PROMPTS))
+        result = {"texts": _complete_concurrently(port)}
+        if kvpp:
+            result["stats"] = _post(port, "/collective_rpc", {"method": "kvpp_stats"})["results"]
+            _post(port, "/collective_rpc", {"method": "kvpp_test_fault", "args": ["1"]})
+            result["suppressed"] = _complete_concurrently(port)
+        return result
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -251,7 +263,11 @@ def serve_and_query(model: str, kvpp: bool, log: Path) -> list[str]:
 
 def test_openai_server_same_text_with_kvpp(tiny_deepseek, tmp_path):
     on = serve_and_query(tiny_deepseek, True, tmp_path / "on.log")
-    assert "KVPP: group [0, 1]" in (tmp_path / "on.log").read_text()  # the hooks ran in the server's workers
     off = serve_and_query(tiny_deepseek, False, tmp_path / "off.log")
-    assert on == off
-    assert all(len(text) > 5 for text in on) and on[0] != on[1]
+    assert on["texts"] == off["texts"]
+    assert all(len(text) > 5 for text in on["texts"]) and on["texts"][0] != on["texts"][1]
+    # The server's own workers ran KVPP: each rank broadcast and holds half the layers.
+    assert [s["owned_layers"] for s in on["stats"]] == [[0, 1, 2], [3, 4, 5]]
+    assert all(s["broadcasts"] > 0 and s["worker_class"] == "KVPPCPUWorker" for s in on["stats"])
+    # The negative control: the same server with broadcasts suppressed answers differently.
+    assert on["suppressed"] != off["texts"]

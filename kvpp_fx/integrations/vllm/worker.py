@@ -131,6 +131,16 @@ def kvpp_worker_class(base: type) -> type:
             with self.model_runner._kvpp.active():
                 return super().compile_or_warm_up_model(*args, **kwargs)
 
+        # Reachable from a running server too (``POST /collective_rpc`` with VLLM_SERVER_DEV_MODE=1).
+        def kvpp_stats(self) -> dict[str, Any] | None:
+            return worker_stats(self)
+
+        def kvpp_test_fault(self, suppress_broadcasts: str = "1") -> None:
+            """Test-only: ``"1"`` suppresses every later broadcast (the negative control of the tests)."""
+            self.model_runner._kvpp.suppress_broadcasts = suppress_broadcasts == "1"
+            logger.warning("KVPP: broadcasts %s (test-only fault).",
+                           "suppressed" if suppress_broadcasts == "1" else "restored")
+
     KVPPWorker.__name__ = f"KVPP{base.__name__}"
     KVPPWorker.__qualname__ = WORKER_PREFIX + f"{base.__module__}.{base.__qualname__}".replace(".", "__")
     return KVPPWorker
