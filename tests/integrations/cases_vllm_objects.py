@@ -256,3 +256,26 @@ def test_a_hook_that_cannot_be_applied_names_vllm_version_and_hook():
     assert f"vLLM {vllm.__version__}" in str(err.value) and "NoBudget.determine_available_memory" in str(err.value)
     with pytest.raises(worker.KVPPHookError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         worker.kvpp_runner_class(NoBudget)
+
+
+def test_post_allocation_self_check_catches_unbound_layers_and_block_mismatch():
+    from kvpp_fx.integrations.vllm import worker
+    from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError
+
+    specs = {attn(i): mla() for i in range(3)}
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=mla())])
+    state = EngineState(ON, None, vplan=plan_from_specs(specs, 2, 3), budget_blocks=8)
+    storage = allocate_cache(state.plan, 0, 8)
+    state.runtime = types.SimpleNamespace(storage=storage)  # the check reads only the storage
+    layers = {name: types.SimpleNamespace(kv_cache=storage.typed_views(i)["kv"]) for i, name in enumerate(specs)}
+    runner = types.SimpleNamespace(compilation_config=types.SimpleNamespace(static_forward_context=layers),
+                                   get_kv_cache_spec=lambda: specs)
+    worker._self_check(runner, state, config)
+    layers[attn(1)].kv_cache = storage.typed_views(1)["kv"].clone()  # vLLM's own tensor, not KVPP's view
+    with pytest.raises(KVPPAllocationError, match="'model.layers.1.self_attn.attn' is not bound"):
+        worker._self_check(runner, state, config)
+    layers[attn(1)].kv_cache = storage.typed_views(1)["kv"]
+    state.budget_blocks = 9
+    with pytest.raises(KVPPAllocationError, match="vLLM planned 8 blocks, the KVPP budget holds 9"):
+        worker._self_check(runner, state, config)

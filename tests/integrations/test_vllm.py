@@ -48,7 +48,7 @@ def test_against_vllm_objects():
                           "tests/integrations/cases_vllm_objects.py"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env=ENV)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    assert "25 passed" in out.stdout, out.stdout[-1000:]
+    assert "26 passed" in out.stdout, out.stdout[-1000:]
 
 
 def test_plugin_is_harmless_when_off(tiny_deepseek):
