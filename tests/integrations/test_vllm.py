@@ -6,6 +6,7 @@ random DeepSeek-V3 with one MTP layer and a locally trained tokenizer (`tiny_mod
 
 import concurrent.futures
 import json
+import math
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpp_fx.cache.placement import DEFAULT_STAGING_FRACTION
 from kvpp_fx.config import MSG_DCP, MSG_GRAPH_MODE, MSG_SPEC_METHOD, MSG_SPEC_TOKENS, MSG_VLLM_CONNECTOR
 from kvpp_fx.integrations.vllm.validation import KVPP_BACKEND, MSG_AOT, MSG_BACKEND, MSG_MODE_3
 from tests.integrations.tiny_model import NUM_LAYERS, make_tiny_deepseek
@@ -181,10 +183,19 @@ def test_each_rank_holds_its_own_layers_the_mtp_layer_and_two_scratch(runs):
 
 
 def test_vllm_plans_the_kvpp_block_count(runs):
-    """32 MiB per rank; buffers: 3 owned + 1 MTP + 2 scratch, each 2 MiB aligned, 16 x 576 x 4 B per block."""
+    """32 MiB per rank: 3 owned + 1 MTP + 2 scratch buffers of n blocks (16 x 576 x 4 B each) and a
+    staging buffer of ceil(fraction x n) blocks (+ an 8-byte id each), every buffer 2 MiB aligned."""
     page, budget, align = 16 * 576 * 4, 32 << 20, 2 << 20
-    expected = max(n for n in range(1, budget // page + 1) if 6 * (-(-n * page // align) * align) <= budget)
+
+    def padded(nbytes):
+        return -(-nbytes // align) * align
+
+    def cost(n):
+        return 6 * padded(n * page) + padded(math.ceil(DEFAULT_STAGING_FRACTION * n) * (page + 8))
+
+    expected = max(n for n in range(1, budget // page + 1) if cost(n) <= budget)
     assert runs["on"]["num_blocks"] == [expected, expected]
+    assert [s["allocated_bytes"] for s in runs["on"]["stats"]] == [cost(expected)] * 2
     assert runs["off"]["num_blocks"][0] == budget // (7 * page)  # replicated: 6 layers + MTP, unpadded
 
 
@@ -194,6 +205,10 @@ def test_broadcasts_on_decode_steps_never_on_the_first_prefill(runs):
         assert stats["forwards"] >= 8
         # Every forward with history moves all 6 layers; the first prefill moves none.
         assert stats["broadcasts"] == NUM_LAYERS * (stats["forwards"] - 1)
+        # Only the blocks holding computed tokens move (2 requests of at most 106 tokens: 14 blocks),
+        # not whole layers.
+        whole_layer = stats["num_blocks"] * 16 * 576 * 4
+        assert stats["bytes"] <= stats["broadcasts"] * 14 * (16 * 576 * 4 + 8) < stats["broadcasts"] * whole_layer
 
 
 # --- online serving -------------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ vLLM's function unless a KVPP runner is allocating.
   cache. vLLM binds them by layer name. A self-check then proves every cache layer is bound to its
   KVPP view and vLLM's ``num_blocks`` equals the budget's.
 - Steps: ``_model_forward`` (the target model's forward inside ``execute_model``) runs under
-  ``runtime.forward(has_history)``, ``has_history = any(num_computed_tokens > 0)`` over the input
-  batch. Drafting (``sample_tokens``) runs outside it: MTP layers are local and get no kvpp ops.
+  ``runtime.forward(has_history, blocks)``: ``has_history = any(num_computed_tokens > 0)`` over the
+  input batch, ``blocks`` = `specs.active_blocks` of its block table (when the runtime takes them). Drafting (``sample_tokens``) runs outside it: MTP layers are local and get no kvpp ops.
   Dummy, profile and warm-up runs run with the kvpp ops in passthrough and broadcast nothing.
 - Eager attention: each target layer's ``MLAAttention`` (and SFA ``Indexer``) becomes a subclass whose
   forward waits for its layer and prefetches the next one first; under Dynamo the graph pass places
