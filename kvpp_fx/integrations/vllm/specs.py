@@ -15,10 +15,11 @@ Invariants:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.cache.spec import DTYPE_ITEMSIZE, ComponentSpec, LayerCacheSpec, ModelCacheSpec
@@ -139,10 +140,10 @@ def active_blocks(block_tables: Any, num_computed_tokens: Any, num_reqs: int) ->
     (row < ``num_reqs``) and every cache group: the first ``ceil(num_computed / block_size)`` entries
     of its block-table row. Sorted, without duplicates.
     """
-    blocks: set[int] = set()
+    computed = np.asarray(num_computed_tokens[:num_reqs], dtype=np.int64)
+    ids = []
     for table in getattr(block_tables, "block_tables", [block_tables]):
-        rows = table.block_table.np
-        for row in range(num_reqs):
-            count = math.ceil(int(num_computed_tokens[row]) / table.block_size)
-            blocks.update(int(b) for b in rows[row, :count])
-    return sorted(blocks)
+        rows = np.asarray(table.block_table.np[:num_reqs])
+        counts = -(-computed // table.block_size)
+        ids.append(rows[np.arange(rows.shape[1]) < counts[:, None]])
+    return np.unique(np.concatenate(ids)).tolist() if ids else []
