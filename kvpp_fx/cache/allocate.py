@@ -51,10 +51,6 @@ class CacheStorage:
         staging = self.staging.numel() if self.staging is not None else 0
         return sum(b.numel() for b in self.persistent.values()) + sum(b.numel() for b in self.scratch) + staging
 
-    @property
-    def staging_blocks(self) -> int:
-        return self.plan.staging_blocks(self.num_blocks)
-
     def block_views(self, layer: int) -> list[torch.Tensor]:
         """Per component, in layout order: ``[num_blocks, bytes_per_block]`` uint8 over the layer's bytes."""
         view = self.byte_view(layer)

@@ -267,7 +267,7 @@ class KVPPPlan:
     def uses_active_blocks(self, active_blocks: int, num_blocks: int,
                            crossover: float = DEFAULT_CROSSOVER_FRACTION) -> bool:
         """Whether a step reading `active_blocks` of `num_blocks` sends those blocks, not whole layers."""
-        return (self.enabled and active_blocks <= self.staging_blocks(num_blocks)
+        return (self.enabled and self.staging_fraction > 0 and active_blocks <= self.staging_blocks(num_blocks)
                 and active_blocks <= crossover * num_blocks)
 
     def active_broadcast_bytes(self, layer: int, active_blocks: int) -> int:

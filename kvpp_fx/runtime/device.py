@@ -72,11 +72,6 @@ class DeviceAPI:
     def stream(self, stream: Any) -> Any:
         return self.module.stream(stream)
 
-    def record_event(self, stream: Any | None = None) -> Any:
-        event = self.new_event()
-        event.record(stream if stream is not None else self.current_stream())
-        return event
-
     # --- block copies (active-block broadcasts) ---------------------------------------------------
 
     def gather_blocks(self, source: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -92,6 +87,10 @@ class DeviceAPI:
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> Any:
         """Issue an async broadcast on the current stream; returns its work handle."""
         return dist.broadcast(tensor, src=src, group=group, async_op=True)
+
+    def all_reduce_max(self, tensor: torch.Tensor, group: Any) -> Any:
+        """Issue an async elementwise-max all-reduce on the current stream; returns its work handle."""
+        return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
     def wait_work(self, work: Any, timeout: timedelta) -> None:
         """Order everything issued later on the current stream after `work`.

@@ -22,7 +22,7 @@ class InvalidBlocksError(KVPPRuntimeError, ValueError):
 
 
 class BlockSetMismatchError(KVPPRuntimeError):
-    """Ranks passed different active-block sets; the forward read wrong bytes and the runtime breaks."""
+    """Ranks disagree on a forward's history or active-block set; the runtime breaks before moving bytes."""
 
 
 class UnknownLayerError(KVPPRuntimeError):
@@ -63,6 +63,10 @@ class TransferTimeoutError(TransferFailedError):
 
 class ForwardClosedError(KVPPRuntimeError):
     """The forward or the runtime can no longer be used."""
+
+
+class KVPPRuntimeClosed(ForwardClosedError):
+    """The runtime was closed."""
 
 
 class RuntimeBrokenError(ForwardClosedError):

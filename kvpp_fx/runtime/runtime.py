@@ -10,8 +10,12 @@ Active blocks: ``forward(has_history, blocks=ids)`` names the blocks the step re
 computed before it. Then each layer's owner gathers those blocks of every component (and their ids)
 into its staging buffer, one broadcast carries them, and receivers scatter them into the layer's slot
 at the same ids; blocks outside the set are not sent. A set larger than the staging capacity or the
-crossover fraction of the pool is sent as whole layers. Receivers check that the ids they received are
-their own set (a mismatch raises `BlockSetMismatchError` when the forward ends and breaks the runtime).
+crossover fraction of the pool is sent as whole layers.
+
+Agreement: each forward of an enabled group starts with one small all-reduce of (history, whole or
+active, set size, digest of the set), so ranks that disagree on what the forward moves raise
+`BlockSetMismatchError` together, before any byte moves. Receivers also check the ids that arrive
+with each active-block broadcast (on CPU at the wait, on a device when the forward ends).
 
 Invariants:
 - Every rank issues its broadcasts from the forward's thread in plan order, interleaved with its other
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import logging
 import os
 import time
@@ -42,12 +47,12 @@ import torch
 import torch.distributed as dist
 
 from kvpp_fx.cache.allocate import CacheStorage
-from kvpp_fx.cache.placement import BLOCK_ID_BYTES, DEFAULT_CROSSOVER_FRACTION, MIN_DEPTH, KVPPPlan
+from kvpp_fx.cache.placement import BLOCK_ID_BYTES, DEFAULT_CROSSOVER_FRACTION, KVPPPlan
 from kvpp_fx.runtime.device import DeviceAPI
 from kvpp_fx.runtime.errors import (
     BlockSetMismatchError,
-    ForwardClosedError,
     InvalidBlocksError,
+    KVPPRuntimeClosed,
     NestedForwardError,
     NoActiveForwardError,
     PrefetchOrderError,
@@ -64,6 +69,8 @@ from kvpp_fx.runtime.errors import (
 from kvpp_fx.runtime.stats import TransferStats
 from kvpp_fx.runtime.timeline import Timeline
 from kvpp_fx.runtime.transport import BroadcastTransport, InFlight
+
+_NO_HISTORY, _WHOLE_LAYERS, _ACTIVE_BLOCKS = 0, 1, 2
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +107,7 @@ class _ActiveSet:
 
     ids: torch.Tensor
     count: int
+    digest: int  # of the sorted ids, for the forward's agreement
     ids_ok: torch.Tensor  # receivers AND in whether each received id list equals their own
     ids_equal: torch.Tensor  # scratch for that comparison, so no layer allocates
     layer_ok: torch.Tensor
@@ -118,7 +126,8 @@ class _Forward:
 
 class KVPPRuntime:
     def __init__(self, plan: KVPPPlan, storage: CacheStorage, group: Any, rank: int, device_api: DeviceAPI,
-                 transport: BroadcastTransport | None, timeline: Timeline | None, overlap: bool = True) -> None:
+                 transport: BroadcastTransport | None, timeline: Timeline | None, overlap: bool = True,
+                 crossover: float = DEFAULT_CROSSOVER_FRACTION) -> None:
         self.plan = plan
         self.storage = storage
         self.group = group
@@ -136,7 +145,7 @@ class KVPPRuntime:
         self._owned = {layer: plan.owners[layer] == rank for layer in targets}
         self._block_views = {layer: storage.block_views(layer) for layer in targets}
         self._shape = {layer: tuple(v.shape[1] for v in self._block_views[layer]) for layer in targets}
-        self.crossover = DEFAULT_CROSSOVER_FRACTION
+        self.crossover = crossover
         self._fault = os.environ.get(FAULT_ENV, "")
         self._stats = TransferStats(targets)
         self._forward: _Forward | None = None
@@ -164,8 +173,6 @@ class KVPPRuntime:
             raise UnsupportedPlanError(
                 "shard_draft_layers=True is a planning what-if only: draft layers stay local on every "
                 "rank at runtime. Build the plan with shard_draft_layers=False.")
-        if plan.depth < MIN_DEPTH:
-            raise UnsupportedPlanError(f"scratch depth must be at least {MIN_DEPTH}, got {plan.depth}.")
         if group is None:
             if plan.group_size != 1:
                 raise ValueError(f"a KVPP group of size {plan.group_size} needs a process group.")
@@ -188,9 +195,7 @@ class KVPPRuntime:
             if timeout.total_seconds() <= 0:
                 raise ValueError(f"timeout must be positive, got {timeout}.")
             transport = BroadcastTransport(group, api, plan.depth, timeout, delay=delay)
-        runtime = cls(plan, storage, group, rank, api, transport, timeline, overlap)
-        runtime.crossover = crossover
-        return runtime
+        return cls(plan, storage, group, rank, api, transport, timeline, overlap, crossover)
 
     # --- views ------------------------------------------------------------------------------------
 
@@ -223,6 +228,8 @@ class KVPPRuntime:
         state = _Forward(has_history=bool(has_history) and self.transport is not None)
         if state.has_history and blocks is not None:
             state.active = self._prepare_active(blocks)
+        if self.transport is not None:
+            self._agree(state, blocks)
         self._forward = state
         self._stats.begin_forward(state.has_history)
         token = _CURRENT.set(self)
@@ -255,11 +262,7 @@ class KVPPRuntime:
                 return
             self._raise_if_broken()  # a failure inside this forward was caught by the caller
             if state.active is not None and state.issued and not bool(state.active.ids_ok.item()):
-                error = BlockSetMismatchError(
-                    "the owner broadcast a different block set than this rank's: every rank must pass the "
-                    "same `blocks` to runtime.forward(); this forward read wrong bytes.")
-                self._break(error)
-                raise error
+                self._mispaired(None)  # on a device the received ids are checked once, here
             missing = len(self.plan.target_layers) - state.next_position
             if missing:
                 skipped = list(self.plan.target_layers[state.next_position:])
@@ -303,6 +306,37 @@ class KVPPRuntime:
                                     f"for slot {slot}.")
         return position
 
+    def _agree(self, state: _Forward, blocks: Any) -> None:
+        """All ranks must agree on what this forward moves before anything moves (one small all-reduce)."""
+        active = state.active
+        mode = _NO_HISTORY if not state.has_history else _ACTIVE_BLOCKS if active is not None else _WHOLE_LAYERS
+        count, digest = (active.count, active.digest) if active is not None else (0, 0)
+        mine = torch.tensor([mode, count, digest], dtype=torch.int64)
+        extremes = torch.cat([mine, -mine]).to(self.storage.device)
+        try:
+            work = self.api.all_reduce_max(extremes, self.group)
+            self.transport.complete_work_on_host(work, "the forward's agreement")
+        except TransferFailedError as exc:
+            self._break(exc)
+            raise
+        high, low = extremes.cpu().view(2, 3)
+        if not torch.equal(high, -low):
+            names = ("history and path (0 none, 1 whole layers, 2 active blocks)", "active-block count",
+                     "active-block set")
+            differing = [n for n, h, l in zip(names, high.tolist(), (-low).tolist()) if h != l]
+            raise BlockSetMismatchError(
+                f"the ranks disagree on this forward's {', '.join(differing)}; every rank must pass the same "
+                f"has_history and blocks to runtime.forward() (this rank: mode {mode}, {count} blocks). "
+                "Nothing was moved.")
+
+    def _mispaired(self, layer: int | None) -> None:
+        where = f"with layer {layer}'s broadcast" if layer is not None else "in this forward"
+        error = BlockSetMismatchError(
+            f"the block ids received {where} are not this forward's set: the broadcast paired with another "
+            "forward's or another rank's; this rank's view of the group can no longer be trusted.")
+        self._break(error)
+        raise error
+
     def _prepare_active(self, blocks: Any) -> _ActiveSet | None:
         """Validate the set and build its device index and staging views; None means whole layers."""
         num_blocks = self.storage.num_blocks
@@ -327,7 +361,8 @@ class KVPPRuntime:
                 parts.append(self.storage.staging[offset: offset + count * width].view(count, width))
                 offset += count * width
             staging[shape] = (self.storage.staging[:offset], header, parts)
-        return _ActiveSet(torch.tensor(ids, dtype=torch.int64, device=device), count,
+        digest = int.from_bytes(hashlib.blake2b(repr(ids).encode(), digest_size=8).digest(), "little") >> 2
+        return _ActiveSet(torch.tensor(ids, dtype=torch.int64, device=device), count, digest,
                           torch.ones((), dtype=torch.bool, device=device),
                           torch.empty(count, dtype=torch.bool, device=device),
                           torch.empty((), dtype=torch.bool, device=device), staging)
@@ -383,8 +418,8 @@ class KVPPRuntime:
                                      "plan's execution order on every rank.")
         flight = InFlight(layer, slot, 0, None, start)
         if state.has_history:
+            state.issued += 1  # counted first: a failure while issuing may have left a peer's half pending
             flight = self._issue(state, layer, slot)
-            state.issued += 1
         state.in_flight = flight
         if not self.overlap:
             self._complete(flight)
@@ -417,6 +452,10 @@ class KVPPRuntime:
             self._break(exc)
             raise
         self._stats.record(flight.layer, flight.nbytes)
+        active = self._forward.active if self._forward is not None else None
+        if (active is not None and flight.unpack is not None and self.storage.device.type == "cpu"
+                and not bool(active.layer_ok)):
+            self._mispaired(flight.layer)
         if self.timeline is not None:
             self.timeline.add(f"broadcast L{flight.layer}", "broadcast", flight.issued_ns,
                               time.perf_counter_ns(), track="kvpp transfer stream", layer=flight.layer,
@@ -462,6 +501,3 @@ class KVPPRuntime:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-
-class KVPPRuntimeClosed(ForwardClosedError):
-    """The runtime was closed."""

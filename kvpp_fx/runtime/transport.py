@@ -84,7 +84,6 @@ class BroadcastTransport:
         self.api = device_api
         self.timeout = timeout
         self.delay = delay if delay is not None else delay_from_env()
-        self.compute_stream = device_api.current_stream()
         self.stream = device_api.new_stream()
         self._ready = [device_api.new_event() for _ in range(depth)]
         self._done = [device_api.new_event() for _ in range(depth)]
@@ -94,7 +93,7 @@ class BroadcastTransport:
         if self.delay is not None:
             time.sleep(self.delay(layer))
         ready = self._ready[slot]
-        ready.record(self.compute_stream)
+        ready.record(self.api.current_stream())  # whatever stream the forward runs on now
         self.stream.wait_event(ready)
         with self.api.stream(self.stream):
             if pack is not None:
@@ -113,19 +112,23 @@ class BroadcastTransport:
             return
         done = self._done[flight.slot]
         with self.api.stream(self.stream):
-            self._wait(flight.layer, lambda: self.api.wait_work(work, self.timeout))
+            self._wait(f"broadcast of layer {flight.layer}", lambda: self.api.wait_work(work, self.timeout))
             if flight.unpack is not None:
                 flight.unpack()
             done.record(self.stream)
-        self.compute_stream.wait_event(done)
+        self.api.current_stream().wait_event(done)
 
     def complete_on_host(self, flight: InFlight) -> None:
         """Block the host until the broadcast completed or the timeout expired (forward exit, close)."""
         work, flight.work = flight.work, None
         if work is not None:
-            self._wait(flight.layer, lambda: self.api.host_wait_work(work, self.timeout))
+            self._wait(f"broadcast of layer {flight.layer}", lambda: self.api.host_wait_work(work, self.timeout))
 
-    def _wait(self, layer: int, wait: Callable[[], None]) -> None:
+    def complete_work_on_host(self, work: Any, what: str) -> None:
+        """Block the host until another collective of the group completed, bounded by the timeout."""
+        self._wait(what, lambda: self.api.host_wait_work(work, self.timeout))
+
+    def _wait(self, what: str, wait: Callable[[], None]) -> None:
         start = time.monotonic()
         try:
             wait()
@@ -133,6 +136,6 @@ class BroadcastTransport:
             elapsed = time.monotonic() - start
             if elapsed >= self.timeout.total_seconds() * 0.99 or "timed out" in str(exc).lower():
                 raise TransferTimeoutError(
-                    f"broadcast of layer {layer} did not complete within {self.timeout.total_seconds():g}s "
+                    f"{what} did not complete within {self.timeout.total_seconds():g}s "
                     f"(a peer died or stopped issuing collectives): {exc}") from exc
-            raise TransferFailedError(f"broadcast of layer {layer} failed: {exc}") from exc
+            raise TransferFailedError(f"{what} failed: {exc}") from exc

@@ -56,7 +56,7 @@ class RecordingDeviceAPI(DeviceAPI):
         self._works: dict[int, tuple[Any, int]] = {}  # id(work) -> (work, record id); keeps works alive
 
     def new_stream(self) -> RecordingStream:
-        self._streams += 1
+        self._streams += 1  # the runtime creates its transfer stream first
         return RecordingStream(self, "transfer" if self._streams == 1 else f"side{self._streams}")
 
     def current_stream(self) -> RecordingStream:
@@ -79,6 +79,13 @@ class RecordingDeviceAPI(DeviceAPI):
         work_id = next(self._ids)
         self._works[id(work)] = (work, work_id)
         self.log.append(("collective", self.current_stream().name, work_id, buffer_of(tensor), mode))
+        return work
+
+    def all_reduce_max(self, tensor: torch.Tensor, group: Any) -> Any:
+        work = super().all_reduce_max(tensor, group)
+        work_id = next(self._ids)
+        self._works[id(work)] = (work, work_id)
+        self.log.append(("collective", self.current_stream().name, work_id, buffer_of(tensor), "write"))
         return work
 
     def wait_work(self, work: Any, timeout: Any) -> None:

@@ -168,3 +168,19 @@ def test_create_checks_group_and_storage():
     with pytest.raises(ValueError, match="another plan"):
         KVPPRuntime.create(plan1, allocate_cache(KVPPPlan(spec, group_size=1), 0, 4))
     torch.testing.assert_close(allocate_cache(plan1, 0, 4).byte_view(0), torch.zeros(4 * 4 * 32, dtype=torch.uint8))
+
+
+def test_sharded_draft_layers_are_refused_at_creation():
+    comps = (ComponentSpec("kv", "float32", (8,)),)
+    layers = (LayerCacheSpec(0, comps), LayerCacheSpec(1, comps), LayerCacheSpec(2, comps, is_draft=True))
+    plan = KVPPPlan(ModelCacheSpec("toy", 4, layers), group_size=1, shard_draft_layers=True)
+    with pytest.raises(E.UnsupportedPlanError, match="shard_draft_layers=True is a planning what-if"):
+        KVPPRuntime.create(plan, allocate_cache(plan, 0, 4))
+
+
+def test_bad_block_ids_are_refused_before_anything_moves():
+    comps = (ComponentSpec("kv", "float32", (8,)),)
+    plan = KVPPPlan(ModelCacheSpec("toy", 4, tuple(LayerCacheSpec(i, comps) for i in range(2))), group_size=1)
+    with KVPPRuntime.create(plan, allocate_cache(plan, 0, 4)) as rt:
+        with rt.forward(has_history=True, blocks=[0, 99]):  # a group of one moves nothing: ids unused
+            run_all(rt, [0, 1])

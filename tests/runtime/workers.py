@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import resource
@@ -142,7 +143,9 @@ def race_worker(rank: int, world: int, forwards: int, fault: str | None = None):
 
 def dying_worker(rank: int, world: int, victim: int, how: str, timeout_s: float):
     """`victim` dies (``how="kill"``) or stalls alive (``"stall"``) in the middle of a forward."""
-    rt = build_runtime(rank, world, tp=world, pp=1, num_layers=8, pg_timeout_s=60.0, timeout=timeout_s)
+    # "kill" passes the runtime a timeout; "stall" leaves it to the process group's own
+    kwargs = {"pg_timeout_s": 60.0, "timeout": timeout_s} if how == "kill" else {"pg_timeout_s": timeout_s}
+    rt = build_runtime(rank, world, tp=world, pp=1, num_layers=8, **kwargs)
     with rt.forward(has_history=True):
         run_layers(rt, lambda layer, view: None)
     start = time.monotonic()
@@ -345,17 +348,29 @@ def overlap_handshake_worker(rank: int, world: int, signal_dir: str, overlap: bo
 
 # --- device ordering ------------------------------------------------------------------------------------
 
-def ordering_worker(rank: int, world: int, drop_waits_on: tuple[str, ...], forwards: int):
-    """Run decode-like forwards with a recording device API and check the happens-before relation."""
+def ordering_worker(rank: int, world: int, drop_waits_on: tuple[str, ...], forwards: int,
+                    side_stream: bool = False):
+    """Run decode-like forwards with a recording device API and check the happens-before relation.
+
+    With ``side_stream`` the later forwards run under another current stream (as under a CUDA-graph
+    capture or a user's stream context): the runtime must order against that stream, not the default.
+    """
     api = RecordingDeviceAPI(drop_waits_on)
     rt = build_runtime(rank, world, tp=world, pp=1, num_layers=5, device_api=api)
+    side = api.new_stream()
     for f in range(forwards):
         def attend(layer, view):
             api.access(view, "read", f"forward {f} attention reads L{layer}")
             api.access(view, "write", f"forward {f} attention writes L{layer}'s new token")
 
-        with rt.forward(has_history=f > 0):
-            run_layers(rt, attend)
+        on_side = side_stream and f >= forwards // 2
+        if on_side and f == forwards // 2:  # switching streams: the new one first waits for the old (wait_stream)
+            switch = api.new_event()
+            switch.record(api.current_stream())
+            side.wait_event(switch)
+        with api.stream(side) if on_side else contextlib.nullcontext():
+            with rt.forward(has_history=f > 0):
+                run_layers(rt, attend)
     rt.close()
     report = check_happens_before(api.log)
     return {"races": report.races, "accesses": report.accesses, "collectives": report.collectives}
@@ -429,7 +444,7 @@ def active_fuzz_worker(rank: int, world: int, rounds: int, fault: str | None):
     bpb = plan.bundle_bytes_per_block(0)
     problems, records = [], []
     for r in range(rounds):
-        count = rng.randint(0, plan.staging_blocks(num_blocks))
+        count = rng.randint(0, num_blocks if r % 4 == 3 else plan.staging_blocks(num_blocks))
         blocks = rng.sample(range(num_blocks), count)
         for layer in rt.plan.owned_layers(rt.rank):
             fill_layer(rt, layer, r)
@@ -443,8 +458,9 @@ def active_fuzz_worker(rank: int, world: int, rounds: int, fault: str | None):
             want_bytes = expected_layer(rt, layer, r)
             for where, got_c in zip(rt.plan.layout(layer, num_blocks), got):
                 want_c = want_bytes[where.offset: where.offset + where.size].view(num_blocks, -1)
+                whole = len(blocks) > plan.staging_blocks(num_blocks)  # sent as the whole layer
                 for b in range(num_blocks):
-                    expected = want_c[b] if b in blocks else torch.full_like(got_c[b], 0xA5)
+                    expected = want_c[b] if whole or b in blocks else torch.full_like(got_c[b], 0xA5)
                     if not torch.equal(got_c[b], expected):
                         problems.append((r, layer, where.name, b, b in blocks))
 
@@ -452,23 +468,42 @@ def active_fuzz_worker(rank: int, world: int, rounds: int, fault: str | None):
             run_layers(rt, check)
         records.append((count, rt.last_forward()["bytes"]))
     rt.close()
-    return {"problems": problems[:20], "n_problems": len(problems), "records": records, "bpb": bpb}
+    return {"problems": problems[:20], "n_problems": len(problems), "records": records, "bpb": bpb,
+            "staging_blocks": plan.staging_blocks(num_blocks), "num_blocks": num_blocks,
+            "layer_bytes": rt.view(0).numel()}
 
 
-def mismatched_sets_worker(rank: int, world: int):
-    """Ranks pass different sets of the same size: the forward must end in BlockSetMismatchError."""
+MISMATCHES = {  # rank 0's and rank 1's (has_history, blocks)
+    "same-size": ((True, [1, 2, 3]), (True, [1, 2, 4])),
+    "other-size": ((True, [1, 2, 3]), (True, [1, 2])),
+    "set-and-whole": ((True, [1, 2]), (True, None)),
+    "empty-and-set": ((True, []), (True, [5])),
+    "history": ((True, None), (False, None)),
+}
+
+
+def mismatched_sets_worker(rank: int, world: int, cases: list[str]):
+    """Ranks disagree on what a forward moves: every rank must raise BlockSetMismatchError before any byte
+    moves, and the runtime stays usable (the agreement itself kept the group in step)."""
     group = create_kvpp_process_groups(kvpp_groups(world, tp=world), timeout=timedelta(seconds=20))
     plan = KVPPPlan(toy_spec(4), group_size=world, staging_fraction=0.5)
-    rt = KVPPRuntime.create(plan, allocate_cache(plan, dist.get_rank(group), BLOCKS), group)
-    blocks = [1, 2, 3] if rank == 0 else [1, 2, 4]
-    outcome = []
-    for attempt in range(2):
+    rt = KVPPRuntime.create(plan, allocate_cache(plan, dist.get_rank(group), BLOCKS), group, timeout=5.0)
+    outcome = {}
+    for case in cases:
+        has_history, blocks = MISMATCHES[case][rank]
         try:
-            with rt.forward(has_history=True, blocks=blocks):
+            with rt.forward(has_history=has_history, blocks=blocks):
                 run_layers(rt, lambda layer, view: None)
-            outcome.append("ok")
+            outcome[case] = "ok"
         except E.KVPPRuntimeError as exc:
-            outcome.append(type(exc).__name__)
+            outcome[case] = type(exc).__name__
+    write_owned(rt, 7)
+    wrong = []
+    with rt.forward(has_history=True, blocks=[0, 9]):  # an agreed forward afterwards moves exact bytes
+        run_layers(rt, lambda layer, view: wrong.append(layer) if not torch.equal(
+            rt.typed_views(layer)["kv"][[0, 9]], pattern(7, layer)[[0, 9]]) else None)
+    outcome["after"] = "exact" if not wrong else f"wrong {wrong}"
+    outcome["bytes"] = rt.last_forward()["bytes"]
     rt.close()
     return outcome
 
