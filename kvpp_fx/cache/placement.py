@@ -32,8 +32,9 @@ MIN_DEPTH = 2
 # Staging for active-block broadcasts, as a fraction of the pool (see docs/design.md, "Active blocks").
 DEFAULT_STAGING_FRACTION = 0.25
 # Above this fraction of the pool a step sends whole layers: gather + broadcast + scatter of the listed
-# blocks stops being cheaper than one broadcast of the layer (benchmarks/active_blocks.py measures it).
-DEFAULT_CROSSOVER_FRACTION = 0.5
+# blocks stops being cheaper than one broadcast of the layer. benchmarks/active_blocks.py measured the
+# crossover between 0.2 and 0.3 on a 2-core CPU host with gloo (docs/design.md, "The crossover").
+DEFAULT_CROSSOVER_FRACTION = 0.25
 # Each staged block travels with its id (int64), so receivers can check they scatter the owner's set.
 BLOCK_ID_BYTES = 8
 

@@ -62,8 +62,8 @@ def check_active_path(results, preset, layers):
 @pytest.mark.parametrize("preset,world,mode,speculative", [
     ("small", 2, "eager", False),
     ("tiny-sfa", 2, "piecewise", False),
-    ("tiny-mtp", 4, "eager", True),
-], ids=["tp2-eager-mla-8-layers", "tp2-piecewise-sfa", "tp4-eager-mtp"])
+    ("tiny-mtp", 4, "piecewise", True),
+], ids=["tp2-eager-mla-8-layers", "tp2-piecewise-sfa", "tp4-piecewise-mtp"])
 def test_active_blocks_match_full_recomputation(preset, world, mode, speculative):
     prompts, results = run(preset, world, mode, speculative=speculative)
     truth = expected(preset, prompts)

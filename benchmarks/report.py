@@ -1,0 +1,123 @@
+"""The README's benchmark table, rendered from `benchmarks/results/*.json` and nothing else.
+
+    python benchmarks/report.py            # print the table
+    python benchmarks/report.py --write    # replace the table in README.md between its markers
+    python benchmarks/report.py --check    # exit 1 if README.md's table differs from the results
+
+`make bench` reruns every benchmark and then writes the table; a test checks that README.md matches
+the result files, so a figure from older code cannot stay in the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+RESULTS = HERE / "results"
+README = HERE.parent / "README.md"
+BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def rows() -> list[tuple[str, str, str]]:
+    out = []
+    cap = _load("capacity")
+    for r in cap["reference"]:
+        out.append((f"capacity, `small` TP {r['tp']}, {cap['kv_memory_bytes'] // 2**30} GiB per rank, real allocator",
+                    f"{r['measured_ratio']:.3f}x with active-block staging (formula {r['formula_ratio']:.3f}x); "
+                    f"{r['measured_ratio_without_staging']:.3f}x without (formula "
+                    f"{r['formula_ratio_without_staging']:.3f}x)", "`python benchmarks/capacity.py`"))
+    v3 = cap["deepseek_v3_tp8"]
+    out.append(("capacity, DeepSeek-V3 TP 8, 64 GiB, `kvpp-fx plan`",
+                f"{v3['plan_ratio']:.3f}x with staging; {v3['plan_ratio_without_staging']:.3f}x without "
+                f"(formula {v3['formula_ratio']:.3f}x)", "same"))
+    ovl = _load("overlap")
+    out.append((f"transfer hidden, runtime only, {ovl['layers']} x {ovl['layer_bytes'] // 2**20} MiB layers, "
+                "sleep stand-in", f"{ovl['hidden_fraction_vs_compute']:.3f} (1 - exposed/transfer); "
+                f"{ovl['hidden_fraction']:.3f} by (serial - overlapped)/transfer", "`python benchmarks/overlap.py`"))
+    om = _load("overlap_model")
+    out.append(("transfer hidden, through the PIECEWISE-compiled model", f"{om['hidden_fraction']:.3f} "
+                f"(goal >= {om['goal']})", "`python benchmarks/overlap_model.py`"))
+    ro = _load("runtime_overhead")
+    out.append((f"runtime cost per layer, no-op transport, {ro['layers']} layers",
+                f"{ro['us_per_layer_with_history']['median']:.1f} us with history, "
+                f"{ro['us_per_layer_without_history']['median']:.1f} us without (median)",
+                "`python benchmarks/runtime_overhead.py`"))
+    ds = _load("decode_step")
+    occ = ds["occupancy"]
+    out.append((f"bytes broadcast per decode step, {ds['occupancy_blocks']}-block pool, 10 % / 100 % occupancy",
+                f"{_mib(occ['10pct']['bytes_per_decode_step'])} / {_mib(occ['100pct']['bytes_per_decode_step'])}: "
+                f"{ds['bytes_10pct_over_100pct']:.3f} (goal <= {ds['goal_bytes_10pct_over_100pct']})",
+                "`python benchmarks/decode_step.py`"))
+    for row in ds["rows"]:
+        t = row["decode_step_s"]
+        out.append((f"decode step KVPP / replicated, `small` TP 2, {row['kv_memory_bytes'] // 2**20} MiB, two short "
+                    "prompts", f"{row['ratio_of_medians']:.2f}x with active blocks (goal <= {ds['goal_ratio']}); "
+                    f"{row['ratio_of_medians_whole_layer']:.2f}x with whole layers (medians: replicated "
+                    f"{t['replicated']['median'] * 1e3:.1f} ms, active {t['kvpp']['median'] * 1e3:.1f} ms, whole "
+                    f"{t['kvpp_whole_layer']['median'] * 1e3:.1f} ms; bytes per step "
+                    f"{_mib(row['bytes_per_decode_step']['kvpp'])} vs "
+                    f"{_mib(row['bytes_per_decode_step']['kvpp_whole_layer'])})", "same"))
+    ab = _load("active_blocks")
+    cross = ab["crossover_fraction"]
+    out.append((f"active-block crossover, {ab['pool_blocks']}-block pool, {ab['layer_bytes'] / 2**20:.1f} MiB layers",
+                f"{cross:.2f} of the pool" if cross is not None else "none: active blocks never slower",
+                "`python benchmarks/active_blocks.py`"))
+    pt = _load("pass_time")
+    for mode, m in pt["modes"].items():
+        split = (f"; split {m['split_s'] * 1e3:.0f} ms (torch.fx split_module {m['split_module_s'] * 1e3:.0f} ms)"
+                 if m["split_s"] else "")
+        out.append((f"insert + verify, {pt['layers']}-layer graph, {mode} mode",
+                    f"{m['insert_plus_verify_s'] * 1e3:.0f} ms (goal <= {pt['goal_insert_plus_verify_s'] * 1e3:.0f} "
+                    f"ms){split}; passes {m['passes_share']:.1%} of a {m['compile_s']:.1f} s compile",
+                    "`python benchmarks/pass_time.py`"))
+    return out
+
+
+def table() -> str:
+    lines = ["| what | figure | command |", "|---|---|---|"]
+    lines += [f"| {what} | {figure} | {command} |" for what, figure, command in rows()]
+    return "\n".join(lines)
+
+
+def readme_table(text: str) -> str:
+    try:
+        start = text.index(BEGIN) + len(BEGIN)
+        end = text.index(END)
+    except ValueError:
+        raise SystemExit(f"README.md has no {BEGIN} ... {END} block.") from None
+    return text[start:end].strip("\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true")
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    rendered = table()
+    if args.write:
+        text = README.read_text()
+        old = readme_table(text)
+        README.write_text(text.replace(old, rendered, 1) if old else text.replace(BEGIN, f"{BEGIN}\n{rendered}", 1))
+        print(f"wrote the table into {README}")
+    elif args.check:
+        if readme_table(README.read_text()) != rendered:
+            print("README.md's benchmark table differs from benchmarks/results; run `make bench`.")
+            return 1
+    else:
+        print(rendered)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
