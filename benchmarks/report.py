@@ -51,7 +51,8 @@ def rows() -> list[tuple[str, str, str]]:
     ro = _load("runtime_overhead")
     out.append((f"runtime cost per layer, no-op transport, {ro['layers']} layers",
                 f"{ro['us_per_layer_with_history']['median']:.1f} us with history, "
-                f"{ro['us_per_layer_without_history']['median']:.1f} us without (median)",
+                f"{ro['us_per_layer_without_history']['median']:.1f} us without (median); plus one agreement "
+                f"all-reduce per forward, {ro['us_agreement_per_forward']['median']:.0f} us on gloo",
                 "`python benchmarks/runtime_overhead.py`"))
     ds = _load("decode_step")
     occ = ds["occupancy"]

@@ -1,9 +1,11 @@
-"""Per-layer host cost of the runtime's protocol (prefetch + wait), with a no-op transport.
+"""Host cost of the runtime's protocol, with a no-op transport.
 
 Two gloo ranks run the runtime exactly as a compiled graph calls it, over a device API whose
-broadcast completes at once and moves nothing, so what is timed is the runtime's own Python work per
-layer: protocol checks, event record/wait, issuing and completing the work, counters. Measured in one
-run for both kinds of forward: with history (a broadcast per layer) and without (nothing to move).
+collectives complete at once and move nothing, so what is timed is the runtime's own Python work:
+per layer (protocol checks, event record/wait, issuing and completing the work, counters), for
+forwards with history (a broadcast per layer) and without (nothing to move). Each forward also starts
+with one real agreement all-reduce of 6 int64 values on the KVPP group; its gloo latency is timed on
+its own in the same run.
 
     python benchmarks/runtime_overhead.py [--layers 61] [--forwards 400]
 """
@@ -15,6 +17,7 @@ import statistics
 import sys
 import time
 
+import torch
 import torch.distributed as dist
 
 from _common import summary, write_result
@@ -36,6 +39,9 @@ class NoOpTransportAPI(DeviceAPI):
     """The real stream/event calls; broadcasts that complete immediately and move nothing."""
 
     def broadcast(self, tensor, src, group):
+        return _DoneWork()
+
+    def all_reduce_max(self, tensor, group):
         return _DoneWork()
 
 
@@ -62,12 +68,16 @@ def worker(rank, world, layers, forwards):
                             device_api=NoOpTransportAPI("cpu"))
     for _ in range(50):
         _forward(rt, True)
-    with_history, without = [], []
+    with_history, without, agreement = [], [], []
+    probe = torch.zeros(6, dtype=torch.int64)
     for _ in range(forwards):
         with_history.append(_forward(rt, True) / layers * 1e6)
         without.append(_forward(rt, False) / layers * 1e6)
+        start = time.perf_counter()
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+        agreement.append((time.perf_counter() - start) * 1e6)
     rt.close()
-    return {"with_history_us": with_history, "without_history_us": without}
+    return {"with_history_us": with_history, "without_history_us": without, "agreement_us": agreement}
 
 
 def main(argv=None) -> int:
@@ -79,11 +89,13 @@ def main(argv=None) -> int:
     res = run_ranks(worker, 2, args.layers, args.forwards, timeout_s=600)[0]
     result = {"layers": args.layers, "forwards": args.forwards,
               "us_per_layer_with_history": summary(res["with_history_us"]),
-              "us_per_layer_without_history": summary(res["without_history_us"])}
+              "us_per_layer_without_history": summary(res["without_history_us"]),
+              "us_agreement_per_forward": summary(res["agreement_us"])}
     med = statistics.median(res["with_history_us"])
     print(f"{args.layers} layers, {args.forwards} forwards, no-op transport: "
           f"{med:.1f} us/layer with history (prefetch+wait+broadcast issue/complete), "
-          f"{statistics.median(res['without_history_us']):.1f} us/layer without")
+          f"{statistics.median(res['without_history_us']):.1f} us/layer without; agreement all-reduce "
+          f"{statistics.median(res['agreement_us']):.0f} us per forward (gloo)")
     write_result("runtime_overhead", result, args.out)
     return 0
 

@@ -49,12 +49,13 @@ def passthrough() -> Iterator[None]:
         _PASSTHROUGH.reset(token)
 
 
-def _passing_through() -> bool:
+def passing_through() -> bool:
+    """Inside `passthrough()` and outside any runtime forward: the kvpp ops do nothing."""
     return _PASSTHROUGH.get() and active_runtime() is None
 
 
 def _prefetch_impl(layer: int, slot: int) -> None:
-    if _passing_through():
+    if passing_through():
         return
     current_runtime().prefetch(layer, slot)
 
@@ -62,7 +63,7 @@ def _prefetch_impl(layer: int, slot: int) -> None:
 def _wait_impl(layer: int, slot: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
     if len(caches) != len(components):
         raise ValueError(f"kvpp.wait for layer {layer}: {len(caches)} caches but {len(components)} component names.")
-    if _passing_through():
+    if passing_through():
         return list(caches)
     runtime = current_runtime()
     runtime.wait(layer, slot)

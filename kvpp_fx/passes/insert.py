@@ -178,6 +178,7 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable, *, graph_breaks
     layers = collect_layers(graph, table, lookup)
     order = {node: i for i, node in enumerate(nodes)}
     operands = {group.layer: _cache_operands(group, order) for group in layers}
+    _refuse_shared_caches(operands)
     _refuse_stray_readers(graph, layers, operands)
     if not layers:
         mention = _layer_mention(graph, table) if table.target_layers else None
@@ -276,6 +277,19 @@ def _cache_operands(group: LayerNodes, order: dict[torch.fx.Node, int]) -> list[
                     f"layer's first cache-touching node; the wait cannot take it.")
             seen[operand.component] = value
     return [(node, component) for component, node in seen.items()]
+
+
+def _refuse_shared_caches(operands: dict[int, list[tuple[torch.fx.Node, str]]]) -> None:
+    """One tensor read as the cache of two layers would be rebound to each layer's own view: refuse it."""
+    owner: dict[torch.fx.Node, int] = {}
+    for layer, pairs in operands.items():
+        for value, _ in pairs:
+            other = owner.setdefault(value, layer)
+            if other != layer:
+                raise CacheOperandError(
+                    f"{value.name} is read as the cache of layers {other} and {layer}. Under KVPP each layer's "
+                    "cache is its own view (persistent or a scratch slot), so a shared cache cannot be rebound; "
+                    "give each layer its own cache tensor.")
 
 
 def _layer_mention(graph: torch.fx.Graph, table: LayerTable) -> str | None:

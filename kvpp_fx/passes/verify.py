@@ -19,7 +19,7 @@ failure lists every problem with the check that found it (`KVPPGraphVerification
 - ``binding``: every registered op of an awaited layer comes after that layer's wait, and each of its
   cache operands is the wait's output for that component;
 - ``originals``: the original cache values (the waits' inputs, and graph inputs that are KVPP
-  handles) are read only by waits;
+  handles) are read only by waits, and each by the wait of one layer only;
 - ``pieces``: no compiled piece contains a kvpp op or a registered op.
 """
 
@@ -245,6 +245,10 @@ def verify_graph(graph: torch.fx.Graph, table: LayerTable, pieces: Iterable = ()
             if _kvpp_kind(user) != "wait":
                 problems.append(("originals", f"{user.name} reads the original cache value {value.name}; only "
                                               "kvpp.wait may read it."))
+        layers_of_value = sorted({user.args[0] for user in value.users if _kvpp_kind(user) == "wait"})
+        if len(layers_of_value) > 1:
+            problems.append(("originals", f"the original cache value {value.name} is awaited as the cache of "
+                                          f"layers {layers_of_value}; each layer's cache is its own."))
 
     # pieces
     for piece in pieces:

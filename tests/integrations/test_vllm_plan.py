@@ -26,7 +26,7 @@ def test_target_graph_uses_the_whole_plan():
     plan = plan_with_mtp()
     table = layer_table_for(names(0, 1, 2, 3), plan, names(0, 1, 2, 3, 4))
     assert table.target_layers == (0, 1, 2, 3) and table.draft_layers == (4,)
-    assert [table.slot(i) for i in range(4)] == [plan.slot(i) for i in range(4)]
+    assert [table.slot(i) for i in range(4)] == [0, 1, 0, 1]
     assert dict(table.names) == names(0, 1, 2, 3, 4)
 
 
@@ -53,3 +53,24 @@ def test_worker_class_names_round_trip():
     assert wrapped_worker_qualname(name.rsplit(".", 1)[1]) == "vllm.v1.worker.gpu_worker.Worker"
     with pytest.raises(KVPPHookError):
         hooked_worker_qualname("pkg.__private.Worker")
+
+
+def test_eager_attention_outside_a_forward_raises_unless_passing_through():
+    import torch
+
+    from kvpp_fx.integrations.vllm.state import EngineState
+    from kvpp_fx.integrations.vllm.worker import _waiting_class
+    from kvpp_fx.ops import passthrough
+    from kvpp_fx.runtime.errors import NoActiveForwardError
+
+    class Attention(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    module = _waiting_class(Attention)()
+    module._kvpp_engine = EngineState(config=None, vllm_config=None)
+    module._kvpp_layer = 2
+    with pytest.raises(NoActiveForwardError, match="layer 2's attention ran outside"):
+        module(torch.zeros(1))
+    with passthrough():  # dummy and profile runs
+        assert module(torch.zeros(1)).item() == 1

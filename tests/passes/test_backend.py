@@ -43,7 +43,8 @@ def test_unknown_inner_backend():
 def test_eager_mode_refuses_any_inner_but_eager(inner):
     with pytest.raises(KVPPBackendError, match=f"mode='eager' .* inner='{inner}' would be ignored"):
         kvpp_backend(toy.toy_plan(4), mode="eager", inner=inner)
-    assert kvpp_backend(toy.toy_plan(4), mode="eager", inner="eager").inner is not None  # resolved when built
+    gm = torch.fx.symbolic_trace(torch.nn.ReLU())
+    assert kvpp_backend(toy.toy_plan(4), mode="eager", inner="eager").inner(gm, []) is gm  # resolved when built
 
 
 def run_once(model, backend_or_name, plan, num_layers=4, options=None):

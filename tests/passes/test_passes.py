@@ -7,6 +7,7 @@ import torch
 
 from kvpp_fx.ops import is_kvpp_op
 from kvpp_fx.passes.insert import (
+    CacheOperandError,
     LayerOrderError,
     NoGraphLayersError,
     StrayCacheReadError,
@@ -150,6 +151,18 @@ def test_a_stray_cache_read_is_refused_and_nothing_changes(handles):
     gm = capture(toy.ToyMLAStrayRead(4), handles=handles)
     code = gm.code
     with pytest.raises(StrayCacheReadError, match=r"mean.*reads the cache value 'l_caches_1_'.*register_attention_op"):
+        insert_kvpp_ops(gm, TABLE)
+    assert gm.code == code
+
+
+def test_a_cache_shared_by_two_layers_is_refused_and_nothing_changes():
+    class Shared(toy.ToyMLA):
+        def forward(self, x, caches, *meta):
+            return super().forward(x, [caches[0], caches[1], caches[1], caches[3]], *meta)
+
+    gm = capture(Shared(4))
+    code = gm.code
+    with pytest.raises(CacheOperandError, match="l_caches_1_ is read as the cache of layers 1 and 2"):
         insert_kvpp_ops(gm, TABLE)
     assert gm.code == code
 
@@ -307,6 +320,13 @@ def mutate_cache_operand_through_a_copy():
     return gm, TABLE
 
 
+def mutate_one_original_awaited_for_two_layers():
+    gm = rewritten()
+    waits = kvpp_nodes(gm, "wait")
+    waits[2].update_arg(2, [waits[1].args[2][0]])
+    return gm, TABLE
+
+
 def mutate_extra_reader_of_an_original_cache():
     gm = rewritten()
     cache = kvpp_nodes(gm, "wait")[1].args[2][0]
@@ -331,6 +351,7 @@ MUTATIONS = [
     ("components", mutate_component_name, r"kvpp_wait_L1 names components \['kv', 'kv_scale'\]"),
     ("binding", mutate_cache_operand_through_a_copy, "attn_2 reads layer 2's 'kv' cache from clone"),
     ("originals", mutate_extra_reader_of_an_original_cache, "mean_default reads the original cache value l_caches_1_"),
+    ("originals", mutate_one_original_awaited_for_two_layers, r"is awaited as the cache of layers \[1, 2\]"),
 ]
 
 

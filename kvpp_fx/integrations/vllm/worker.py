@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import inspect
 import logging
 import os
 from typing import Any
@@ -59,13 +58,13 @@ from kvpp_fx.integrations.vllm.state import (
     hooked_worker_qualname,
     wrapped_worker_qualname,
 )
-from kvpp_fx.ops import passthrough
+from kvpp_fx.ops import passing_through, passthrough
+from kvpp_fx.runtime.errors import NoActiveForwardError
 from kvpp_fx.runtime.runtime import KVPPRuntime, active_runtime
 
 logger = logging.getLogger(__name__)
 
 _HOOK_MARK = "_kvpp_fx_hook"
-_RUNTIME_TAKES_BLOCKS = "blocks" in inspect.signature(KVPPRuntime.forward).parameters
 
 __all__ = ["hooked_worker_qualname", "kvpp_worker_class", "kvpp_runner_class", "worker_stats", "current_engine"]
 
@@ -176,6 +175,11 @@ def kvpp_runner_class(base: type) -> type:
 
         def initialize_kv_cache_tensors(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
             state = self._kvpp
+            if getattr(self, "shared_kv_cache_layers", None):
+                # Such layers alias another layer's cache and have no spec of their own: they would read
+                # a scratch slot without waiting for it.
+                raise KVPPAllocationError(
+                    f"KVPP does not support KV-sharing layers ({sorted(self.shared_kv_cache_layers)}).")
             token = _ALLOCATING.set(functools.partial(_allocate, self, state))
             try:
                 kv_caches = super().initialize_kv_cache_tensors(kv_cache_config, *args, **kwargs)
@@ -195,11 +199,9 @@ def kvpp_runner_class(base: type) -> type:
             batch = self.input_batch
             computed = batch.num_computed_tokens_cpu[: batch.num_reqs]
             has_history = bool((computed > 0).any()) and not state.suppress_broadcasts
-            options: dict[str, Any] = {}
-            if _RUNTIME_TAKES_BLOCKS:
-                options["blocks"] = active_blocks(batch.block_table, computed, batch.num_reqs)
+            blocks = active_blocks(batch.block_table, computed, batch.num_reqs)
             state.awaited.clear()
-            with state.runtime.forward(has_history=has_history, **options):
+            with state.runtime.forward(has_history=has_history, blocks=blocks):
                 return super()._model_forward(*args, **kwargs)
 
         def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
@@ -332,7 +334,12 @@ def _waiting_class(cls: type) -> type:
         if not torch.compiler.is_compiling():
             state: EngineState = self._kvpp_engine
             runtime = active_runtime()
-            if runtime is not None and runtime is state.runtime and self._kvpp_layer not in state.awaited:
+            if runtime is None or runtime is not state.runtime:
+                if not passing_through():  # a model call outside a step and outside a dummy run
+                    raise NoActiveForwardError(
+                        f"layer {self._kvpp_layer}'s attention ran outside its engine's KVPP forward; its "
+                        "cache view would not hold the layer's bytes.")
+            elif self._kvpp_layer not in state.awaited:
                 state.awaited.add(self._kvpp_layer)
                 wait_for_layer(runtime, self._kvpp_layer)
         return cls.forward(self, *args, **kwargs)
