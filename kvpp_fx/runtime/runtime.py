@@ -229,7 +229,7 @@ class KVPPRuntime:
         if state.has_history and blocks is not None:
             state.active = self._prepare_active(blocks)
         if self.transport is not None:
-            self._agree(state, blocks)
+            self._agree(state)
         self._forward = state
         self._stats.begin_forward(state.has_history)
         token = _CURRENT.set(self)
@@ -261,7 +261,8 @@ class KVPPRuntime:
                     self._break(exc)
                 return
             self._raise_if_broken()  # a failure inside this forward was caught by the caller
-            if state.active is not None and state.issued and not bool(state.active.ids_ok.item()):
+            if (state.active is not None and state.issued and self.storage.device.type != "cpu"
+                    and not bool(state.active.ids_ok.item())):
                 self._mispaired(None)  # on a device the received ids are checked once, here
             missing = len(self.plan.target_layers) - state.next_position
             if missing:
@@ -306,7 +307,7 @@ class KVPPRuntime:
                                     f"for slot {slot}.")
         return position
 
-    def _agree(self, state: _Forward, blocks: Any) -> None:
+    def _agree(self, state: _Forward) -> None:
         """All ranks must agree on what this forward moves before anything moves (one small all-reduce)."""
         active = state.active
         mode = _NO_HISTORY if not state.has_history else _ACTIVE_BLOCKS if active is not None else _WHOLE_LAYERS

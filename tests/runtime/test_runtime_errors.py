@@ -178,7 +178,7 @@ def test_sharded_draft_layers_are_refused_at_creation():
         KVPPRuntime.create(plan, allocate_cache(plan, 0, 4))
 
 
-def test_bad_block_ids_are_refused_before_anything_moves():
+def test_a_group_of_one_ignores_the_block_set():
     comps = (ComponentSpec("kv", "float32", (8,)),)
     plan = KVPPPlan(ModelCacheSpec("toy", 4, tuple(LayerCacheSpec(i, comps) for i in range(2))), group_size=1)
     with KVPPRuntime.create(plan, allocate_cache(plan, 0, 4)) as rt:

@@ -169,6 +169,7 @@ def test_ranks_that_disagree_on_the_set_get_a_named_error():
     cases = list(workers.MISMATCHES)
     for outcome in run_ranks(workers.mismatched_sets_worker, 2, cases, timeout_s=60):
         assert {case: outcome[case] for case in cases} == dict.fromkeys(cases, "BlockSetMismatchError")
+        assert outcome["out-of-range"] == f"block id {workers.BLOCKS} is outside the pool of {workers.BLOCKS} blocks."
         assert outcome["after"] == "exact"
         assert outcome["bytes"] == 4 * 2 * (workers.BLOCK * workers.WIDTH * 4 + 8)
 

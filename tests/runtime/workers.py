@@ -489,6 +489,11 @@ def mismatched_sets_worker(rank: int, world: int, cases: list[str]):
     plan = KVPPPlan(toy_spec(4), group_size=world, staging_fraction=0.5)
     rt = KVPPRuntime.create(plan, allocate_cache(plan, dist.get_rank(group), BLOCKS), group, timeout=5.0)
     outcome = {}
+    try:  # validated on each rank before the agreement: every rank refuses, nothing is issued
+        with rt.forward(has_history=True, blocks=[0, BLOCKS]):
+            pass
+    except E.InvalidBlocksError as exc:
+        outcome["out-of-range"] = str(exc)
     for case in cases:
         has_history, blocks = MISMATCHES[case][rank]
         try:
