@@ -19,14 +19,7 @@ def last_forward_broadcasts(runtime) -> int:
 
 
 def replicated_run(num_layers: int) -> list[torch.Tensor]:
-    model = toy.ToyMLA(num_layers)
-    caches = toy.replicated_caches(num_layers)
-    outs = []
-    with torch.no_grad():
-        for step, (seq_len, new) in enumerate(STEPS):
-            x, *meta = toy.step_inputs(step, seq_len, new)
-            outs.append(model(x, caches, *meta))
-    return outs
+    return replicated_run_of(toy.ToyMLA(num_layers), num_layers)
 
 
 def kvpp_run(rank: int, world: int, num_layers: int, mode: str, inner: str):
