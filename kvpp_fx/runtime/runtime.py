@@ -127,7 +127,7 @@ class _Forward:
 class KVPPRuntime:
     def __init__(self, plan: KVPPPlan, storage: CacheStorage, group: Any, rank: int, device_api: DeviceAPI,
                  transport: BroadcastTransport | None, timeline: Timeline | None, overlap: bool = True,
-                 crossover: float = DEFAULT_CROSSOVER_FRACTION) -> None:
+                 crossover: float = DEFAULT_CROSSOVER_FRACTION, agreement_group: Any = None) -> None:
         self.plan = plan
         self.storage = storage
         self.group = group
@@ -147,6 +147,7 @@ class KVPPRuntime:
         self._shape = {layer: tuple(v.shape[1] for v in self._block_views[layer]) for layer in targets}
         self.crossover = crossover
         self._fault = os.environ.get(FAULT_ENV, "")
+        self._agreement_group = agreement_group
         self._stats = TransferStats(targets)
         self._forward: _Forward | None = None
         self._broken: BaseException | None = None
@@ -156,8 +157,8 @@ class KVPPRuntime:
     def create(cls, plan: KVPPPlan, storage: CacheStorage, group: Any = None, *,
                delay: Callable[[int], float] | None = None, timeline: Timeline | None = None,
                overlap: bool = True, timeout: timedelta | float | None = None,
-               device_api: DeviceAPI | None = None,
-               crossover: float = DEFAULT_CROSSOVER_FRACTION) -> KVPPRuntime:
+               device_api: DeviceAPI | None = None, crossover: float = DEFAULT_CROSSOVER_FRACTION,
+               agreement_group: Any = None) -> KVPPRuntime:
         """`group` is this rank's KVPP process group (None only for a group of one).
 
         ``timeout`` bounds every broadcast (seconds or a timedelta); by default the group's own
@@ -166,6 +167,8 @@ class KVPPRuntime:
         sleep before issuing a broadcast (a test hook; also ``KVPP_TRANSPORT_DELAY_MS``).
         ``device_api`` replaces the device API (tests record device ordering through it).
         ``crossover``: the fraction of the pool above which an active-block set is sent whole-layer.
+        ``agreement_group``: a host-side (gloo) group of the same ranks for the per-forward agreement, so
+        that on a device it needs no host synchronisation (default: `group`, on the cache's device).
         """
         if not 0.0 <= crossover <= 1.0:
             raise ValueError(f"crossover must be a fraction in [0, 1], got {crossover!r}.")
@@ -195,7 +198,11 @@ class KVPPRuntime:
             if timeout.total_seconds() <= 0:
                 raise ValueError(f"timeout must be positive, got {timeout}.")
             transport = BroadcastTransport(group, api, plan.depth, timeout, delay=delay)
-        return cls(plan, storage, group, rank, api, transport, timeline, overlap, crossover)
+        if agreement_group is not None and (sorted(dist.get_process_group_ranks(agreement_group))
+                                            != sorted(dist.get_process_group_ranks(group))):
+            raise ValueError(f"the agreement group's ranks {dist.get_process_group_ranks(agreement_group)} "
+                             f"differ from the KVPP group's {dist.get_process_group_ranks(group)}.")
+        return cls(plan, storage, group, rank, api, transport, timeline, overlap, crossover, agreement_group)
 
     # --- views ------------------------------------------------------------------------------------
 
@@ -313,9 +320,12 @@ class KVPPRuntime:
         mode = _NO_HISTORY if not state.has_history else _ACTIVE_BLOCKS if active is not None else _WHOLE_LAYERS
         count, digest = (active.count, active.digest) if active is not None else (0, 0)
         mine = torch.tensor([mode, count, digest], dtype=torch.int64)
-        extremes = torch.cat([mine, -mine]).to(self.storage.device)
+        group = self._agreement_group
+        extremes = torch.cat([mine, -mine])
+        if group is None:
+            group, extremes = self.group, extremes.to(self.storage.device)
         try:
-            work = self.api.all_reduce_max(extremes, self.group)
+            work = self.api.all_reduce_max(extremes, group)
             self.transport.complete_work_on_host(work, "the forward's agreement")
         except TransferFailedError as exc:
             self._break(exc)

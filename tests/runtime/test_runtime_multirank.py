@@ -165,12 +165,14 @@ def test_negative_control_a_dropped_block_is_missing_at_the_receiver():
     assert all(listed for res in results for (_, _, _, _, listed) in res["problems"])  # only listed blocks
 
 
-def test_ranks_that_disagree_on_the_set_get_a_named_error():
+@pytest.mark.parametrize("host_agreement", [False, True], ids=["on-the-kvpp-group", "on-a-host-group"])
+def test_ranks_that_disagree_on_the_set_get_a_named_error(host_agreement):
     cases = list(workers.MISMATCHES)
-    for outcome in run_ranks(workers.mismatched_sets_worker, 2, cases, timeout_s=60):
+    for outcome in run_ranks(workers.mismatched_sets_worker, 2, cases, host_agreement, timeout_s=60):
         assert {case: outcome[case] for case in cases} == dict.fromkeys(cases, "BlockSetMismatchError")
         assert outcome["out-of-range"] == f"block id {workers.BLOCKS} is outside the pool of {workers.BLOCKS} blocks."
         assert outcome["after"] == "exact"
+        assert outcome["agreement_groups"] == {"agreement" if host_agreement else "kvpp"}
         assert outcome["bytes"] == 4 * 2 * (workers.BLOCK * workers.WIDTH * 4 + 8)
 
 
@@ -184,3 +186,8 @@ def test_staging_reuse_is_ordered_on_the_device(drop):
             assert res["races"] == [], res["races"][:5]
     if drop:
         assert results[1]["races"]
+
+
+def test_an_agreement_group_of_other_ranks_is_refused():
+    for message in run_ranks(workers.wrong_agreement_group_worker, 2, timeout_s=60):
+        assert message is not None and "agreement group's ranks" in message

@@ -473,6 +473,18 @@ def active_fuzz_worker(rank: int, world: int, rounds: int, fault: str | None):
             "layer_bytes": rt.view(0).numel()}
 
 
+class AgreementRecordingAPI(DeviceAPI):
+    """Records the group each agreement all-reduce runs on."""
+
+    def __init__(self, device) -> None:
+        super().__init__(device)
+        self.groups = []
+
+    def all_reduce_max(self, tensor, group):
+        self.groups.append(group)
+        return super().all_reduce_max(tensor, group)
+
+
 MISMATCHES = {  # rank 0's and rank 1's (has_history, blocks)
     "same-size": ((True, [1, 2, 3]), (True, [1, 2, 4])),
     "other-size": ((True, [1, 2, 3]), (True, [1, 2])),
@@ -482,12 +494,21 @@ MISMATCHES = {  # rank 0's and rank 1's (has_history, blocks)
 }
 
 
-def mismatched_sets_worker(rank: int, world: int, cases: list[str]):
+def mismatched_sets_worker(rank: int, world: int, cases: list[str], host_agreement: bool = False):
     """Ranks disagree on what a forward moves: every rank must raise BlockSetMismatchError before any byte
-    moves, and the runtime stays usable (the agreement itself kept the group in step)."""
+    moves, and the runtime stays usable (the agreement itself kept the group in step).
+
+    ``host_agreement`` runs the agreement on a host-side group of its own, as on a device.
+    """
     group = create_kvpp_process_groups(kvpp_groups(world, tp=world), timeout=timedelta(seconds=20))
+    agreement = None
+    if host_agreement:
+        agreement = create_kvpp_process_groups(kvpp_groups(world, tp=world), backend="gloo",
+                                               timeout=timedelta(seconds=20))
     plan = KVPPPlan(toy_spec(4), group_size=world, staging_fraction=0.5)
-    rt = KVPPRuntime.create(plan, allocate_cache(plan, dist.get_rank(group), BLOCKS), group, timeout=5.0)
+    api = AgreementRecordingAPI("cpu")
+    rt = KVPPRuntime.create(plan, allocate_cache(plan, dist.get_rank(group), BLOCKS), group, timeout=5.0,
+                            agreement_group=agreement, device_api=api)
     outcome = {}
     try:  # validated on each rank before the agreement: every rank refuses, nothing is issued
         with rt.forward(has_history=True, blocks=[0, BLOCKS]):
@@ -509,6 +530,8 @@ def mismatched_sets_worker(rank: int, world: int, cases: list[str]):
             rt.typed_views(layer)["kv"][[0, 9]], pattern(7, layer)[[0, 9]]) else None)
     outcome["after"] = "exact" if not wrong else f"wrong {wrong}"
     outcome["bytes"] = rt.last_forward()["bytes"]
+    outcome["agreement_groups"] = {"agreement" if g is agreement else "kvpp" if g is group else "other"
+                                   for g in api.groups}
     rt.close()
     return outcome
 
@@ -529,3 +552,14 @@ def active_ordering_worker(rank: int, world: int, drop_waits_on: tuple[str, ...]
     rt.close()
     report = check_happens_before(api.log)
     return {"races": report.races, "accesses": report.accesses, "collectives": report.collectives}
+
+
+def wrong_agreement_group_worker(rank: int, world: int):
+    group = create_kvpp_process_groups(kvpp_groups(world, tp=world), timeout=timedelta(seconds=20))
+    solo = create_kvpp_process_groups([[r] for r in range(world)], timeout=timedelta(seconds=20))
+    plan = KVPPPlan(toy_spec(4), group_size=world)
+    try:
+        KVPPRuntime.create(plan, allocate_cache(plan, dist.get_rank(group), BLOCKS), group, agreement_group=solo)
+    except ValueError as exc:
+        return str(exc)
+    return None

@@ -59,6 +59,7 @@ class EngineState:
     budget_blocks: int | None = None  # what determine_available_memory promised vLLM's planner
     runtime: Any = None
     group: Any = None
+    agreement_group: Any = None  # gloo, same ranks: the runtime's per-forward agreement
     group_ranks: list[int] = field(default_factory=list)
     compiled_graphs: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     awaited: set[int] = field(default_factory=set)  # eager hooks, per step

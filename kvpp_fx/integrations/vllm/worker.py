@@ -258,12 +258,12 @@ def _allocate(runner: Any, state: EngineState, kv_cache_config: Any, device: Any
                                   f"specs {state.vplan.plan.spec}.")
     state.vplan = vplan
     if state.group is None:
-        state.group, state.group_ranks = _kvpp_group(state.config)
+        state.group, state.agreement_group, state.group_ranks = _kvpp_group(state.config)
     rank = torch.distributed.get_rank(state.group)
     storage = allocate_cache(vplan.plan, rank, kv_cache_config.num_blocks, device)
     if state.runtime is not None:
         state.runtime.close()
-    state.runtime = KVPPRuntime.create(vplan.plan, storage, state.group)
+    state.runtime = KVPPRuntime.create(vplan.plan, storage, state.group, agreement_group=state.agreement_group)
     plan = vplan.plan
     logger.warning("KVPP: group %s, rank %d owns layers %s of %d; %d blocks; %d bytes allocated.",
                    state.group_ranks, rank, list(plan.owned_layers(rank)), len(plan.target_layers),
@@ -298,7 +298,9 @@ def _self_check(runner: Any, state: EngineState, kv_cache_config: Any) -> None:
 
 
 def _kvpp_group(config: KVPPConfig):
-    """This rank's KVPP group: TP x PCP ranks from `kvpp_groups`, as a process group of its own."""
+    """This rank's KVPP group: TP x PCP ranks from `kvpp_groups`, as a process group of its own (the
+    world's backend), and a gloo group of the same ranks for the runtime's per-forward agreement, which
+    then needs no device synchronisation."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
 
@@ -309,7 +311,7 @@ def _kvpp_group(config: KVPPConfig):
     mine = group_of(dist.get_rank(), groups)
     if not set(get_tp_group().ranks) <= set(mine):
         raise ValueError(f"vLLM's TP group {list(get_tp_group().ranks)} is not inside the KVPP group {mine}.")
-    return create_kvpp_process_groups(groups), mine
+    return create_kvpp_process_groups(groups), create_kvpp_process_groups(groups, backend="gloo"), mine
 
 
 # --- eager attention ----------------------------------------------------------------------------------
