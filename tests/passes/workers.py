@@ -8,6 +8,7 @@ import torch.distributed as dist
 from kvpp_fx.backend import kvpp_backend
 from kvpp_fx.runtime.runtime import KVPPRuntime
 from kvpp_fx.topology import create_kvpp_process_groups, kvpp_groups
+from tests.faults import DroppedBroadcast
 from tests.passes import toy
 
 # (seq_len after the step, new tokens): a 6-token prefill, then decode steps that read the cache.
@@ -59,24 +60,6 @@ def replicated_run_of(model: torch.nn.Module, num_layers: int) -> list[torch.Ten
     return outs
 
 
-class _DroppedBroadcast:
-    """Fault: on a rank that does not own `layer`, its wait hands attention zeros instead of the
-    broadcast bytes (as if the broadcast had been suppressed)."""
-
-    def __init__(self, runtime, layer: int, owned: tuple[int, ...]) -> None:
-        self._runtime, self._layer, self._owned = runtime, layer, owned
-
-    def __getattr__(self, name):
-        return getattr(self._runtime, name)
-
-    def wait(self, layer, slot):
-        out = self._runtime.wait(layer, slot)
-        if layer == self._layer and layer not in self._owned:
-            for view in self._runtime.typed_views(layer).values():
-                view.zero_()
-        return out
-
-
 def graph_break_run(rank: int, world: int, cases: list[tuple[str, str, bool]]):
     """For each (where, mode, fault): ToyMLAWithBreak compiled by kvpp_backend (Dynamo splits it at the
     break), on `world` ranks, against the uncompiled model over replicated caches."""
@@ -101,7 +84,7 @@ def graph_break_run(rank: int, world: int, cases: list[tuple[str, str, bool]]):
         try:
             with KVPPRuntime.create(plan, storage, group) as rt, torch.no_grad():
                 if fault:
-                    faulty = _DroppedBroadcast(rt, layer=3, owned=storage.persistent_layers)
+                    faulty = DroppedBroadcast(rt, layer=3)
                     ops.current_runtime = lambda: faulty
                 for step, (seq_len, new) in enumerate(STEPS):
                     x, *meta = toy.step_inputs(step, seq_len, new)
