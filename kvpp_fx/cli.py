@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from kvpp_fx.cache.placement import DEFAULT_DEPTH, DEFAULT_STAGING_FRACTION, MIN_DEPTH
-from kvpp_fx.cache.spec import KV_DTYPES, UnknownModelError
+from kvpp_fx.cache.spec import KV_DTYPES, QUERY_DTYPES, UnknownModelError
 
 
 class UsageError(Exception):
@@ -37,6 +37,7 @@ def _number(kind: type, ok, wanted: str):
 _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 _non_negative_int = _number(int, lambda v: v >= 0, "a non-negative integer")
 _positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number")
+_non_negative_float = _number(float, lambda v: 0 <= v < float("inf"), "a non-negative number")
 _fraction = _number(float, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")
 
 
@@ -49,16 +50,45 @@ def _depth(text: str) -> int:
     return value
 
 
-def _cmd_plan(args: argparse.Namespace) -> int:
-    from kvpp_fx.plan_report import build_plan, format_plan_table, parse_bytes, plan_report, transfer_cost
+# Owner-mode cost defaults of `kvpp-fx plan`: an H200-class device (the runtime's LinkModel defaults
+# describe gloo on one CPU host instead).
+PLAN_LINK_LATENCY_US = 20.0
+PLAN_ATTENTION_TFLOPS = 400.0
+_STEP_OPTIONS = ("batch_tokens", "requests", "link_latency_us", "attention_tflops", "query_dtype")
 
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from kvpp_fx.cache.cost import LinkModel
+    from kvpp_fx.cache.spec import attention_shape_from_hf_config, load_hf_config
+    from kvpp_fx.plan_report import (build_plan, format_plan_table, owner_cost, parse_bytes, plan_report,
+                                     transfer_cost)
+
+    if args.context_tokens is None:
+        given = [f"--{name.replace('_', '-')}" for name in _STEP_OPTIONS if getattr(args, name) is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: only used with --context-tokens (the step they describe)")
+    batch_tokens = 1 if args.batch_tokens is None else args.batch_tokens
+    requests = batch_tokens if args.requests is None else args.requests
+    if requests > batch_tokens:
+        raise UsageError(f"--requests {requests} exceeds --batch-tokens {batch_tokens}: every request of a step "
+                         "has at least one query token")
     available = parse_bytes(args.kv_memory)
     plan = build_plan(args.model, tp=args.tp, pcp=args.pcp, block_size=args.block_size,
                       kv_dtype=args.kv_dtype, mtp=args.mtp, shard_draft=args.shard_draft, depth=args.depth,
                       staging_fraction=args.staging_fraction)
     report = plan_report(plan, available)
     if args.context_tokens is not None:
-        report["transfer_cost"] = transfer_cost(plan, report["engine_blocks"], args.context_tokens, args.link_gbps)
+        _, config = load_hf_config(args.model)
+        shape = attention_shape_from_hf_config(config, args.query_dtype or "bf16")
+        link = LinkModel(bytes_per_s=args.link_gbps * 1e9,
+                         latency_s=(PLAN_LINK_LATENCY_US if args.link_latency_us is None
+                                    else args.link_latency_us) / 1e6,
+                         attention_flops_per_s=(PLAN_ATTENTION_TFLOPS if args.attention_tflops is None
+                                                else args.attention_tflops) * 1e12)
+        cost = transfer_cost(plan, report["engine_blocks"], args.context_tokens, args.link_gbps)
+        cost.update(owner_cost(plan, cost, shape, link, batch_tokens=batch_tokens, requests=requests,
+                               sparse_topk=config.get("index_topk") or None))
+        report["transfer_cost"] = cost
     print(json.dumps(report, indent=2) if args.json else format_plan_table(report))
     return 0
 
@@ -100,9 +130,23 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--staging-fraction", type=_fraction, default=DEFAULT_STAGING_FRACTION,
                       help="active-block staging as a fraction of the pool (0 disables active blocks)")
     plan.add_argument("--context-tokens", type=_non_negative_int, default=None,
-                      help="total tokens one step reads: prints bytes and link time per layer and forward")
+                      help="total tokens of history one step reads: prints broadcast and owner-mode bytes and "
+                           "link time per layer and forward, and the mode the cost model picks")
+    plan.add_argument("--batch-tokens", type=_positive_int, default=None,
+                      help="query tokens of that step (default 1: one decoding request)")
+    plan.add_argument("--requests", type=_positive_int, default=None,
+                      help="requests the query tokens belong to, sharing the context evenly (default: "
+                           "--batch-tokens, a decode step; 1 for one request's prefill chunk)")
     plan.add_argument("--link-gbps", type=_positive_float, default=400.0,
                       help="link bandwidth in GB/s (gigabytes) for --context-tokens (default 400)")
+    plan.add_argument("--link-latency-us", type=_non_negative_float, default=None,
+                      help=f"fixed cost of one collective in microseconds (default {PLAN_LINK_LATENCY_US:g})")
+    plan.add_argument("--attention-tflops", type=_positive_float, default=None,
+                      help="attention throughput of a layer's owner in TFLOP/s, for the heads it computes for "
+                           f"the other ranks in owner mode (default {PLAN_ATTENTION_TFLOPS:g})")
+    plan.add_argument("--query-dtype", choices=tuple(QUERY_DTYPES), default=None,
+                      help="dtype of the queries and outputs owner mode ships (default bf16; the KV dtype "
+                           "does not change it)")
     plan.add_argument("--json", action="store_true")
     plan.set_defaults(func=_cmd_plan)
 

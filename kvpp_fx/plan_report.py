@@ -1,10 +1,15 @@
-"""The capacity report behind ``kvpp-fx plan``: a plain dict built from a `KVPPPlan`, and its table."""
+"""The capacity report behind ``kvpp-fx plan``: a plain dict built from a `KVPPPlan`, and its table.
+
+With ``--context-tokens`` it adds one step's transfer cost: whole-layer and active-block broadcasts,
+owner-mode bytes, and the mode `kvpp_fx.cache.cost.choose_mode` picks.
+"""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
+from kvpp_fx.cache.cost import AttentionShape, LinkModel, StepLoad, choose_mode
 from kvpp_fx.cache.placement import DEFAULT_STAGING_FRACTION, KVPPPlan
 from kvpp_fx.cache.spec import ModelCacheSpec, load_hf_config
 
@@ -183,6 +188,106 @@ def format_plan_table(report: dict[str, Any]) -> str:
             c = cost[key]
             lines.append(f"{label:>14} {format_bytes(c['bytes_per_layer']):>14} {c['seconds_per_layer'] * 1e3:>10.3f} "
                          f"{format_bytes(c['bytes_per_forward']):>15} {c['seconds_per_forward'] * 1e3:>11.2f}")
+        owner = cost.get("owner_mode")
+        if owner is not None:
+            lines.append(f"{'owner mode':>14} {format_bytes(owner['bytes_per_layer']):>14} "
+                         f"{owner['seconds_per_layer'] * 1e3:>10.3f} {format_bytes(owner['bytes_per_forward']):>15} "
+                         f"{owner['seconds_per_forward'] * 1e3:>11.2f}")
+            lines += _format_mode_choice(cost)
     if "draft_sharding_gain" in report:
         lines.append(f"draft sharding gain over local drafts: {report['draft_sharding_gain']:.3f}x")
     return "\n".join(lines)
+
+
+def step_load(context_tokens: int, batch_tokens: int, requests: int, sparse_topk: int | None = None) -> StepLoad:
+    """The step's query tokens and the (query, key) pairs its attention scores.
+
+    `requests` requests share the `batch_tokens` query tokens and the `context_tokens` tokens of history
+    as evenly as integers allow. A request's j-th query token scores its history and its own first j
+    tokens; with sparse attention (SFA) at most `sparse_topk` of them.
+    """
+    for name, value, minimum in (("context_tokens", context_tokens, 0), ("batch_tokens", batch_tokens, 1),
+                                 ("requests", requests, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    if sparse_topk is not None and (isinstance(sparse_topk, bool) or not isinstance(sparse_topk, int)
+                                    or sparse_topk < 1):
+        raise ValueError(f"sparse_topk must be None or an int >= 1, got {sparse_topk!r}.")
+    if requests > batch_tokens:
+        raise ValueError(f"{requests} requests cannot share {batch_tokens} query tokens: every request "
+                         "of a step has at least one.")
+    q_base, q_extra = divmod(batch_tokens, requests)
+    c_base, c_extra = divmod(context_tokens, requests)
+    both = min(q_extra, c_extra)
+    groups = [(both, q_base + 1, c_base + 1),
+              (q_extra - both, q_base + 1, c_base), (c_extra - both, q_base, c_base + 1),
+              (requests - max(q_extra, c_extra), q_base, c_base)]
+    pairs = sum(count * _request_pairs(q, c, sparse_topk) for count, q, c in groups)
+    return StepLoad(query_tokens=batch_tokens, attention_pairs=pairs)
+
+
+def _request_pairs(query_tokens: int, history: int, topk: int | None) -> int:
+    """sum over j = 1..query_tokens of min(history + j, topk)."""
+    full = query_tokens if topk is None else max(0, min(query_tokens, topk - history))
+    return full * history + full * (full + 1) // 2 + (query_tokens - full) * (topk or 0)
+
+
+def owner_cost(plan: KVPPPlan, transfer: dict[str, Any], shape: AttentionShape, link: LinkModel, *,
+               batch_tokens: int, requests: int, sparse_topk: int | None = None) -> dict[str, Any]:
+    """Owner-mode bytes and link time next to `transfer_cost`'s broadcasts, and the mode `choose_mode` picks.
+
+    The broadcast side of the choice is what the runtime would send for this step: the active blocks, or
+    whole layers where `transfer` took the whole-layer path. Every target layer has the same bundle, so
+    one layer decides; per-forward figures are per-layer ones times the number of target layers.
+    """
+    load = step_load(transfer["context_tokens"], batch_tokens, requests, sparse_topk)
+    layers = len(plan.target_layers)
+    try:
+        heads_per_rank = shape.split(plan.group_size)
+    except ValueError as exc:
+        raise ValueError(f"owner mode splits the heads over the KVPP group: {exc}") from None
+    owner_per_layer = shape.owner_bytes_per_layer(load.query_tokens, plan.group_size)
+    choice = choose_mode(shape, load, transfer["active_block"]["bytes_per_layer"], plan.group_size, link)
+    extra_heads = shape.num_heads - heads_per_rank
+    return {
+        "group_size": plan.group_size, "batch_tokens": batch_tokens, "requests": requests,
+        "attention_pairs": load.attention_pairs,
+        "attention": {"num_heads": shape.num_heads, "heads_per_rank": heads_per_rank, "q_width": shape.q_width,
+                      "out_width": shape.out_width, "itemsize": shape.itemsize, "sparse_topk": sparse_topk},
+        "link_model": {"bytes_per_s": link.bytes_per_s, "latency_s": link.latency_s,
+                       "attention_flops_per_s": link.attention_flops_per_s},
+        "owner_mode": {"bytes_per_layer": owner_per_layer, "bytes_per_forward": layers * owner_per_layer,
+                       "seconds_per_layer": owner_per_layer / link.bytes_per_s,
+                       "seconds_per_forward": layers * owner_per_layer / link.bytes_per_s},
+        "mode_choice": {
+            "mode": choice.mode, "broadcast_path": transfer["path"],
+            "broadcast_bytes_per_layer": choice.broadcast_bytes, "owner_bytes_per_layer": choice.owner_bytes,
+            "broadcast_seconds_per_layer": choice.broadcast_s, "owner_seconds_per_layer": choice.owner_s,
+            "owner_compute_seconds_per_layer": (shape.attention_flops(load.attention_pairs, extra_heads)
+                                                / link.attention_flops_per_s),
+            "broadcast_seconds_per_forward": layers * choice.broadcast_s,
+            "owner_seconds_per_forward": layers * choice.owner_s,
+        },
+    }
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def _format_mode_choice(cost: dict[str, Any]) -> list[str]:
+    att, link, choice = cost["attention"], cost["link_model"], cost["mode_choice"]
+    group = cost["group_size"]
+    sparse = f" (top-{att['sparse_topk']:,} sparse)" if att["sparse_topk"] else ""
+    return [
+        f"owner mode: {_plural(cost['batch_tokens'], 'query token')} of {_plural(cost['requests'], 'request')}, "
+        f"{att['num_heads']} heads x ({att['q_width']} + {att['out_width']}) values x {att['itemsize']} B, "
+        f"{group - 1}/{group} of them to and from the owner",
+        f"mode for this step: {choice['mode']}   per layer: broadcast "
+        f"{choice['broadcast_seconds_per_layer'] * 1e3:.3f} ms"
+        f" ({choice['broadcast_path']}), owner {choice['owner_seconds_per_layer'] * 1e3:.3f} ms",
+        f"  owner = 2 x {link['latency_s'] * 1e6:g} us latency + link + "
+        f"{choice['owner_compute_seconds_per_layer'] * 1e3:.3f} ms attention for "
+        f"{att['num_heads'] - att['heads_per_rank']} more heads over {cost['attention_pairs']:,} "
+        f"query-key pairs{sparse} at {link['attention_flops_per_s'] / 1e12:g} TFLOP/s",
+    ]

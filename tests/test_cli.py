@@ -109,3 +109,111 @@ def test_a_step_beyond_the_staging_capacity_is_costed_whole_layer(capsys):
     assert cost["active_block"] == cost["whole_layer"]
     out = run_cli("plan", "--model", "deepseek-v3", "--tp", "8", "--context-tokens", "1000")
     assert "active-block path" in out.stdout and "ms/forward" in out.stdout
+
+
+V3_OWNER_BYTES_PER_TOKEN = 7 * 16 * (576 + 512) * 2    # 7 of 8 ranks x 16 heads x (q + out) values x bf16
+
+
+def plan_json(capsys, *args):
+    assert main(["plan", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)["transfer_cost"]
+
+
+def test_plan_long_decode_prints_owner_bytes_and_picks_owner(capsys):
+    cost = plan_json(capsys, "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "64GiB",
+                     "--context-tokens", "1000000", "--batch-tokens", "1")
+    owner, choice = cost["owner_mode"], cost["mode_choice"]
+    assert owner["bytes_per_layer"] == V3_OWNER_BYTES_PER_TOKEN == 243_712
+    assert owner["bytes_per_forward"] == 61 * 243_712
+    assert owner["seconds_per_layer"] == pytest.approx(243_712 / 400e9)
+    active = math.ceil(1_000_000 / 128)                        # 7813 blocks of 576 x 2 x 128 B, plus ids
+    assert cost["path"] == "active-block" and choice["broadcast_path"] == "active-block"
+    assert choice["broadcast_bytes_per_layer"] == active * (576 * 2 * 128 + 8)
+    assert cost["active_block"]["bytes_per_layer"] == choice["broadcast_bytes_per_layer"]
+    assert choice["mode"] == "owner"
+    assert choice["broadcast_seconds_per_layer"] == pytest.approx(20e-6 + active * (576 * 2 * 128 + 8) / 400e9)
+    compute = 2 * 1_000_001 * 112 * (576 + 512) / 400e12     # 1M history pairs + the token itself, 112 more heads
+    assert choice["owner_compute_seconds_per_layer"] == pytest.approx(compute)
+    assert choice["owner_seconds_per_layer"] == pytest.approx(2 * 20e-6 + 243_712 / 400e9 + compute)
+    assert choice["owner_seconds_per_forward"] == pytest.approx(61 * choice["owner_seconds_per_layer"])
+    assert cost["attention"] == {"num_heads": 128, "heads_per_rank": 16, "q_width": 576, "out_width": 512,
+                                 "itemsize": 2, "sparse_topk": None}
+    assert cost["batch_tokens"] == 1 and cost["requests"] == 1 and cost["attention_pairs"] == 1_000_001
+
+
+def test_plan_text_shows_owner_mode_next_to_the_broadcasts(capsys):
+    assert main(["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "64GiB",
+                 "--context-tokens", "1000000", "--batch-tokens", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines if line.strip().startswith(("whole-layer", "active-block"))}
+    owner_row = next(line for line in lines if line.strip().startswith("owner mode  "))
+    assert owner_row.split()[2:4] == ["238.00", "KiB"]                  # 243,712 B
+    assert rows["active-block"][1:3] == ["1.07", "GiB"]                  # 7813 x 147,464 B
+    assert "mode for this step: owner" in "\n".join(lines)
+    assert "128 heads x (576 + 512) values x 2 B, 7/8 of them" in "\n".join(lines)
+
+
+@pytest.mark.parametrize("extra", [[], ["--requests", "1"]])
+def test_plan_short_context_many_tokens_picks_broadcast(capsys, extra):
+    cost = plan_json(capsys, "--model", "deepseek-v3", "--tp", "8", "--context-tokens", "1000",
+                     "--batch-tokens", "8192", *extra)
+    assert cost["owner_mode"]["bytes_per_layer"] == 8192 * V3_OWNER_BYTES_PER_TOKEN
+    assert cost["mode_choice"]["broadcast_bytes_per_layer"] == 8 * (576 * 2 * 128 + 8)
+    assert cost["mode_choice"]["mode"] == "broadcast"
+    assert cost["requests"] == (1 if extra else 8192)
+
+
+def test_plan_json_keys(capsys):
+    cost = plan_json(capsys, "--model", "deepseek-v3.2-exp", "--tp", "4", "--context-tokens", "50000",
+                     "--batch-tokens", "64", "--requests", "2", "--link-gbps", "100", "--link-latency-us", "5",
+                     "--attention-tflops", "250", "--query-dtype", "fp32")
+    assert {"owner_mode", "mode_choice", "attention", "link_model", "batch_tokens", "requests",
+            "attention_pairs", "group_size", "whole_layer", "active_block", "path"} <= set(cost)
+    assert set(cost["owner_mode"]) == {"bytes_per_layer", "bytes_per_forward", "seconds_per_layer",
+                                       "seconds_per_forward"}
+    assert set(cost["mode_choice"]) == {
+        "mode", "broadcast_path", "broadcast_bytes_per_layer", "owner_bytes_per_layer",
+        "broadcast_seconds_per_layer", "owner_seconds_per_layer", "owner_compute_seconds_per_layer",
+        "broadcast_seconds_per_forward", "owner_seconds_per_forward"}
+    assert cost["link_model"] == {"bytes_per_s": 100e9, "latency_s": 5e-6, "attention_flops_per_s": 250e12}
+    assert cost["attention"]["itemsize"] == 4 and cost["attention"]["sparse_topk"] == 2048
+    # 3 of 4 ranks x 32 heads x 64 tokens x (576 + 512) x fp32; SFA scores at most 2048 keys per query.
+    assert cost["owner_mode"]["bytes_per_layer"] == 3 * 32 * 64 * 1088 * 4
+    assert cost["attention_pairs"] == 64 * 2048
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--context-tokens", "10", "--batch-tokens", "0"], "--batch-tokens: expected a positive integer, got '0'"),
+    (["--context-tokens", "10", "--batch-tokens", "-2"], "expected a positive integer, got '-2'"),
+    (["--context-tokens", "10", "--batch-tokens", "1.5"], "expected a positive integer, got '1.5'"),
+    (["--context-tokens", "10", "--batch-tokens", "many"], "expected a positive integer, got 'many'"),
+    (["--batch-tokens", "4"], "--batch-tokens: only used with --context-tokens"),
+    (["--requests", "2", "--attention-tflops", "9"], "--requests, --attention-tflops: only used with --context-tokens"),
+    (["--context-tokens", "10", "--batch-tokens", "2", "--requests", "3"], "--requests 3 exceeds --batch-tokens 2"),
+    (["--context-tokens", "10", "--requests", "2"], "--requests 2 exceeds --batch-tokens 1"),
+    (["--context-tokens", "10", "--link-latency-us", "-1"], "expected a non-negative number"),
+    (["--context-tokens", "10", "--attention-tflops", "0"], "expected a positive number"),
+    (["--context-tokens", "10", "--query-dtype", "fp8"], "invalid choice: 'fp8'"),
+])
+def test_bad_step_options_exit_2_with_one_line(capsys, args, needle):
+    assert main(["plan", "--model", "deepseek-v3", "--tp", "8", *args]) == 2
+    out = capsys.readouterr()
+    assert out.out == ""
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], out.err
+
+
+def test_owner_bytes_need_the_head_count_and_an_even_split(capsys, tmp_path):
+    config = tmp_path / "mla" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({"num_hidden_layers": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 8}))
+    assert main(["plan", "--model", str(config.parent), "--tp", "2"]) == 0       # capacity needs no heads
+    capsys.readouterr()
+    assert main(["plan", "--model", str(config.parent), "--tp", "2", "--context-tokens", "100"]) == 2
+    assert "config has no num_attention_heads" in capsys.readouterr().err
+    config.write_text(json.dumps({"num_hidden_layers": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                                  "num_attention_heads": 6}))
+    cost = plan_json(capsys, "--model", str(config.parent), "--tp", "2", "--context-tokens", "100")
+    assert cost["owner_mode"]["bytes_per_layer"] == 1 * 3 * (24 + 16) * 2
+    assert main(["plan", "--model", str(config.parent), "--tp", "4", "--context-tokens", "100"]) == 2
+    assert "6 heads do not split over a group of 4" in capsys.readouterr().err

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpp_fx.cache.cost import AttentionShape
+
 DTYPE_ITEMSIZE = {
     "bfloat16": 2,
     "float16": 2,
@@ -26,23 +28,26 @@ DTYPE_ITEMSIZE = {
 KV_DTYPES = ("bf16", "fp8", "int8")
 INDEXER_DTYPES = ("fp8", "bf16")
 
-# HuggingFace config.json fields of the shipped presets (only what the cache depends on).
+# Bytes per value of the queries and outputs owner mode ships (activations, whatever the KV dtype).
+QUERY_DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# HuggingFace config.json fields of the shipped presets (only what the cache and owner mode depend on).
 PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v2-lite": {
-        "model_type": "deepseek_v2", "num_hidden_layers": 27, "kv_lora_rank": 512,
+        "model_type": "deepseek_v2", "num_hidden_layers": 27, "num_attention_heads": 16, "kv_lora_rank": 512,
         "qk_rope_head_dim": 64, "num_nextn_predict_layers": 0,
     },
     "deepseek-v3": {
-        "model_type": "deepseek_v3", "num_hidden_layers": 61, "kv_lora_rank": 512,
+        "model_type": "deepseek_v3", "num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512,
         "qk_rope_head_dim": 64, "num_nextn_predict_layers": 1,
     },
     "deepseek-v3.2-exp": {
-        "model_type": "deepseek_v32", "num_hidden_layers": 61, "kv_lora_rank": 512,
+        "model_type": "deepseek_v32", "num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512,
         "qk_rope_head_dim": 64, "num_nextn_predict_layers": 1,
         "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048,
     },
     "kimi-k2": {
-        "model_type": "kimi_k2", "num_hidden_layers": 61, "kv_lora_rank": 512,
+        "model_type": "kimi_k2", "num_hidden_layers": 61, "num_attention_heads": 64, "kv_lora_rank": 512,
         "qk_rope_head_dim": 64, "num_nextn_predict_layers": 0,
     },
 }
@@ -50,6 +55,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 class UnknownModelError(ValueError):
     """The model is neither a shipped preset nor a readable HuggingFace config.json."""
+
+
+class AttentionGeometryError(ValueError):
+    """The config lacks what owner-mode bytes depend on (the head count, or the MLA widths)."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +168,29 @@ class ModelCacheSpec:
                 LayerCacheSpec(num_layers + j, tuple(components), is_draft=True) for j in range(nextn)
             ]
         return cls(name or str(config.get("model_type", "model")), block_size, tuple(layers))
+
+
+def attention_shape_from_hf_config(config: Mapping[str, Any], query_dtype: str = "bf16") -> AttentionShape:
+    """What owner mode ships per head and query token of an absorbed-MLA model.
+
+    A head's query is ``kv_lora_rank + qk_rope_head_dim`` values and its output ``kv_lora_rank`` values,
+    of the activation dtype: an fp8 or int8 KV cache does not change them.
+    """
+    if query_dtype not in QUERY_DTYPES:
+        raise ValueError(f"query dtype must be one of {tuple(QUERY_DTYPES)}, got {query_dtype!r}.")
+    fields = {}
+    for name in ("num_attention_heads", "kv_lora_rank", "qk_rope_head_dim"):
+        value = config.get(name)
+        if value is None:
+            raise AttentionGeometryError(
+                f"config has no {name}: owner-mode bytes need num_attention_heads, kv_lora_rank and "
+                "qk_rope_head_dim.")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise AttentionGeometryError(f"config's {name} must be a positive integer, got {value!r}.")
+        fields[name] = value
+    return AttentionShape(num_heads=fields["num_attention_heads"],
+                          q_width=fields["kv_lora_rank"] + fields["qk_rope_head_dim"],
+                          out_width=fields["kv_lora_rank"], itemsize=QUERY_DTYPES[query_dtype])
 
 
 def main_cache_components(kv_lora_rank: int, rope: int, kv_dtype: str) -> tuple[ComponentSpec, ...]:
