@@ -1,0 +1,126 @@
+"""Per-step cost model that picks broadcast mode or owner mode (plain Python, no torch).
+
+Broadcast mode moves, per layer, the blocks the step reads (or the whole layer) from the owner to the
+other ranks; that is what `KVPPPlan.active_broadcast_bytes` counts. Owner mode moves the queries of
+the other ranks' heads to the owner and their outputs back: per layer, the owner's link carries
+``(N - 1) / N * query_tokens * heads * (q_width + out_width) * itemsize`` bytes, whatever the context.
+In exchange the owner computes attention for all heads instead of its share, and the two collectives
+cannot hide behind compute (the queries exist only just before attention).
+
+Invariant: `choose_mode` is a pure function of its frozen inputs, so every rank that passes the same
+step gets the same choice (the runtime's per-forward agreement checks it anyway).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BROADCAST, OWNER = "broadcast", "owner"
+MODES = (BROADCAST, OWNER, "auto")
+
+
+def _check_count(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What owner mode ships per query token and head, for every target layer.
+
+    For absorbed MLA, a head's query is ``kv_lora_rank + qk_rope_head_dim`` values (576 for DeepSeek-V3)
+    and its output ``kv_lora_rank`` values (512).
+    """
+
+    num_heads: int   # all heads of the layer, over the whole group
+    q_width: int     # values sent to the owner per head and query token
+    out_width: int   # values sent back per head and query token
+    itemsize: int    # bytes per value
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "q_width", "out_width", "itemsize"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"AttentionShape.{name} must be a positive int, got {value!r}.")
+
+    def split(self, group_size: int) -> int:
+        """Heads per rank; owner mode needs them to split evenly."""
+        _check_count("group_size", group_size, minimum=1)
+        if self.num_heads % group_size:
+            raise ValueError(f"{self.num_heads} heads do not split over a group of {group_size}.")
+        return self.num_heads // group_size
+
+    def owner_bytes_per_layer(self, query_tokens: int, group_size: int) -> int:
+        """Bytes the owner's link carries for one layer: the other ranks' queries in, their outputs out."""
+        _check_count("query_tokens", query_tokens, minimum=0)
+        per_rank = query_tokens * self.split(group_size) * (self.q_width + self.out_width) * self.itemsize
+        return (group_size - 1) * per_rank
+
+    def attention_flops(self, attention_pairs: int, heads: int) -> float:
+        """Multiply-adds x 2 of absorbed attention over `attention_pairs` (query, context token) pairs."""
+        return 2.0 * attention_pairs * heads * (self.q_width + self.out_width)
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """The numbers the choice depends on. Defaults describe gloo between two processes on one host."""
+
+    bytes_per_s: float = 3.0e9           # one rank's link bandwidth
+    latency_s: float = 150e-6            # fixed cost of one collective
+    attention_flops_per_s: float = 20e9  # the owner's attention throughput
+
+    def __post_init__(self) -> None:
+        for name in ("bytes_per_s", "attention_flops_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"LinkModel.{name} must be positive, got {getattr(self, name)!r}.")
+        if not self.latency_s >= 0:
+            raise ValueError(f"LinkModel.latency_s must be >= 0, got {self.latency_s!r}.")
+
+
+@dataclass(frozen=True)
+class StepLoad:
+    """What one forward does: its query tokens and the (query, context token) pairs attention scores."""
+
+    query_tokens: int
+    attention_pairs: int
+
+    def __post_init__(self) -> None:
+        for name in ("query_tokens", "attention_pairs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"StepLoad.{name} must be a non-negative int, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class ModeChoice:
+    """The chosen mode and both sides of the comparison, per layer."""
+
+    mode: str
+    broadcast_bytes: int
+    owner_bytes: int
+    broadcast_s: float
+    owner_s: float
+
+
+def broadcast_seconds(broadcast_bytes: int, link: LinkModel) -> float:
+    _check_count("broadcast_bytes", broadcast_bytes, minimum=0)
+    if broadcast_bytes == 0:
+        return 0.0
+    return link.latency_s + broadcast_bytes / link.bytes_per_s
+
+
+def owner_seconds(shape: AttentionShape, load: StepLoad, group_size: int, link: LinkModel) -> float:
+    """Two collectives plus the extra attention the owner computes for the other ranks' heads."""
+    extra_heads = shape.num_heads - shape.split(group_size)
+    compute = shape.attention_flops(load.attention_pairs, extra_heads) / link.attention_flops_per_s
+    moved = shape.owner_bytes_per_layer(load.query_tokens, group_size) / link.bytes_per_s
+    return 2 * link.latency_s + moved + compute
+
+
+def choose_mode(shape: AttentionShape, load: StepLoad, broadcast_bytes: int, group_size: int,
+                link: LinkModel) -> ModeChoice:
+    """The cheaper mode for one layer of this step (broadcast on a tie: it overlaps with compute)."""
+    b_s = broadcast_seconds(broadcast_bytes, link)
+    o_s = owner_seconds(shape, load, group_size, link)
+    return ModeChoice(OWNER if o_s < b_s else BROADCAST, broadcast_bytes,
+                      shape.owner_bytes_per_layer(load.query_tokens, group_size), b_s, o_s)
