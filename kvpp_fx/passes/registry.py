@@ -33,6 +33,47 @@ class CacheOperand:
 
 
 @dataclass(frozen=True)
+class HeadOperand:
+    """An operand that carries attention heads, split over the TP ranks along dimension ``dim``."""
+
+    arg: int | str | tuple[str, int]
+    dim: int
+
+
+@dataclass(frozen=True)
+class HeadSeparable:
+    """The op computes every head on its own, so the layer's owner may run it over the heads of all
+    ranks (owner mode): it gathers each `HeadOperand` from every rank, concatenates them along their
+    head dimension in rank order, runs the op once, and sends each rank its part of the output, split
+    along ``output_dim``. Every other operand must be identical on all ranks; the owner uses its own.
+    """
+
+    operands: tuple[HeadOperand, ...]
+    output_dim: int
+    output_like: int = 0  # the head operand whose shape and dtype the output has (the other ranks size
+    #                       their part of the output by it)
+
+    def __post_init__(self) -> None:
+        if not self.operands:
+            raise ValueError("HeadSeparable needs at least one head operand; an op without one is OwnerLocal.")
+        if not 0 <= self.output_like < len(self.operands):
+            raise ValueError(f"output_like {self.output_like} is not an index into the {len(self.operands)} "
+                             "head operands.")
+
+
+@dataclass(frozen=True)
+class OwnerLocal:
+    """In owner mode only the layer's owner runs the op, with its own operands: a cache write (the other
+    ranks' scratch is not read in owner mode), or a computation over operands identical on every rank
+    (SFA's indexer top-k: its queries are replicated over TP) whose output only the layer's other
+    owner-run ops read. Elsewhere the op is skipped and its output is None.
+    """
+
+
+OwnerRule = HeadSeparable | OwnerLocal
+
+
+@dataclass(frozen=True)
 class AttentionOpSpec:
     """How to recognise one attention/cache op and read its layer and cache operands.
 
@@ -40,25 +81,31 @@ class AttentionOpSpec:
     ``layer_kind="index"`` the argument is the layer's integer index; with ``layer_kind="name"`` it is
     a layer name (a string constant, or a placeholder whose example value carries the name, as vLLM's
     ``LayerName``), mapped to an index by the pass's name table or, failing that, by ``layers.N``.
+    ``owner`` declares how the op runs in owner mode (`HeadSeparable` or `OwnerLocal`).
     """
 
     op: str
     layer_arg: int | str | tuple[str, int]
     layer_kind: str = "index"
     cache_operands: tuple[CacheOperand, ...] = ()
+    owner: OwnerRule | None = None  # how owner mode runs it; None: the op's layer supports broadcast mode only
 
     def __post_init__(self) -> None:
         if "::" not in self.op:
             raise ValueError(f"op must be 'namespace::name' or 'namespace::name.overload', got {self.op!r}.")
         if self.layer_kind not in ("index", "name"):
             raise ValueError(f"layer_kind must be 'index' or 'name', got {self.layer_kind!r}.")
+        if self.owner is not None and not isinstance(self.owner, (HeadSeparable, OwnerLocal)):
+            raise ValueError(f"owner must be a HeadSeparable or an OwnerLocal, got {self.owner!r}.")
 
     def matches(self, target: Any) -> bool:
         return self.op in op_names(target)
 
 
 def op_names(target: Any) -> set[str]:
-    """Every name a spec may use for `target`: 'ns::op' and 'ns::op.overload' forms."""
+    """Every name a spec may use for `target`: 'ns::op' and 'ns::op.overload' forms (for an op the KVPP
+    pass routed, those of the op it wraps)."""
+    target = getattr(target, "kvpp_routed_op", target)
     if isinstance(target, torch._ops.OpOverload):
         base = target._schema.name  # "ns::op"
         return {base, f"{base}.{target._overloadname}"}
@@ -141,6 +188,18 @@ def get_arg(node: torch.fx.Node, where: int | str | tuple[str, int]) -> Any:
     if where < len(node.args):
         return node.args[where]
     raise LayerResolutionError(f"{node.format_node()} has no positional argument {where}.")
+
+
+def arg_location(node: torch.fx.Node, where: int | str | tuple[str, int]) -> int | str:
+    """Where a call passes an argument: its keyword name, or its position (see `get_arg`)."""
+    get_arg(node, where)  # raises LayerResolutionError when the call does not pass it
+    if isinstance(where, tuple):
+        name, index = where
+        return name if name in node.kwargs else index
+    if isinstance(where, str) and where not in node.kwargs:
+        schema = getattr(node.target, "_schema", None) or node.target.default._schema
+        return next(i for i, a in enumerate(schema.arguments) if a.name == where)
+    return where
 
 
 def set_arg(node: torch.fx.Node, where: int | str | tuple[str, int], value: Any) -> None:

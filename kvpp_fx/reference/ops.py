@@ -12,7 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from kvpp_fx.passes.registry import AttentionOpSpec, CacheOperand, register_attention_op
+from kvpp_fx.passes.registry import (
+    AttentionOpSpec,
+    CacheOperand,
+    HeadOperand,
+    HeadSeparable,
+    OwnerLocal,
+    register_attention_op,
+)
 
 
 class UnboundCacheError(RuntimeError):
@@ -69,8 +76,13 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
             continue
         ctx = gather_context(cache, block_table[row], seq_len).to(q_latent.dtype)
         kv_c, k_pe = ctx[:, :rank], ctx[:, rank:]
-        q_l, q_p = q_latent[start:start + q_len], q_pe[start:start + q_len]
-        scores = (torch.einsum("thc,sc->hts", q_l, kv_c) + torch.einsum("thr,sr->hts", q_p, k_pe)) * scale
+        heads = q_latent.shape[1]
+        # Batched over heads (one GEMM per head, never heads folded into the rows), so a head's result
+        # does not depend on how many heads the call holds: owner mode runs all heads in one call.
+        q_l = q_latent[start:start + q_len].transpose(0, 1)
+        q_p = q_pe[start:start + q_len].transpose(0, 1)
+        scores = (torch.bmm(q_l, kv_c.t().expand(heads, -1, -1))
+                  + torch.bmm(q_p, k_pe.t().expand(heads, -1, -1))) * scale
         positions = torch.arange(seq_len - q_len, seq_len, device=scores.device)
         mask = torch.arange(seq_len, device=scores.device)[None, :] > positions[:, None]
         if topk_indices is not None:
@@ -80,7 +92,7 @@ def mla_attention(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tenso
             mask = mask | ~selected[:, :seq_len]
         scores = scores.masked_fill(mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_latent.dtype)
-        out[start:start + q_len] = torch.einsum("hts,sc->thc", probs, kv_c)
+        out[start:start + q_len] = torch.bmm(probs, kv_c.expand(heads, -1, -1)).transpose(0, 1)
         start += q_len
     return out
 
@@ -141,13 +153,21 @@ def _(q, weights, data, scale, block_table, seq_lens, query_lens, topk, layer):
     return q.new_empty((q.shape[0], topk), dtype=torch.int64)
 
 
+# Owner mode: attention is head-separable (q_latent and q_pe carry the TP rank's heads on dim 1, and so
+# does the output); the writes and the indexer's top-k run on the owner only (the indexer's heads are
+# replicated over TP, as in DeepSeek-V3.2, so the owner's own queries are all of them).
 REFERENCE_SPECS = (
-    AttentionOpSpec("kvpp_ref::write_kv", ("layer", 4), "index", (CacheOperand(("cache", 0), "kv"),)),
-    AttentionOpSpec("kvpp_ref::mla_attention", ("layer", 7), "index", (CacheOperand(("cache", 2), "kv"),)),
+    AttentionOpSpec("kvpp_ref::write_kv", ("layer", 4), "index", (CacheOperand(("cache", 0), "kv"),),
+                    owner=OwnerLocal()),
+    AttentionOpSpec("kvpp_ref::mla_attention", ("layer", 7), "index", (CacheOperand(("cache", 2), "kv"),),
+                    owner=HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 1)),
+                                        output_dim=1)),
     AttentionOpSpec("kvpp_ref::write_indexer", ("layer", 4), "index",
-                    (CacheOperand(("data", 0), "indexer"), CacheOperand(("scale", 1), "indexer_scale"))),
+                    (CacheOperand(("data", 0), "indexer"), CacheOperand(("scale", 1), "indexer_scale")),
+                    owner=OwnerLocal()),
     AttentionOpSpec("kvpp_ref::indexer_topk", ("layer", 8), "index",
-                    (CacheOperand(("data", 2), "indexer"), CacheOperand(("scale", 3), "indexer_scale"))),
+                    (CacheOperand(("data", 2), "indexer"), CacheOperand(("scale", 3), "indexer_scale")),
+                    owner=OwnerLocal()),
 )
 for _spec in REFERENCE_SPECS:
     register_attention_op(_spec)
