@@ -35,6 +35,7 @@ from kvpp_fx.config import MSG_GRAPH_MODE
 from kvpp_fx.passes.insert import insert_kvpp_ops
 from kvpp_fx.passes.layer_table import LayerTable
 from kvpp_fx.passes.render import describe_pieces
+from kvpp_fx.passes.route import route_owner_ops
 from kvpp_fx.passes.split import SplitResult, split_pieces
 from kvpp_fx.passes.verify import verify_graph
 from kvpp_fx.runtime.runtime import active_runtime
@@ -81,7 +82,7 @@ class CompileRecord:
     piece_summary: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     dump_dir: Path | None = None
-
+    owner_routed: bool = False  # the route pass routed the cache ops: the graph serves owner mode too
 
 
 def resolve_inner(inner: str | Callable) -> Callable:
@@ -178,8 +179,10 @@ class KVPPBackend:
         before = gm.code  # Dynamo's graph, as captured (Dynamo's lazy codegen runs here)
         t0 = time.perf_counter()
         result = insert_kvpp_ops(gm, self.table, graph_breaks=may_hold_part_of_the_model(gm), recompile=False)
+        t_route = time.perf_counter()
+        routing = route_owner_ops(gm, self.table, recompile=False) if result.changed else None
         t1 = time.perf_counter()
-        timings = {"insert_s": t1 - t0}
+        timings = {"insert_s": t_route - t0, "route_s": t1 - t_route}
         split = None
         if self.mode == "piecewise":
             split = split_pieces(gm)
@@ -194,7 +197,8 @@ class KVPPBackend:
         after = gm.code
         t4 = time.perf_counter()
         timings["codegen_s"] = t4 - t3
-        record = CompileRecord(self.mode, result.layers, before, after, timings=timings)
+        record = CompileRecord(self.mode, result.layers, before, after, timings=timings,
+                               owner_routed=bool(routing and routing.routed))
         compiled: Callable = gm
         if split is not None:
             record.pieces = [(p.name, p.kind, p.graph_module.code) for p in split.pieces]
@@ -242,7 +246,7 @@ class KVPPBackend:
             files.append((f"piece_{i:02d}_{kind}_{name}.py", f"{kind} piece {name}", code))
         for filename, _, code in files:
             (out / filename).write_text(code.lstrip("\n"))
-        index = {"mode": record.mode, "layers": list(record.layers), "timings_s": record.timings,
+        index = {"mode": record.mode, "layers": list(record.layers), "owner_routed": record.owner_routed, "timings_s": record.timings,
                  "files": [{"file": f, "what": what} for f, what, _ in files]}
         (out / "index.json").write_text(json.dumps(index, indent=2))
         logger.info("KVPP graph dump written to %s", out)

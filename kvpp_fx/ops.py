@@ -1,13 +1,18 @@
 """The two KVPP graph ops, registered with torch.library in the ``kvpp`` namespace.
 
     kvpp::prefetch(int layer, int slot) -> ()
-    kvpp::wait(int layer, int slot, Tensor[] caches, str[] components) -> Tensor[]
+    kvpp::wait(int layer, int slot, Tensor[] caches, str[] components, bool routed=False) -> Tensor[]
 
 ``wait`` takes the cache tensors the graph had for the layer before the rewrite (one per cache
 component its attention/cache ops read) and returns, in the same order, the views those ops must read
 instead: persistent on the owner rank, the layer's scratch slot elsewhere. The component names let the
 runtime pick the right typed view of the layer's bundle (an SFA layer has the latent cache, the
-indexer keys and their scales). See docs/graph-contract.md.
+indexer keys and their scales). ``routed=True`` says the layer's cache ops were routed for owner mode
+(each is a `RoutedOp`); a wait without it refuses an owner-mode forward. See docs/graph-contract.md.
+
+`RoutedOp` is the graph target the pass puts in place of a registered cache op whose owner-mode rule
+is declared: in broadcast mode it calls the op as it is; in owner mode it runs the op on the layer's
+owner (over all ranks' heads, for a head-separable op) and skips it elsewhere.
 
 Both ops are registered as ORDERED-effectful, so fx dead-code elimination, AOTAutograd and inductor keep
 them (AOT threads effect tokens through them). Both call the runtime of the current
@@ -29,7 +34,7 @@ NAMESPACE = "kvpp"
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
 _lib.define("prefetch(int layer, int slot) -> ()")
-_lib.define("wait(int layer, int slot, Tensor[] caches, str[] components) -> Tensor[]")
+_lib.define("wait(int layer, int slot, Tensor[] caches, str[] components, bool routed=False) -> Tensor[]")
 
 
 _PASSTHROUGH: contextvars.ContextVar[bool] = contextvars.ContextVar("kvpp_passthrough", default=False)
@@ -60,13 +65,14 @@ def _prefetch_impl(layer: int, slot: int) -> None:
     current_runtime().prefetch(layer, slot)
 
 
-def _wait_impl(layer: int, slot: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
+def _wait_impl(layer: int, slot: int, caches: list[torch.Tensor], components: list[str],
+               routed: bool = False) -> list[torch.Tensor]:
     if len(caches) != len(components):
         raise ValueError(f"kvpp.wait for layer {layer}: {len(caches)} caches but {len(components)} component names.")
     if passing_through():
         return list(caches)
     runtime = current_runtime()
-    runtime.wait(layer, slot)
+    runtime.wait(layer, slot, routed=routed)
     views = runtime.typed_views(layer)
     out = []
     for cache, name in zip(caches, components):
@@ -91,7 +97,8 @@ def _prefetch_fake(layer: int, slot: int) -> None:
 
 
 @torch.library.register_fake(f"{NAMESPACE}::wait", lib=_lib)
-def _wait_fake(layer: int, slot: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
+def _wait_fake(layer: int, slot: int, caches: list[torch.Tensor], components: list[str],
+               routed: bool = False) -> list[torch.Tensor]:
     # The real outputs are contiguous views of the runtime's storage, whatever the inputs' strides.
     return [torch.empty(cache.shape, dtype=cache.dtype, device=cache.device) for cache in caches]
 
@@ -115,3 +122,82 @@ def is_kvpp_op(target: object) -> bool:
         return target in _KVPP_TARGETS
     except TypeError:  # an unhashable target
         return False
+
+
+# --- owner mode: routed cache ops ------------------------------------------------------------------
+
+ArgWhere = int | str  # a positional index or a keyword name in the node's call
+
+
+class RoutedOp:
+    """A registered cache op of one layer, routed so that the runtime's mode decides where it runs.
+
+    ``heads``: (where, dim) of each head operand of a head-separable op, in declaration order; empty
+    for an owner-local op. ``output_dim``: the head dimension of the output (head-separable ops).
+    ``output_like``: the head operand whose shape and dtype the output has. Instances are interned, so
+    equal routings are the same graph target.
+    """
+
+    _interned: dict[tuple, RoutedOp] = {}
+
+    def __new__(cls, op: object, layer: int, heads: tuple[tuple[ArgWhere, int], ...] = (),
+                output_dim: int | None = None, output_like: int = 0) -> RoutedOp:
+        key = (op, layer, tuple(heads), output_dim, output_like)
+        routed = cls._interned.get(key)
+        if routed is None:
+            routed = super().__new__(cls)
+            routed.kvpp_routed_op = op
+            routed.layer = layer
+            routed.heads = tuple(heads)
+            routed.output_dim = output_dim
+            routed.output_like = output_like
+            schema = getattr(op, "_schema", None) or op.default._schema
+            routed._schema = schema
+            name = schema.name.replace("::", "_")
+            kind = "heads" if heads else "owner"
+            routed.__name__ = routed.__qualname__ = f"routed_{kind}_{name}_L{layer}"
+            routed.__module__ = __name__
+            cls._interned[key] = routed
+        return routed
+
+    @property
+    def head_separable(self) -> bool:
+        return bool(self.heads)
+
+    def __repr__(self) -> str:
+        return (f"RoutedOp({self._schema.name}, layer={self.layer}, heads={self.heads}, "
+                f"output_dim={self.output_dim})")
+
+    def __reduce__(self):
+        return RoutedOp, (self.kvpp_routed_op, self.layer, self.heads, self.output_dim, self.output_like)
+
+    def __call__(self, *args, **kwargs):
+        op = self.kvpp_routed_op
+        if passing_through():
+            return op(*args, **kwargs)
+        runtime = current_runtime()
+        if not runtime.owner_mode:
+            return op(*args, **kwargs)
+        if not self.heads:
+            return op(*args, **kwargs) if runtime.runs_owner_ops(self.layer) else None
+        tensors = [_read(args, kwargs, where) for where, _ in self.heads]
+
+        def compute(full: list[torch.Tensor]) -> torch.Tensor:
+            call_args, call_kwargs = list(args), dict(kwargs)
+            for (where, _), tensor in zip(self.heads, full):
+                if isinstance(where, str):
+                    call_kwargs[where] = tensor
+                else:
+                    call_args[where] = tensor
+            return op(*call_args, **call_kwargs)
+
+        return runtime.owner_compute(self.layer, tensors, [dim for _, dim in self.heads], self.output_dim,
+                                     self.output_like, compute)
+
+
+def _read(args: tuple, kwargs: dict, where: ArgWhere) -> torch.Tensor:
+    return kwargs[where] if isinstance(where, str) else args[where]
+
+
+def is_routed_op(target: object) -> bool:
+    return isinstance(target, RoutedOp)

@@ -11,8 +11,8 @@ class DroppedBroadcast:
     def __getattr__(self, name):
         return getattr(self._runtime, name)
 
-    def wait(self, layer, slot):
-        out = self._runtime.wait(layer, slot)
+    def wait(self, layer, slot, **kwargs):
+        out = self._runtime.wait(layer, slot, **kwargs)
         if layer == self._layer and layer not in self._runtime.storage.persistent_layers:
             for view in self._runtime.typed_views(layer).values():
                 view.zero_()

@@ -79,8 +79,11 @@ def test_graph_command_prints_the_rewritten_reference_graph():
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
     assert text.splitlines()[1].strip() == "kvpp_prefetch_L0 = torch.ops.kvpp.prefetch.default(0, 0)"
-    assert "kvpp_ref.write_kv(kv_L0," in text and "kvpp_ref.mla_attention(q_latent, q_pe_1, kv_L0," in text
-    assert "submod_2 [eager]: kvpp.wait(0, 0, [l_caches_0_0_], ['kv']); kvpp.prefetch(1, 1)" in text
+    assert "kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L0(kv_L0," in text
+    assert "kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L0(q_latent, q_pe_1, kv_L0," in text
+    assert ("submod_2 [eager]: kvpp.wait(0, 0, [l_caches_0_0_], ['kv'], routed=True); kvpp.prefetch(1, 1); "
+            "routed[owner] kvpp_ref.write_kv(getitem, kv_c_1, k_pe_1, l_slot_mapping_, 0); "
+            "routed[heads 0@1,1@1->@1] kvpp_ref.mla_attention(q_latent, q_pe_1, getitem,") in text
     assert "kvpp.prefetch(2" not in text
 
 

@@ -36,8 +36,20 @@ def normalize_code(code: str) -> str:
     return "\n".join(lines)
 
 
+def routed_rule(target) -> str:
+    """A routed op's owner-mode rule: ``owner`` (owner-local) or ``heads 0@1,1@1->@1`` (head operands
+    by position or keyword @ head dimension, -> the output's head dimension)."""
+    if not target.heads:
+        return "owner"
+    operands = ",".join(f"{where}@{dim}" for where, dim in target.heads)
+    return f"heads {operands}->@{target.output_dim}"
+
+
 def target_name(node: torch.fx.Node) -> str:
     target = node.target
+    wrapped = getattr(target, "kvpp_routed_op", None)
+    if wrapped is not None:
+        return f"routed[{routed_rule(target)}] {str(wrapped).removesuffix('.default')}"
     if target is operator.getitem:
         return "getitem"
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
@@ -58,8 +70,8 @@ def _fmt_arg(arg) -> str:
 
 
 def describe_node(node: torch.fx.Node) -> str:
-    args = ", ".join(_fmt_arg(a) for a in node.args)
-    return f"{target_name(node)}({args})"
+    args = [_fmt_arg(a) for a in node.args] + [f"{k}={_fmt_arg(v)}" for k, v in node.kwargs.items()]
+    return f"{target_name(node)}({', '.join(args)})"
 
 
 def describe_pieces(pieces: Iterable) -> str:

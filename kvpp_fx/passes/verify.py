@@ -20,6 +20,11 @@ failure lists every problem with the check that found it (`KVPPGraphVerification
   cache operands is the wait's output for that component;
 - ``originals``: the original cache values (the waits' inputs, and graph inputs that are KVPP
   handles) are read only by waits, and each by the wait of one layer only;
+- ``routing``: owner mode is all or nothing: either no wait is routed and no registered op is a
+  `RoutedOp`, or every wait is routed and every registered op of an awaited layer is a `RoutedOp` of
+  that layer whose rule is its spec's declaration (owner-local, or head-separable with the declared
+  head operands, dimensions and output dimension), and an owner-local op's output is read only by
+  routed ops of its layer, never as a head operand;
 - ``pieces``: no compiled piece contains a kvpp op or a registered op.
 """
 
@@ -31,9 +36,19 @@ from collections.abc import Iterable
 import torch
 import torch.fx
 
+from kvpp_fx.ops import is_routed_op
 from kvpp_fx.passes.insert import KVPPPassError, is_kvpp_handle
 from kvpp_fx.passes.layer_table import LayerTable
-from kvpp_fx.passes.registry import AttentionOpSpec, LayerResolutionError, get_arg, layer_of, registered_specs
+from kvpp_fx.passes.registry import (
+    AttentionOpSpec,
+    HeadSeparable,
+    LayerResolutionError,
+    OwnerLocal,
+    arg_location,
+    get_arg,
+    layer_of,
+    registered_specs,
+)
 
 KVPP_KINDS = {torch.ops.kvpp.wait.default: "wait", torch.ops.kvpp.wait: "wait",
               torch.ops.kvpp.prefetch.default: "prefetch", torch.ops.kvpp.prefetch: "prefetch"}
@@ -59,7 +74,7 @@ class _RegisteredOps:
     def __call__(self, node: torch.fx.Node) -> AttentionOpSpec | None:
         if node.op != "call_function":
             return None
-        target = node.target
+        target = getattr(node.target, "kvpp_routed_op", node.target)
         if target in self.cache:
             return self.cache[target]
         spec = None
@@ -250,6 +265,9 @@ def verify_graph(graph: torch.fx.Graph, table: LayerTable, pieces: Iterable = ()
             problems.append(("originals", f"the original cache value {value.name} is awaited as the cache of "
                                           f"layers {layers_of_value}; each layer's cache is its own."))
 
+    # routing
+    problems += [("routing", message) for message in _routing_problems(waits, registered, wait_of)]
+
     # pieces
     for piece in pieces:
         if piece.is_eager:
@@ -260,3 +278,62 @@ def verify_graph(graph: torch.fx.Graph, table: LayerTable, pieces: Iterable = ()
 
     if problems:
         raise KVPPGraphVerificationError(problems)
+
+
+def _is_routed_wait(wait: torch.fx.Node) -> bool:
+    return bool(wait.kwargs.get("routed", wait.args[4] if len(wait.args) > 4 else False))
+
+
+def _routing_problems(waits: list[torch.fx.Node], registered: list[tuple[torch.fx.Node, AttentionOpSpec, int]],
+                      wait_of: dict[int, torch.fx.Node]) -> list[str]:
+    problems = []
+    routed_waits = [w for w in waits if _is_routed_wait(w)]
+    routed_ops = [node for node, _, _ in registered if is_routed_op(node.target)]
+    if not routed_waits and not routed_ops:
+        return problems
+    if len(routed_waits) != len(waits):
+        plain = [w.name for w in waits if not _is_routed_wait(w)]
+        problems.append(f"waits {plain} are not routed while others are; owner mode is all or nothing per graph.")
+    owner_run = {node: layer for node, _, layer in registered if is_routed_op(node.target)}
+    for node, spec, layer in registered:
+        target = node.target
+        if not is_routed_op(target):
+            problems.append(f"{node.name} touches layer {layer}'s cache without routing in a routed graph; in owner "
+                            "mode it would read a scratch slot that is not filled.")
+            continue
+        if target.layer != layer:
+            problems.append(f"{node.name} is routed for layer {target.layer} but touches layer {layer}.")
+        wait = wait_of.get(layer)
+        if wait is not None and not _is_routed_wait(wait):
+            problems.append(f"{node.name} is routed but its layer's wait {wait.name} is not.")
+        rule = spec.owner
+        if isinstance(rule, OwnerLocal):
+            if target.heads:
+                problems.append(f"{node.name} is routed as head-separable, but {spec.op} is declared OwnerLocal.")
+            for user in node.users:
+                if owner_run.get(user) != layer:
+                    problems.append(f"{user.name} reads the owner-local output of {node.name}, which is None on the "
+                                    f"ranks that do not own layer {layer}.")
+                elif isinstance(user.target.heads, tuple) and any(
+                        _arg_at(user, where) is node for where, _ in user.target.heads):
+                    problems.append(f"{user.name} takes the owner-local output of {node.name} as a head operand.")
+        elif isinstance(rule, HeadSeparable):
+            try:
+                declared = tuple((arg_location(node, o.arg), o.dim) for o in rule.operands)
+            except LayerResolutionError as exc:
+                problems.append(f"{node.name}: {exc}")
+                continue
+            if (target.heads, target.output_dim, target.output_like) != \
+                    (declared, rule.output_dim, rule.output_like):
+                problems.append(f"{node.name} is routed with heads {target.heads}, output dimension "
+                                f"{target.output_dim}, output like {target.output_like}; {spec.op} declares "
+                                f"{declared}, {rule.output_dim}, {rule.output_like}.")
+        else:
+            problems.append(f"{node.name} is routed, but {spec.op} declares no owner rule.")
+    return problems
+
+
+def _arg_at(node: torch.fx.Node, where: int | str):
+    if isinstance(where, str):
+        return node.kwargs.get(where)
+    return node.args[where] if where < len(node.args) else None

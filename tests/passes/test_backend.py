@@ -119,7 +119,7 @@ def test_inductor_pieces_keep_kvpp_calls_in_order():
     calls = []
     prefetch, wait = rt.prefetch, rt.wait
     rt.prefetch = lambda layer, slot: (calls.append(f"prefetch({layer},{slot})"), prefetch(layer, slot))[1]
-    rt.wait = lambda layer, slot: (calls.append(f"wait({layer},{slot})"), wait(layer, slot))[1]
+    rt.wait = lambda layer, slot, **kw: (calls.append(f"wait({layer},{slot})"), wait(layer, slot, **kw))[1]
     backend = kvpp_backend(plan, mode="piecewise", inner="inductor")
     model = toy.ToyMLA(2)
     reference = toy.ToyMLA(2)

@@ -20,7 +20,7 @@ def test_ops_are_not_dead_code(backend):
     calls = []
     prefetch, wait = rt.prefetch, rt.wait
     rt.prefetch = lambda layer, slot: (calls.append(("prefetch", layer)), prefetch(layer, slot))[1]
-    rt.wait = lambda layer, slot: (calls.append(("wait", layer)), wait(layer, slot))[1]
+    rt.wait = lambda layer, slot, **kw: (calls.append(("wait", layer)), wait(layer, slot, **kw))[1]
     compiled = torch.compile(only_side_effects, backend=backend, fullgraph=True)
     with rt, rt.forward(has_history=True):  # the forward also fails if the wait was dropped
         out = compiled(torch.ones(3), rt.handles(0)["kv"])

@@ -5,7 +5,7 @@ import operator
 import pytest
 import torch
 
-from kvpp_fx.ops import is_kvpp_op
+from kvpp_fx.ops import RoutedOp, is_kvpp_op
 from kvpp_fx.passes.insert import (
     CacheOperandError,
     LayerOrderError,
@@ -28,6 +28,7 @@ from kvpp_fx.passes.registry import (
     registered_specs,
 )
 from kvpp_fx.passes.render import describe_pieces
+from kvpp_fx.passes.route import route_owner_ops
 from kvpp_fx.passes.split import Piece, split_pieces
 from kvpp_fx.passes.verify import KVPPGraphVerificationError, verify_graph
 from tests.passes import toy
@@ -335,6 +336,39 @@ def mutate_extra_reader_of_an_original_cache():
     return gm, TABLE
 
 
+def routed_graph():
+    gm = rewritten()
+    assert route_owner_ops(gm, TABLE).routed
+    return gm
+
+
+def mutate_one_wait_not_routed():
+    gm = routed_graph()
+    kvpp_nodes(gm, "wait")[1].update_kwarg("routed", False)
+    return gm, TABLE
+
+
+def mutate_cache_op_unrouted_in_a_routed_graph():
+    gm = routed_graph()
+    write = node_named(gm, "write_kv_2")
+    write.target = write.target.kvpp_routed_op
+    return gm, TABLE
+
+
+def mutate_head_dimension_of_a_routed_op():
+    gm = routed_graph()
+    attn = node_named(gm, "attn_1")
+    attn.target = RoutedOp(attn.target.kvpp_routed_op, 1, ((0, 2), (1, 1)), 1)
+    return gm, TABLE
+
+
+def mutate_routed_op_for_another_layer():
+    gm = routed_graph()
+    attn = node_named(gm, "attn_3")
+    attn.target = RoutedOp(attn.target.kvpp_routed_op, 2, attn.target.heads, 1)
+    return gm, TABLE
+
+
 MUTATIONS = [
     ("counts", mutate_drop_final_prefetch, "layer 4 is prefetched 0 times, expected 1"),
     ("counts", mutate_drop_a_layer_whose_ops_have_no_cache_operand, "layer 3 is awaited 0 times"),
@@ -352,6 +386,11 @@ MUTATIONS = [
     ("binding", mutate_cache_operand_through_a_copy, "attn_2 reads layer 2's 'kv' cache from clone"),
     ("originals", mutate_extra_reader_of_an_original_cache, "mean_default reads the original cache value l_caches_1_"),
     ("originals", mutate_one_original_awaited_for_two_layers, r"is awaited as the cache of layers \[1, 2\]"),
+    ("routing", mutate_one_wait_not_routed, r"waits \['kvpp_wait_L1'\] are not routed while others are"),
+    ("routing", mutate_cache_op_unrouted_in_a_routed_graph, "write_kv_2 touches layer 2's cache without routing"),
+    ("routing", mutate_head_dimension_of_a_routed_op,
+     r"attn_1 is routed with heads \(\(0, 2\), \(1, 1\)\).*declares \(\(0, 1\), \(1, 1\)\)"),
+    ("routing", mutate_routed_op_for_another_layer, "attn_3 is routed for layer 2 but touches layer 3"),
 ]
 
 

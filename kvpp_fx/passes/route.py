@@ -1,0 +1,145 @@
+"""Route each layer's registered cache ops for owner mode, so one graph serves both modes.
+
+Runs after the insert pass. When every registered cache op of every layer the graph awaits declares an
+owner rule (`HeadSeparable` or `OwnerLocal` in its `AttentionOpSpec`), each such node's target becomes
+a `kvpp_fx.ops.RoutedOp` that carries the op, the layer and the resolved head operands, and each wait
+gets ``routed=True``. Otherwise the graph is left as it is and serves broadcast mode only: the runtime
+refuses owner mode at its first wait (`OwnerModeUnsupportedError`), before any byte moves.
+
+Invariants after the pass, for a routed graph:
+- every registered op of a target layer is a `RoutedOp` of that layer, and every wait is routed;
+- every head operand of a head-separable op is a tensor whose declared head dimension has the same
+  size as the other head operands' (the rank's heads), and so has the output's;
+- the output of an owner-local op (None on the ranks that do not own the layer) is read only by routed
+  ops of the same layer, never as a head operand; otherwise `OwnerLocalOutputError`.
+A graph with some declared and some undeclared ops is not routed at all, so owner mode is all or
+nothing per graph. Running the pass again changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from kvpp_fx.ops import RoutedOp, is_routed_op
+from kvpp_fx.passes.insert import KVPPPassError, collect_layers
+from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.passes.registry import (
+    AttentionOpSpec,
+    HeadSeparable,
+    LayerResolutionError,
+    OwnerLocal,
+    SpecLookup,
+    arg_location,
+    get_arg,
+)
+
+logger = logging.getLogger(__name__)
+
+WAIT = torch.ops.kvpp.wait.default
+
+
+class OwnerLocalOutputError(KVPPPassError):
+    """An owner-local op's output reaches a node that would run on ranks that do not compute it."""
+
+
+class HeadOperandError(KVPPPassError):
+    """A head-separable op's declared head operands are missing or do not split heads consistently."""
+
+
+@dataclass(frozen=True)
+class RouteResult:
+    routed: bool
+    reason: str = ""  # why a graph with layers was not routed
+
+
+def _val(node: torch.fx.Node):
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def resolve_heads(node: torch.fx.Node, rule: HeadSeparable) -> tuple[tuple[int | str, int], ...]:
+    """(location, dim) of each declared head operand in this call, checked against the metadata."""
+    heads, sizes = [], []
+    for operand in rule.operands:
+        try:
+            where = arg_location(node, operand.arg)
+        except LayerResolutionError as exc:
+            raise HeadOperandError(f"{node.format_node()}: declared head operand {operand.arg!r} is not "
+                                   f"passed: {exc}") from None
+        value = get_arg(node, operand.arg)
+        if not isinstance(value, torch.fx.Node):
+            raise HeadOperandError(f"{node.format_node()}: head operand {operand.arg!r} is not a graph value.")
+        val = _val(value)
+        if isinstance(val, torch.Tensor):
+            if not -val.dim() <= operand.dim < val.dim():
+                raise HeadOperandError(f"{node.format_node()}: head operand {operand.arg!r} has {val.dim()} "
+                                       f"dimensions, the declaration names dimension {operand.dim}.")
+            sizes.append(val.shape[operand.dim])
+        heads.append((where, operand.dim))
+    out = _val(node)
+    if isinstance(out, torch.Tensor) and sizes:
+        sizes.append(out.shape[rule.output_dim] if -out.dim() <= rule.output_dim < out.dim() else None)
+    if len({str(s) for s in sizes}) > 1:
+        raise HeadOperandError(f"{node.format_node()}: the head operands and the output disagree on the number "
+                               f"of heads ({sizes}); a head-separable op's head dimensions must all hold the "
+                               "rank's heads.")
+    return tuple(heads)
+
+
+def route_owner_ops(gm: torch.fx.GraphModule, table: LayerTable, *, recompile: bool = True) -> RouteResult:
+    graph = gm.graph
+    waits = {n.args[0]: n for n in graph.nodes if n.op == "call_function" and n.target == WAIT}
+    if not waits:
+        return RouteResult(False, "no kvpp.wait in the graph")
+    if any(is_routed_op(n.target) for n in graph.nodes if n.op == "call_function"):
+        return RouteResult(True)
+    layers = collect_layers(graph, table, SpecLookup())
+    undeclared = sorted({spec.op for group in layers for spec in group.specs if spec.owner is None})
+    if undeclared:
+        reason = f"ops without an owner rule: {undeclared}"
+        logger.info("kvpp route pass: graph left in broadcast-only form (%s)", reason)
+        return RouteResult(False, reason)
+
+    routes: list[tuple[torch.fx.Node, RoutedOp]] = []
+    for group in layers:
+        members = set(group.nodes)
+        head_positions = {node: _head_values(node, spec) for node, spec in zip(group.nodes, group.specs)}
+        for node, spec in zip(group.nodes, group.specs):
+            if isinstance(spec.owner, OwnerLocal):
+                for user in node.users:
+                    if user not in members or node in head_positions[user]:
+                        raise OwnerLocalOutputError(
+                            f"{node.format_node()} is owner-local (in owner mode it runs on layer {group.layer}'s "
+                            f"owner only and gives None elsewhere), but {user.format_node()} reads its output"
+                            + (" as a head operand" if user in members else
+                               ", which is not a routed cache op of the same layer")
+                            + ". Declare the op HeadSeparable, or keep its output inside the layer's cache ops.")
+                routes.append((node, RoutedOp(node.target, group.layer)))
+            else:
+                heads = resolve_heads(node, spec.owner)
+                routes.append((node, RoutedOp(node.target, group.layer, heads, spec.owner.output_dim,
+                                              spec.owner.output_like)))
+    for node, routed in routes:
+        node.target = routed
+    for wait in waits.values():
+        wait.update_kwarg("routed", True)
+    if recompile:
+        gm.recompile()
+    return RouteResult(True)
+
+
+def _head_values(node: torch.fx.Node, spec: AttentionOpSpec) -> set[torch.fx.Node]:
+    if not isinstance(spec.owner, HeadSeparable):
+        return set()
+    values = set()
+    for operand in spec.owner.operands:
+        try:
+            value = get_arg(node, operand.arg)
+        except LayerResolutionError:
+            continue
+        if isinstance(value, torch.fx.Node):
+            values.add(value)
+    return values
