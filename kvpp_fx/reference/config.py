@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpp_fx.cache.cost import AttentionShape
 from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
 
 
@@ -93,6 +94,11 @@ class RefConfig:
     @classmethod
     def from_pretrained(cls, path: str | Path) -> RefConfig:
         return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+
+    def attention_shape(self, itemsize: int = 4) -> AttentionShape:
+        """What owner mode ships per head and query token: the absorbed query ``[q_latent | q_pe]`` in,
+        the attention-weighted latent out (fp32 activations by default)."""
+        return AttentionShape(self.num_attention_heads, self.latent_width, self.kv_lora_rank, itemsize)
 
     def cache_spec(self, block_size: int, dtype: str = "float32") -> ModelCacheSpec:
         """The per-layer cache bundles: latent (+ indexer keys and scales for SFA); MTP layers are drafts."""

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 
 from kvpp_fx.backend import kvpp_backend
+from kvpp_fx.cache.cost import MODES as KVPP_MODES
+from kvpp_fx.cache.cost import StepLoad
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.reference.config import RefConfig
 from kvpp_fx.reference.model import ReferenceModel
@@ -46,10 +48,13 @@ class EngineConfig:
     speculative: bool = False      # MTP drafts (needs num_nextn_predict_layers >= 1)
     dump_dir: str | None = None
     active_blocks: bool = True     # pass each step's blocks with history to the runtime (else whole layers)
+    kvpp_mode: str = "broadcast"   # "broadcast", "owner" or "auto" (chosen per step by the cost model)
 
     def __post_init__(self) -> None:
         if self.graph_mode not in GRAPH_MODES:
             raise ValueError(f"graph_mode must be one of {GRAPH_MODES}, got {self.graph_mode!r}.")
+        if self.kvpp_mode not in KVPP_MODES:
+            raise ValueError(f"kvpp_mode must be one of {KVPP_MODES}, got {self.kvpp_mode!r}.")
         if self.block_size < 1 or self.token_budget < 1 or self.max_model_len < self.block_size:
             raise ValueError("block_size and token_budget must be positive and max_model_len >= block_size.")
 
@@ -283,7 +288,17 @@ class Engine:
             blocks.update(item.request.blocks[: -(-item.start // block_size)])
         return sorted(blocks)
 
-    def _run_target(self, inputs: dict[str, torch.Tensor], has_history: bool, blocks: list[int] | None = None):
+    def load(self, batch: list[_Scheduled]) -> StepLoad:
+        """The step's query tokens and the (query, context token) pairs its attention scores."""
+        topk = self.cfg.index_topk
+        pairs = 0
+        for item in batch:
+            for position in range(item.start, item.start + item.count):
+                pairs += min(position + 1, topk) if topk is not None else position + 1
+        return StepLoad(sum(item.count for item in batch), pairs)
+
+    def _run_target(self, inputs: dict[str, torch.Tensor], has_history: bool, blocks: list[int] | None = None,
+                    load: StepLoad | None = None):
         hidden_in = None
         if self.link is not None and self.link.prev_rank is not None:
             hidden_in = torch.empty(inputs["input_ids"].numel(), self.cfg.hidden_size)
@@ -294,7 +309,7 @@ class Engine:
         if self.config.graph_mode == "none":
             logits, hidden = self.forward_fn(*args)
         else:
-            with self.runtime.forward(has_history, blocks=blocks):
+            with self.runtime.forward(has_history, blocks=blocks, mode=self.config.kvpp_mode, load=load):
                 logits, hidden = self.forward_fn(*args)
         if self.link is not None and self.link.next_rank is not None:
             torch.distributed.send(hidden.contiguous(), dst=self.link.next_rank)
@@ -318,7 +333,7 @@ class Engine:
         blocks = self.active_blocks(batch) if self.config.active_blocks else None
         start = time.perf_counter()
         with torch.no_grad():
-            logits, hidden = self._run_target(inputs, has_history, blocks)
+            logits, hidden = self._run_target(inputs, has_history, blocks, self.load(batch))
         elapsed = time.perf_counter() - start
         self.last_logits = logits
         sampled = self._sample(logits, int(inputs["logits_indices"].numel()))
@@ -329,8 +344,12 @@ class Engine:
         moved = self.runtime.last_forward() if self.config.graph_mode != "none" else None
         record = {"has_history": has_history, "num_tokens": int(inputs["input_ids"].numel()),
                   "requests": [(i.request.rid, i.start, i.count) for i in batch], "seconds": elapsed,
-                  "decode_only": decode_only, "broadcast_bytes": moved["bytes"] if moved else 0,
+                  "decode_only": decode_only,
+                  "mode": moved["mode"] if moved and self.plan.enabled else None,
+                  "broadcast_bytes": moved["bytes"] if moved and moved["mode"] == "broadcast" else 0,
                   "broadcasts": moved["broadcasts"] if moved else 0,
+                  "owner_bytes": moved["bytes"] if moved and moved["mode"] == "owner" else 0,
+                  "exchanges": moved["exchanges"] if moved else 0,
                   "active_blocks": len(blocks) if blocks is not None else None,
                   "pool_blocks": len(self.pool.refs)}
         self.steps.append(record)
@@ -439,5 +458,6 @@ def build_engine(config: RefConfig, *, engine_config: EngineConfig, num_blocks: 
     group = kvpp_group if plan.enabled else None
     rank = torch.distributed.get_rank(group) if group is not None else 0
     storage = allocate_cache(plan, rank, num_blocks if num_blocks is not None else plan.num_blocks(kv_memory))
-    runtime = KVPPRuntime.create(plan, storage, group, timeline=timeline)
+    runtime = KVPPRuntime.create(plan, storage, group, timeline=timeline,
+                                 attention=config.attention_shape() if plan.enabled else None)
     return Engine(model, runtime, engine_config, link)

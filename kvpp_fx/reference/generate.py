@@ -58,14 +58,17 @@ def run_generation(rank: int, world: int, model: str | Path, prompts: list[list[
 def generate(model_dir_or_preset: str | Path, prompts: list[list[int]], max_new_tokens: int, *, tp: int = 1,
              pp: int = 1, kvpp: bool = False, block_size: int = 16, graph_mode: str | None = None, inner: Any = "eager",
              token_budget: int = 32, speculative: bool = False, num_blocks: int | None = None,
-             active_blocks: bool = True, timeout_s: float = 600.0) -> list[list[int]]:
+             active_blocks: bool = True, kvpp_mode: str = "broadcast", timeout_s: float = 600.0) -> list[list[int]]:
     """Greedy tokens for each prompt. Spawns ``tp * pp`` gloo ranks itself when that is more than one.
 
     With ``kvpp=True`` each step broadcasts only the blocks it reads (``active_blocks=False``: whole layers).
+    ``kvpp_mode``: ``"broadcast"`` moves each layer's cache to the ranks, ``"owner"`` runs each layer's
+    attention on its owner over every rank's heads, ``"auto"`` picks per step by the cost model.
     """
     options = {"kvpp": kvpp, "pp": pp, "block_size": block_size, "token_budget": token_budget, "inner": inner,
                "graph_mode": graph_mode or ("eager" if kvpp and tp > 1 else "none"),
-               "speculative": speculative, "num_blocks": num_blocks, "active_blocks": active_blocks}
+               "speculative": speculative, "num_blocks": num_blocks, "active_blocks": active_blocks,
+               "kvpp_mode": kvpp_mode}
     if isinstance(model_dir_or_preset, RefConfig):
         raise TypeError("pass a preset name or a HuggingFace model directory.")
     world = tp * pp

@@ -92,6 +92,14 @@ class DeviceAPI:
         """Issue an async elementwise-max all-reduce on the current stream; returns its work handle."""
         return dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
+    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int, group: Any) -> Any:
+        """Issue an async gather of every rank's `tensor` into `gather_list` on rank `dst` (owner mode)."""
+        return dist.gather(tensor, gather_list, dst=dst, group=group, async_op=True)
+
+    def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int, group: Any) -> Any:
+        """Issue an async scatter of `scatter_list[r]` from rank `src` into rank r's `tensor` (owner mode)."""
+        return dist.scatter(tensor, scatter_list, src=src, group=group, async_op=True)
+
     def wait_work(self, work: Any, timeout: timedelta) -> None:
         """Order everything issued later on the current stream after `work`.
 

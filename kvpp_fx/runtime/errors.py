@@ -74,3 +74,12 @@ class RuntimeBrokenError(ForwardClosedError):
 
     Recovery: destroy the process group, create a new one and a new `KVPPRuntime` over it.
     """
+
+
+class OwnerModeUnsupportedError(KVPPRuntimeError):
+    """Owner mode was asked of a graph (or a layer) whose cache ops were not routed for it, or of a
+    runtime without the attention shape the ``"auto"`` choice needs."""
+
+
+class OwnerRoutingError(KVPPRuntimeError):
+    """A routed cache op ran outside its layer's turn, or its head operands do not split as declared."""

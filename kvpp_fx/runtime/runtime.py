@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from kvpp_fx.cache.allocate import CacheStorage
+from kvpp_fx.cache.cost import BROADCAST, MODES, OWNER, AttentionShape, LinkModel, StepLoad, choose_mode
 from kvpp_fx.cache.placement import BLOCK_ID_BYTES, DEFAULT_CROSSOVER_FRACTION, KVPPPlan
 from kvpp_fx.runtime.device import DeviceAPI
 from kvpp_fx.runtime.errors import (
@@ -55,6 +56,8 @@ from kvpp_fx.runtime.errors import (
     KVPPRuntimeClosed,
     NestedForwardError,
     NoActiveForwardError,
+    OwnerModeUnsupportedError,
+    OwnerRoutingError,
     PrefetchOrderError,
     PrefetchPendingError,
     RuntimeBrokenError,
@@ -70,11 +73,13 @@ from kvpp_fx.runtime.stats import TransferStats
 from kvpp_fx.runtime.timeline import Timeline
 from kvpp_fx.runtime.transport import BroadcastTransport, InFlight
 
-_NO_HISTORY, _WHOLE_LAYERS, _ACTIVE_BLOCKS = 0, 1, 2
+_NO_HISTORY, _WHOLE_LAYERS, _ACTIVE_BLOCKS, _OWNER = 0, 1, 2, 3
 
 logger = logging.getLogger(__name__)
 
-# Test-only faults, for negative controls: "drop-block" leaves the highest id out of every active set.
+# Test-only faults, for negative controls: "drop-block" leaves the highest id out of every active set;
+# "swap-heads" makes owners return each rank another rank's heads; "skip-gather" makes owners compute
+# with their own queries in place of the other ranks' (no gather is issued on any rank).
 FAULT_ENV = "KVPP_TEST_FAULT"
 
 _CURRENT: contextvars.ContextVar[KVPPRuntime | None] = contextvars.ContextVar("kvpp_runtime", default=None)
@@ -117,6 +122,7 @@ class _ActiveSet:
 @dataclass
 class _Forward:
     has_history: bool
+    owner: bool = False  # owner mode: routed cache ops run on each layer's owner; no broadcast
     active: _ActiveSet | None = None
     next_position: int = 0  # plan position of the only layer the next prefetch may name
     in_flight: InFlight | None = None
@@ -127,7 +133,8 @@ class _Forward:
 class KVPPRuntime:
     def __init__(self, plan: KVPPPlan, storage: CacheStorage, group: Any, rank: int, device_api: DeviceAPI,
                  transport: BroadcastTransport | None, timeline: Timeline | None, overlap: bool = True,
-                 crossover: float = DEFAULT_CROSSOVER_FRACTION, agreement_group: Any = None) -> None:
+                 crossover: float = DEFAULT_CROSSOVER_FRACTION, agreement_group: Any = None,
+                 attention: AttentionShape | None = None, link: LinkModel | None = None) -> None:
         self.plan = plan
         self.storage = storage
         self.group = group
@@ -148,6 +155,10 @@ class KVPPRuntime:
         self.crossover = crossover
         self._fault = os.environ.get(FAULT_ENV, "")
         self._agreement_group = agreement_group
+        self._owner_rank = {layer: dist.get_global_rank(group, plan.owners[layer]) for layer in targets} \
+            if group is not None else {}
+        self.attention = attention
+        self.link = link or LinkModel()
         self._stats = TransferStats(targets)
         self._forward: _Forward | None = None
         self._broken: BaseException | None = None
@@ -158,7 +169,8 @@ class KVPPRuntime:
                delay: Callable[[int], float] | None = None, timeline: Timeline | None = None,
                overlap: bool = True, timeout: timedelta | float | None = None,
                device_api: DeviceAPI | None = None, crossover: float = DEFAULT_CROSSOVER_FRACTION,
-               agreement_group: Any = None) -> KVPPRuntime:
+               agreement_group: Any = None, attention: AttentionShape | None = None,
+               link: LinkModel | None = None) -> KVPPRuntime:
         """`group` is this rank's KVPP process group (None only for a group of one).
 
         ``timeout`` bounds every broadcast (seconds or a timedelta); by default the group's own
@@ -169,6 +181,8 @@ class KVPPRuntime:
         ``crossover``: the fraction of the pool above which an active-block set is sent whole-layer.
         ``agreement_group``: a host-side (gloo) group of the same ranks for the per-forward agreement, so
         that on a device it needs no host synchronisation (default: `group`, on the cache's device).
+        ``attention``: what owner mode ships per query token and head; with ``link``, the cost model
+        behind ``forward(mode="auto")`` (which needs it).
         """
         if not 0.0 <= crossover <= 1.0:
             raise ValueError(f"crossover must be a fraction in [0, 1], got {crossover!r}.")
@@ -202,7 +216,10 @@ class KVPPRuntime:
                                             != sorted(dist.get_process_group_ranks(group))):
             raise ValueError(f"the agreement group's ranks {dist.get_process_group_ranks(agreement_group)} "
                              f"differ from the KVPP group's {dist.get_process_group_ranks(group)}.")
-        return cls(plan, storage, group, rank, api, transport, timeline, overlap, crossover, agreement_group)
+        if attention is not None and plan.enabled:
+            attention.split(plan.group_size)  # owner mode needs the heads to split evenly
+        return cls(plan, storage, group, rank, api, transport, timeline, overlap, crossover, agreement_group,
+                   attention, link)
 
     # --- views ------------------------------------------------------------------------------------
 
@@ -223,22 +240,46 @@ class KVPPRuntime:
         """The first failure that broke the runtime, or None."""
         return self._broken
 
+    @property
+    def owner_mode(self) -> bool:
+        """True inside a forward that runs in owner mode."""
+        state = self._forward
+        return state is not None and state.owner
+
     @contextlib.contextmanager
-    def forward(self, has_history: bool, blocks: Any = None) -> Iterator[KVPPRuntime]:
+    def forward(self, has_history: bool, blocks: Any = None, *, mode: str = BROADCAST,
+                load: StepLoad | None = None) -> Iterator[KVPPRuntime]:
         """One model forward. ``blocks``: ids of the blocks the step reads that hold tokens computed
-        before it (every rank must pass the same set); None sends whole layers."""
+        before it (every rank must pass the same set); None sends whole layers.
+
+        ``mode``: ``"broadcast"`` (each layer's cache travels to the ranks), ``"owner"`` (each layer's
+        attention runs on its owner over every rank's heads; queries and outputs travel), or ``"auto"``
+        (the cheaper of the two for this step by the cost model, which needs ``load`` and the runtime's
+        ``attention`` shape). Every rank must pass the same mode and load.
+        """
         if self._closed:
             raise KVPPRuntimeClosed("this KVPPRuntime was closed.")
         self._raise_if_broken()
         if self._forward is not None:
             raise NestedForwardError("runtime.forward() is already open.")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
         state = _Forward(has_history=bool(has_history) and self.transport is not None)
         if state.has_history and blocks is not None:
             state.active = self._prepare_active(blocks)
+        choice = None
+        if mode == "auto":
+            choice = self._choose(state, load)
+            mode = choice["mode"]
+        if self.transport is None:
+            mode = BROADCAST  # a group of one: every cache is local, nothing moves in either mode
+        state.owner = mode == OWNER
+        if state.owner:
+            state.active = None  # owner mode reads the owner's persistent cache; no block moves
         if self.transport is not None:
             self._agree(state)
         self._forward = state
-        self._stats.begin_forward(state.has_history)
+        self._stats.begin_forward(state.has_history, mode, choice)
         token = _CURRENT.set(self)
         try:
             yield self
@@ -314,10 +355,27 @@ class KVPPRuntime:
                                     f"for slot {slot}.")
         return position
 
+    def _choose(self, state: _Forward, load: StepLoad | None) -> dict[str, Any]:
+        """``mode="auto"``: the cost model's choice for this step, and both sides of the comparison."""
+        if self.attention is None or load is None:
+            missing = "an attention shape (KVPPRuntime.create(attention=...))" if self.attention is None \
+                else "the step's load (forward(..., load=StepLoad(...)))"
+            raise OwnerModeUnsupportedError(f'mode="auto" needs {missing} to compare the two modes.')
+        broadcast = 0
+        if state.has_history:
+            first = self.plan.target_layers[0]
+            broadcast = (self.plan.active_broadcast_bytes(first, state.active.count) if state.active is not None
+                         else self._views[first].numel() * self._views[first].element_size())
+        picked = choose_mode(self.attention, load, broadcast, self.plan.group_size, self.link)
+        return {"mode": picked.mode, "broadcast_bytes_per_layer": picked.broadcast_bytes,
+                "owner_bytes_per_layer": picked.owner_bytes, "broadcast_s_per_layer": picked.broadcast_s,
+                "owner_s_per_layer": picked.owner_s}
+
     def _agree(self, state: _Forward) -> None:
         """All ranks must agree on what this forward moves before anything moves (one small all-reduce)."""
         active = state.active
-        mode = _NO_HISTORY if not state.has_history else _ACTIVE_BLOCKS if active is not None else _WHOLE_LAYERS
+        mode = (_OWNER if state.owner else _NO_HISTORY if not state.has_history
+                else _ACTIVE_BLOCKS if active is not None else _WHOLE_LAYERS)
         count, digest = (active.count, active.digest) if active is not None else (0, 0)
         mine = torch.tensor([mode, count, digest], dtype=torch.int64)
         group = self._agreement_group
@@ -332,7 +390,7 @@ class KVPPRuntime:
             raise
         high, low = extremes.cpu().view(2, 3)
         if not torch.equal(high, -low):
-            names = ("history and path (0 none, 1 whole layers, 2 active blocks)", "active-block count",
+            names = ("history and path (0 none, 1 whole layers, 2 active blocks, 3 owner mode)", "active-block count",
                      "active-block set")
             differing = [n for n, h, l in zip(names, high.tolist(), (-low).tolist()) if h != l]
             raise BlockSetMismatchError(
@@ -428,7 +486,7 @@ class KVPPRuntime:
             raise PrefetchOrderError(f"layer {layer} prefetched after layer {after}; layers must follow the "
                                      "plan's execution order on every rank.")
         flight = InFlight(layer, slot, 0, None, start)
-        if state.has_history:
+        if state.has_history and not state.owner:
             state.issued += 1  # counted first: a failure while issuing may have left a peer's half pending
             flight = self._issue(state, layer, slot)
         state.in_flight = flight
@@ -438,10 +496,19 @@ class KVPPRuntime:
             self.timeline.add(f"prefetch L{layer}", "prefetch", start, time.perf_counter_ns(),
                               layer=layer, slot=slot, communicate=state.has_history)
 
-    def wait(self, layer: int, slot: int) -> torch.Tensor:
+    def wait(self, layer: int, slot: int, *, routed: bool = False) -> torch.Tensor:
         start = time.perf_counter_ns()
         state = self._active()
         position = self._position_of(layer, slot)
+        if state.owner and not routed:
+            error = OwnerModeUnsupportedError(
+                f"owner mode reached layer {layer}, whose cache ops the graph does not route for it (an op "
+                "without an owner rule in its AttentionOpSpec, or a graph rewritten before owner mode); "
+                "its attention would read a scratch slot that owner mode does not fill. Use "
+                'mode="broadcast", or declare the ops (HeadSeparable / OwnerLocal) and recompile.')
+            if state.issued:
+                self._break(error)
+            raise error
         flight = state.in_flight
         if flight is None or flight.layer != layer:
             expected = "nothing is pending" if flight is None else f"layer {flight.layer} is pending"
@@ -471,6 +538,90 @@ class KVPPRuntime:
             self.timeline.add(f"broadcast L{flight.layer}", "broadcast", flight.issued_ns,
                               time.perf_counter_ns(), track="kvpp transfer stream", layer=flight.layer,
                               bytes=flight.nbytes, src=self._src[flight.layer])
+
+    # --- owner mode ---------------------------------------------------------------------------------
+
+    def _owner_turn(self, layer: int) -> _Forward:
+        """The owner-mode forward, checked to be inside `layer`'s turn (after its wait, before the next)."""
+        state = self._active()
+        if state.last_awaited != layer:
+            raise OwnerRoutingError(
+                f"a routed cache op of layer {layer} ran outside its turn (the last awaited layer is "
+                f"{state.last_awaited}); it must follow kvpp.wait of its own layer.")
+        return state
+
+    def runs_owner_ops(self, layer: int) -> bool:
+        """In owner mode: whether this rank runs `layer`'s owner-local ops (it owns the layer)."""
+        self._owner_turn(layer)
+        return self._owned[layer]
+
+    def owner_compute(self, layer: int, heads: list[torch.Tensor], dims: list[int], output_dim: int,
+                      output_like: int, compute: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+        """Run a head-separable op of `layer` on its owner over every rank's heads; return this rank's part.
+
+        Every rank packs its head operands into one buffer, which one gather brings to the owner. The
+        owner concatenates each operand along its head dimension in rank order, calls ``compute``, splits
+        the output along ``output_dim`` and scatters the parts back. Both collectives run on the current
+        stream, in program order, and the current stream waits for each (the host too, on CPU).
+        """
+        state = self._owner_turn(layer)
+        group_size = self.plan.group_size
+        for tensor, dim in zip(heads, dims):
+            if not -tensor.dim() <= dim < tensor.dim():
+                raise OwnerRoutingError(f"layer {layer}: head dimension {dim} of a {tuple(tensor.shape)} operand.")
+        like = heads[output_like]
+        local_heads = like.shape[dims[output_like]]
+        out_shape = list(like.shape)
+        owned = self._owned[layer]
+        pack = torch.cat([t.contiguous().view(-1) for t in heads]) if len(heads) > 1 else \
+            heads[0].contiguous().view(-1)
+        nbytes = pack.numel() * pack.element_size() + like.numel() * like.element_size()
+        state.issued += 1  # counted first: a failure while issuing may have left a peer's half pending
+        owner = self._owner_rank[layer]
+        gathered = [torch.empty_like(pack) for _ in range(group_size)] if owned else None
+        if self._fault == "skip-gather":
+            if owned:
+                for part in gathered:
+                    part.copy_(pack)
+        else:
+            self._run_collective(lambda: self.api.gather(pack, gathered, owner, self.group),
+                                 f"owner-mode gather of layer {layer}")
+        mine = torch.empty(out_shape, dtype=like.dtype, device=like.device)
+        parts = None
+        if owned:
+            full = []
+            offset = 0
+            for tensor, dim in zip(heads, dims):
+                n = tensor.numel()
+                full.append(torch.cat([g[offset:offset + n].view(tensor.shape) for g in gathered], dim=dim))
+                offset += n
+            out = compute(full)
+            expected = list(out_shape)
+            expected[output_dim] = local_heads * group_size
+            if list(out.shape) != expected or out.dtype != like.dtype:
+                raise OwnerRoutingError(
+                    f"layer {layer}: the op's output over all heads is {tuple(out.shape)} {out.dtype}; its "
+                    f"declaration says {tuple(expected)} {like.dtype} (the shape of head operand {output_like} "
+                    f"with heads on dimension {output_dim}).")
+            parts = [p.contiguous() for p in out.split(local_heads, dim=output_dim)]
+            if self._fault == "swap-heads":
+                parts = parts[1:] + parts[:1]
+        self._run_collective(lambda: self.api.scatter(mine, parts, owner, self.group),
+                             f"owner-mode scatter of layer {layer}")
+        self._stats.record_exchange(layer, nbytes * (group_size - 1) if owned else nbytes)
+        return mine
+
+    def _run_collective(self, issue: Callable[[], Any], what: str) -> None:
+        """Issue a collective and make the current stream wait for it; a failure breaks the runtime."""
+        try:
+            try:
+                work = issue()
+            except Exception as exc:
+                raise TransferFailedError(f"{what} could not be issued: {exc}") from exc
+            self.transport.complete_work(work, what)
+        except TransferFailedError as exc:
+            self._break(exc)
+            raise
 
     # --- counters and lifetime ---------------------------------------------------------------------
 

@@ -124,6 +124,10 @@ class BroadcastTransport:
         if work is not None:
             self._wait(f"broadcast of layer {flight.layer}", lambda: self.api.host_wait_work(work, self.timeout))
 
+    def complete_work(self, work: Any, what: str) -> None:
+        """Order the current stream after another collective of the group (the host too, on CPU)."""
+        self._wait(what, lambda: self.api.wait_work(work, self.timeout))
+
     def complete_work_on_host(self, work: Any, what: str) -> None:
         """Block the host until another collective of the group completed, bounded by the timeout."""
         self._wait(what, lambda: self.api.host_wait_work(work, self.timeout))
