@@ -23,7 +23,7 @@ import torch
 
 from kvpp_fx.backend import kvpp_backend
 from kvpp_fx.cache.cost import MODES as KVPP_MODES
-from kvpp_fx.cache.cost import StepLoad
+from kvpp_fx.cache.cost import LinkModel, StepLoad
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.reference.config import RefConfig
 from kvpp_fx.reference.model import ReferenceModel
@@ -49,6 +49,7 @@ class EngineConfig:
     dump_dir: str | None = None
     active_blocks: bool = True     # pass each step's blocks with history to the runtime (else whole layers)
     kvpp_mode: str = "broadcast"   # "broadcast", "owner" or "auto" (chosen per step by the cost model)
+    kvpp_link: LinkModel | None = None  # the cost model's link and owner throughput (default: gloo on one host)
 
     def __post_init__(self) -> None:
         if self.graph_mode not in GRAPH_MODES:
@@ -178,6 +179,7 @@ class Engine:
         self.config = config
         self.plan: KVPPPlan = runtime.plan
         self.link = link
+        self.kvpp_mode = config.kvpp_mode  # may be changed between steps: the graph serves every mode
         if link is not None and config.speculative:
             raise ValueError("speculative decoding is not supported with pipeline parallelism here.")
         if config.graph_mode == "none" and self.plan.enabled:
@@ -309,7 +311,7 @@ class Engine:
         if self.config.graph_mode == "none":
             logits, hidden = self.forward_fn(*args)
         else:
-            with self.runtime.forward(has_history, blocks=blocks, mode=self.config.kvpp_mode, load=load):
+            with self.runtime.forward(has_history, blocks=blocks, mode=self.kvpp_mode, load=load):
                 logits, hidden = self.forward_fn(*args)
         if self.link is not None and self.link.next_rank is not None:
             torch.distributed.send(hidden.contiguous(), dst=self.link.next_rank)
@@ -459,5 +461,6 @@ def build_engine(config: RefConfig, *, engine_config: EngineConfig, num_blocks: 
     rank = torch.distributed.get_rank(group) if group is not None else 0
     storage = allocate_cache(plan, rank, num_blocks if num_blocks is not None else plan.num_blocks(kv_memory))
     runtime = KVPPRuntime.create(plan, storage, group, timeline=timeline,
-                                 attention=config.attention_shape() if plan.enabled else None)
+                                 attention=config.attention_shape() if plan.enabled else None,
+                                 link=engine_config.kvpp_link)
     return Engine(model, runtime, engine_config, link)
