@@ -2,6 +2,11 @@
 
 Launched in-process with torch's elastic launcher (``kvpp-fx demo --nproc 2``), or by torchrun:
 ``torchrun --nproc-per-node 2 -m kvpp_fx.demo``. Exits 1 if KVPP changed any token.
+
+``--kvpp-mode`` picks how each step reaches the layers it does not own: ``broadcast`` (the blocks the
+step reads travel to the ranks), ``owner`` (queries go to each layer's owner and outputs come back) or
+``auto`` (the cheaper per step, by the cost model). ``--context-tokens N`` adds a request with an
+N-token prompt, so that long-context decode steps appear next to the prefill chunks.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULTS = {"preset": "small", "mode": "piecewise", "inner": "eager", "kv_memory": "128MiB",
-            "trace": "out/trace.json", "dump_dir": "out/graphs", "timeout_s": 60.0}
+            "trace": "out/trace.json", "dump_dir": "out/graphs", "timeout_s": 60.0, "kvpp_mode": "auto",
+            "context_tokens": 0}
 
 
 def _run(engine_options: dict, *, kvpp: bool, preset: str, kv_memory: int, prompts, group, tp, timeline,
@@ -39,8 +45,9 @@ def _run(engine_options: dict, *, kvpp: bool, preset: str, kv_memory: int, promp
     engine.runtime.close()
     records = engine.backend.records if engine.backend is not None else []
     dump = records[-1].dump_dir if records else None
-    steps = [{"tokens": s["num_tokens"], "decode_only": s["decode_only"], "active_blocks": s["active_blocks"],
-              "pool_blocks": s["pool_blocks"], "broadcast_bytes": s["broadcast_bytes"]} for s in engine.steps]
+    steps = [{"tokens": s["num_tokens"], "decode_only": s["decode_only"], "mode": s["mode"],
+              "active_blocks": s["active_blocks"], "pool_blocks": s["pool_blocks"],
+              "broadcast_bytes": s["broadcast_bytes"], "owner_bytes": s["owner_bytes"]} for s in engine.steps]
     return {"outputs": outputs, "num_blocks": engine.runtime.storage.num_blocks, "stats": stats, "steps": steps,
             "decode_step_s": [s["seconds"] for s in engine.steps if s["decode_only"]], "kv_memory": kv_memory,
             "dump_dir": str(dump.parent.parent) if dump is not None else None}  # <dir>/rankN/graph_NNN
@@ -65,8 +72,16 @@ def demo_rank(options: dict) -> list[dict] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = create_kvpp_process_groups(kvpp_groups(world, tp=world), timeout=timeout)
     tp = TPInfo(rank, world, dist.group.WORLD)
-    prompts = shared_prefix_prompts(load_config(options["preset"]).vocab_size)
-    engine_options = {"graph_mode": options["mode"], "inner": options["inner"], "token_budget": TOKEN_BUDGET}
+    vocab = load_config(options["preset"]).vocab_size
+    prompts = shared_prefix_prompts(vocab)
+    context = options.get("context_tokens", 0)
+    if context:
+        generator = torch.Generator().manual_seed(11)
+        prompts.append(torch.randint(0, vocab, (context,), generator=generator).tolist())
+    engine_options = {"graph_mode": options["mode"], "inner": options["inner"],
+                      "token_budget": options.get("token_budget") or TOKEN_BUDGET,
+                      "max_model_len": max(256, -(-(context + 64) // 256) * 256),
+                      "kvpp_mode": options.get("kvpp_mode", "broadcast")}
     kv_memory = parse_bytes(options["kv_memory"])
     common = dict(preset=options["preset"], kv_memory=kv_memory, prompts=prompts, group=group, tp=tp)
     off = _run(engine_options, kvpp=False, timeline=None, dump_dir=None, **common)
@@ -92,7 +107,7 @@ def build_report(results: list[dict], options: dict) -> dict[str, Any]:
     worst_on_blocks = min(r["on"]["num_blocks"] for r in results)
     return {
         "preset": options["preset"], "ranks": len(results), "mode": options["mode"], "inner": options["inner"],
-        "kv_memory_bytes": r0["on"]["kv_memory"],
+        "kv_memory_bytes": r0["on"]["kv_memory"], "kvpp_mode": options.get("kvpp_mode", "broadcast"),
         "tokens_identical": identical,
         "outputs": r0["on"]["outputs"],
         "per_rank": [{
@@ -100,7 +115,8 @@ def build_report(results: list[dict], options: dict) -> dict[str, Any]:
             "cache_bytes_kvpp": r["on"]["stats"]["allocated_bytes"],
             "cache_bytes_replicated": r["off"]["stats"]["allocated_bytes"],
             "blocks_kvpp": r["on"]["num_blocks"], "blocks_replicated": r["off"]["num_blocks"],
-            "broadcasts": r["on"]["stats"]["broadcasts"], "broadcast_bytes": r["on"]["stats"]["bytes"],
+            "broadcasts": r["on"]["stats"]["broadcasts"], "exchanges": r["on"]["stats"]["exchanges"],
+            "bytes_moved": r["on"]["stats"]["bytes"], "modes": r["on"]["stats"]["modes"],
         } for r in results],
         "steps": r0["on"]["steps"],
         "capacity_ratio": worst_on_blocks / r0["off"]["num_blocks"],
@@ -116,18 +132,22 @@ def format_report(report: dict[str, Any]) -> str:
 
     mark = "✓" if report["tokens_identical"] else "✗"
     lines = [f"kvpp-fx demo: {report['preset']} on {report['ranks']} CPU ranks (gloo), {report['mode']} mode "
-             f"(inner {report['inner']}), {format_bytes(report['kv_memory_bytes'])} of KV memory per rank", ""]
+             f"(inner {report['inner']}), {format_bytes(report['kv_memory_bytes'])} of KV memory per rank, "
+             f"KVPP mode {report['kvpp_mode']}", ""]
     lines.append(f"{'rank':>4}  {'owned layers':<13} {'KVPP cache':>12} {'replicated':>12} {'blocks':>14} "
-                 f"{'broadcasts':>10} {'bytes sent/recv':>16}")
+                 f"{'broadcasts':>10} {'exchanges':>9} {'bytes sent/recv':>16}")
     for r in report["per_rank"]:
         lines.append(f"{r['rank']:>4}  {layer_ranges(r['owned_layers']):<13} {format_bytes(r['cache_bytes_kvpp']):>12} "
                      f"{format_bytes(r['cache_bytes_replicated']):>12} "
                      f"{str(r['blocks_kvpp']) + ' vs ' + str(r['blocks_replicated']):>14} "
-                     f"{r['broadcasts']:>10} {format_bytes(r['broadcast_bytes']):>16}")
-    lines += ["", f"{'step':>4}  {'tokens':>6}  {'blocks read (with history) / pool':>34}  {'bytes broadcast':>16}"]
+                     f"{r['broadcasts']:>10} {r['exchanges']:>9} {format_bytes(r['bytes_moved']):>16}")
+    lines += ["", f"{'step':>4}  {'tokens':>6}  {'mode':<9}  {'blocks read (with history) / pool':>34}  "
+                  f"{'bytes moved':>12}"]
     for i, st in enumerate(report["steps"]):
-        read = "-" if not st["broadcast_bytes"] and i == 0 else f"{st['active_blocks']} / {st['pool_blocks']}"
-        lines.append(f"{i:>4}  {st['tokens']:>6}  {read:>34}  {format_bytes(st['broadcast_bytes']):>16}")
+        read = "-" if st["mode"] == "owner" or (not st["broadcast_bytes"] and i == 0) else \
+            f"{st['active_blocks']} / {st['pool_blocks']}"
+        moved = st["broadcast_bytes"] + st["owner_bytes"]
+        lines.append(f"{i:>4}  {st['tokens']:>6}  {st['mode']:<9}  {read:>34}  {format_bytes(moved):>12}")
     step = report["decode_step_ms"]
     lines += [
         "",
@@ -163,6 +183,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-memory", default=DEFAULTS["kv_memory"], help="KV cache memory per rank")
     parser.add_argument("--trace", default=DEFAULTS["trace"], help="Chrome/Perfetto trace file ('' for none)")
     parser.add_argument("--dump-dir", default=DEFAULTS["dump_dir"], help="graph dump folder ('' for none)")
+    parser.add_argument("--kvpp-mode", choices=("broadcast", "owner", "auto"), default=DEFAULTS["kvpp_mode"],
+                        help="broadcast the blocks each step reads, send queries to each layer's owner, or pick "
+                             "per step by the cost model (default)")
+    parser.add_argument("--context-tokens", type=int, default=DEFAULTS["context_tokens"],
+                        help="add a request with a prompt of this many tokens (long-context decode)")
+    parser.add_argument("--token-budget", type=int, default=None, help="tokens per step (default 32)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -171,7 +197,10 @@ def run_demo(args: argparse.Namespace) -> int:
 
     warnings.simplefilter("ignore")
     options = {"preset": args.preset, "mode": args.mode, "inner": args.inner, "kv_memory": args.kv_memory,
-               "trace": args.trace or None, "dump_dir": args.dump_dir or None, "timeout_s": DEFAULTS["timeout_s"]}
+               "trace": args.trace or None, "dump_dir": args.dump_dir or None, "timeout_s": DEFAULTS["timeout_s"],
+               "kvpp_mode": args.kvpp_mode, "context_tokens": args.context_tokens, "token_budget": args.token_budget}
+    if args.context_tokens < 0 or (args.token_budget is not None and args.token_budget < 1):
+        raise ValueError("--context-tokens must be >= 0 and --token-budget >= 1.")
     if options["trace"]:
         options["trace"] = str(Path(options["trace"]).resolve())
     if options["dump_dir"]:

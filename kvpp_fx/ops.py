@@ -173,7 +173,7 @@ class RoutedOp:
 
     def __call__(self, *args, **kwargs):
         op = self.kvpp_routed_op
-        if passing_through():
+        if passing_through() or _tracing_with_fake_tensors():
             return op(*args, **kwargs)
         runtime = current_runtime()
         if not runtime.owner_mode:
@@ -193,6 +193,12 @@ class RoutedOp:
 
         return runtime.owner_compute(self.layer, tensors, [dim for _, dim in self.heads], self.output_dim,
                                      self.output_like, compute)
+
+
+def _tracing_with_fake_tensors() -> bool:
+    """A backend propagating shapes through the pieces (fake tensors) runs the op's fake kernel, as it
+    does for the kvpp ops themselves; nothing is routed."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 def _read(args: tuple, kwargs: dict, where: ArgWhere) -> torch.Tensor:

@@ -268,11 +268,11 @@ class KVPPRuntime:
         if state.has_history and blocks is not None:
             state.active = self._prepare_active(blocks)
         choice = None
-        if mode == "auto":
-            choice = self._choose(state, load)
-            mode = choice["mode"]
         if self.transport is None:
             mode = BROADCAST  # a group of one: every cache is local, nothing moves in either mode
+        elif mode == "auto":
+            choice = self._choose(state, load)
+            mode = choice["mode"]
         state.owner = mode == OWNER
         if state.owner:
             state.active = None  # owner mode reads the owner's persistent cache; no block moves

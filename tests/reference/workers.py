@@ -55,7 +55,7 @@ def modes_worker(rank: int, world: int, preset: str, options: dict, modes: tuple
                 engine.step()
                 logits.append(engine.last_logits.numpy().copy())  # by value: the rank exits before the parent reads
         out[mode] = {"outputs": [r.output for r in engine.requests], "logits": logits, "steps": engine.steps,
-                     "stats": engine.runtime.stats(),
+                     "stats": engine.runtime.stats(), "cached_tokens": [r.cached_tokens for r in engine.requests],
                      "drafts": [(r.drafts_proposed, r.drafts_accepted) for r in engine.requests]}
         engine.runtime.close()
     return out

@@ -1,0 +1,74 @@
+"""Owner mode through the reference engine on real ranks: KVPP in broadcast, owner and auto mode against
+KVPP off, step by step.
+
+Owner mode runs each layer's attention on its owner over the heads of every rank. The reference
+attention op is batched per head (one GEMM per head), so a head's result does not depend on how many
+heads share the call, and every mode's logits are bit-identical to KVPP off; greedy tokens are
+therefore identical too. The auto cases use a slow link model (1 GB/s, 5 us per collective), under
+which a decode step's active blocks cost more to broadcast than its queries and outputs, and a prefill
+chunk's queries cost more than the blocks it reads: both choices appear in one run.
+"""
+
+import numpy as np
+import pytest
+
+from kvpp_fx.cache.cost import LinkModel
+from kvpp_fx.launch import run_ranks
+from kvpp_fx.reference.config import PRESETS
+from tests.reference.workers import modes_worker
+
+pytestmark = pytest.mark.multirank
+
+SLOW_LINK = LinkModel(bytes_per_s=1e9, latency_s=5e-6)
+MODES = ("broadcast", "owner", "auto")
+
+
+def run(preset, world, options, modes=MODES, env=None):
+    return run_ranks(modes_worker, world, preset, dict(options, kvpp_link=SLOW_LINK), modes, timeout_s=300, env=env)
+
+
+def same_logits(a, b):
+    return len(a) == len(b) and all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("preset,world,options,modes", [
+    ("tiny", 2, {"graph_mode": "eager"}, MODES),
+    ("tiny", 4, {"graph_mode": "eager"}, ("owner", "auto")),
+    ("tiny-sfa", 2, {"graph_mode": "piecewise", "inner": "eager"}, ("owner", "auto")),
+    ("tiny-mtp", 2, {"graph_mode": "piecewise", "inner": "aot_eager", "speculative": True}, ("owner",)),
+], ids=["mla-tp2-eager", "mla-tp4-eager", "sfa-tp2-piecewise", "mtp-tp2-piecewise-aot_eager"])
+def test_every_mode_is_bit_identical_to_kvpp_off(preset, world, options, modes):
+    results = run(preset, world, options, modes)
+    layers = PRESETS[preset].num_hidden_layers
+    for rank, res in enumerate(results):
+        off = res["off"]
+        assert off["steps"][1]["requests"][0][1] > 0, "the first prompt needs two prefill chunks"
+        assert off["steps"][-1]["decode_only"]
+        assert off["cached_tokens"][1] >= 48, "the second prompt hits the 3-block prefix cache"
+        for mode in modes:
+            on = res[mode]
+            assert on["outputs"] == off["outputs"], f"rank {rank} {mode}: tokens differ"
+            assert same_logits(on["logits"], off["logits"]), f"rank {rank} {mode}: logits differ"
+        if "broadcast" in modes:
+            assert all(s["mode"] == "broadcast" and s["exchanges"] == 0 for s in res["broadcast"]["steps"])
+        for step in res["owner"]["steps"]:
+            assert step["mode"] == "owner" and step["broadcasts"] == 0 and step["broadcast_bytes"] == 0, step
+            assert step["exchanges"] == layers and step["owner_bytes"] > 0, step
+        assert res["owner"]["stats"]["modes"] == {"broadcast": 0, "owner": len(res["owner"]["steps"])}
+        if "auto" in modes:
+            # prefill chunks (and the first step, which reads nothing) broadcast; decode steps go to the owners
+            auto = res["auto"]["steps"]
+            for step in auto:
+                assert step["mode"] == ("owner" if step["decode_only"] else "broadcast"), step
+            assert {s["mode"] for s in auto} == {"broadcast", "owner"}
+        if options.get("speculative"):
+            assert sum(p for p, _ in res["owner"]["drafts"]) > 0, "MTP drafts must run (locally) in owner mode"
+            assert res["owner"]["drafts"] == off["drafts"]
+
+
+@pytest.mark.parametrize("fault", ["swap-heads", "skip-gather"])
+def test_negative_controls_a_wrong_head_split_or_a_skipped_gather_change_the_outputs(fault):
+    results = run("tiny", 2, {"graph_mode": "eager"}, modes=("owner",), env={"KVPP_TEST_FAULT": fault})
+    for res in results:
+        assert not same_logits(res["owner"]["logits"], res["off"]["logits"])
+    assert any(res["owner"]["outputs"] != res["off"]["outputs"] for res in results)
