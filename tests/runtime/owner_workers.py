@@ -1,0 +1,162 @@
+"""Rank functions for the owner-mode runtime tests: the runtime's ops called as a routed graph calls them."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import kvpp_fx.reference.ops  # noqa: F401  (registers kvpp_ref.mla_attention)
+from kvpp_fx.cache.cost import AttentionShape, StepLoad
+from kvpp_fx.ops import RoutedOp
+from kvpp_fx.runtime import errors as E
+from tests.runtime.workers import WIDTH, fresh_runtime, pattern, write_owned
+
+HEADS_PER_RANK, ROPE = 2, 2
+RANK_WIDTH = WIDTH - ROPE
+SCALE = 0.3
+ATTENTION = torch.ops.kvpp_ref.mla_attention.default
+
+
+def routed_attention(layer: int) -> RoutedOp:
+    return RoutedOp(ATTENTION, layer, ((0, 1), (1, 1)), 1)
+
+
+def queries(rank: int, layer: int, tokens: int = 3):
+    gen = torch.Generator().manual_seed(1000 * rank + layer)
+    return (torch.randn(tokens, HEADS_PER_RANK, RANK_WIDTH, generator=gen),
+            torch.randn(tokens, HEADS_PER_RANK, ROPE, generator=gen))
+
+
+def metadata(tokens: int = 3):
+    """Two requests over the toy pool: 9 context tokens (2 new) and 5 (1 new)."""
+    table = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0]], dtype=torch.int32)
+    return table, torch.tensor([9, 5]), torch.tensor([2, 1])
+
+
+def owner_forward(rt, forward: int, *, attend, mode="owner", routed=True):
+    layers = rt.plan.target_layers
+    with rt.forward(True, mode=mode):
+        rt.prefetch(layers[0], rt.plan.slot(layers[0]))
+        for layer in layers:
+            view = rt.wait(layer, rt.plan.slot(layer), routed=routed)
+            nxt = rt.plan.next_target(layer)
+            if nxt is not None:
+                rt.prefetch(nxt, rt.plan.slot(nxt))
+            attend(layer, view)
+
+
+def owner_protocol_worker(rank: int, world: int):
+    """Owner-mode results against local attention over the owner's bytes, and the named refusals."""
+    from kvpp_fx.runtime.runtime import _CURRENT
+
+    out = {}
+    shape = AttentionShape(HEADS_PER_RANK * world, WIDTH, RANK_WIDTH, 4)
+    rt = fresh_runtime(world, 4, 20.0, attention=shape)
+    table, seq_lens, query_lens = metadata()
+
+    # 1. each rank gets exactly the attention of its own heads over the owner's cache
+    write_owned(rt, 1)
+    results = {}
+
+    def attend(layer, view):
+        token = _CURRENT.set(rt)
+        try:
+            q_latent, q_pe = queries(rank, layer)
+            results[layer] = routed_attention(layer)(q_latent, q_pe, rt.typed_views(layer)["kv"], table,
+                                                     seq_lens, query_lens, SCALE, layer)
+        finally:
+            _CURRENT.reset(token)
+
+    owner_forward(rt, 1, attend=attend)
+    out["exact"] = all(torch.equal(results[layer], ATTENTION(*queries(rank, layer), pattern(1, layer), table,
+                                                             seq_lens, query_lens, SCALE, layer))
+                       for layer in rt.plan.target_layers)
+    last = rt.last_forward()
+    out["last"] = {k: last[k] for k in ("mode", "broadcasts", "exchanges", "bytes")}
+
+    # 2. a graph that is not routed is refused at its first wait, before any byte moves
+    try:
+        owner_forward(rt, 2, attend=lambda layer, view: None, routed=False)
+        out["unrouted"] = None
+    except E.OwnerModeUnsupportedError as exc:
+        out["unrouted"] = str(exc)
+    out["broken_after_unrouted"] = rt.broken is not None
+    owner_forward(rt, 3, attend=lambda layer, view: None, mode="broadcast", routed=True)  # still usable
+
+    # 3. a routed op outside its layer's turn
+    def early(layer, view):
+        if layer == rt.plan.target_layers[0]:
+            token = _CURRENT.set(rt)
+            try:
+                routed_attention(layer + 1)(*queries(rank, layer), rt.typed_views(layer)["kv"], table,
+                                            seq_lens, query_lens, SCALE, layer + 1)
+            finally:
+                _CURRENT.reset(token)
+
+    try:
+        owner_forward(rt, 4, attend=early)
+        out["outside_turn"] = None
+    except E.OwnerRoutingError as exc:
+        out["outside_turn"] = str(exc)
+
+    # 4. "auto" needs the step's load; a runtime without an attention shape cannot choose
+    try:
+        with rt.forward(True, mode="auto"):
+            pass
+        out["auto_without_load"] = None
+    except E.OwnerModeUnsupportedError as exc:
+        out["auto_without_load"] = str(exc)
+    bare = fresh_runtime(world, 4, 20.0)
+    try:
+        with bare.forward(True, mode="auto", load=StepLoad(1, 10)):
+            pass
+        out["auto_without_shape"] = None
+    except E.OwnerModeUnsupportedError as exc:
+        out["auto_without_shape"] = str(exc)
+
+    # 5. ranks that disagree on the mode fail together before anything moves
+    other = fresh_runtime(world, 4, 20.0, attention=shape)
+    try:
+        with other.forward(True, mode="owner" if rank == 0 else "broadcast"):
+            pass
+        out["mismatch"] = None
+    except E.BlockSetMismatchError as exc:
+        out["mismatch"] = str(exc)
+    return out
+
+
+def owner_stall_worker(rank: int, world: int, timeout_s: float):
+    """Rank 1 stops issuing collectives inside an owner-mode forward; rank 0 must get a timeout."""
+    from kvpp_fx.runtime.runtime import _CURRENT
+
+    rt = fresh_runtime(world, 4, 60.0, timeout=timeout_s,
+                       attention=AttentionShape(HEADS_PER_RANK * world, WIDTH, RANK_WIDTH, 4))
+    table, seq_lens, query_lens = metadata()
+
+    def attend(layer, view):
+        if rank == 1 and layer == 2:
+            time.sleep(timeout_s + 10.0)
+            os._exit(0)
+        token = _CURRENT.set(rt)
+        try:
+            routed_attention(layer)(*queries(rank, layer), rt.typed_views(layer)["kv"], table, seq_lens,
+                                    query_lens, SCALE, layer)
+        finally:
+            _CURRENT.reset(token)
+
+    start = time.monotonic()
+    try:
+        owner_forward(rt, 1, attend=attend)
+    except E.TransferFailedError as exc:
+        elapsed = time.monotonic() - start
+        try:
+            with rt.forward(True, mode="owner"):
+                pass
+        except E.RuntimeBrokenError as later:
+            return {"error": type(exc).__name__, "elapsed": elapsed, "later": type(later).__name__}
+        return {"error": type(exc).__name__, "elapsed": elapsed, "later": None}
+    dist.barrier()
+    return {"error": None}
