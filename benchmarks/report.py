@@ -69,6 +69,28 @@ def rows() -> list[tuple[str, str, str]]:
                     f"{t['kvpp_whole_layer']['median'] * 1e3:.1f} ms; bytes per step "
                     f"{_mib(row['bytes_per_decode_step']['kvpp'])} vs "
                     f"{_mib(row['bytes_per_decode_step']['kvpp_whole_layer'])})", "same"))
+    om = _load("owner_mode")
+    byte_rows = {}
+    for row in om["bytes"]:  # a prefilled context over a synthetic one of the same length
+        if row["context"] == "prefilled" or row["context_tokens"] not in byte_rows:
+            byte_rows[row["context_tokens"]] = row
+    points = [byte_rows[c] for c in sorted(byte_rows)]
+    contexts = " / ".join(f"{r['context_tokens'] // 1024}k" for r in points)
+    synthetic = [f"{r['context_tokens'] // 1024}k" for r in points if r["context"] == "synthetic"]
+    out.append((f"bytes per decode step, owner / broadcast mode, `small` TP {om['tp']}, {contexts} context",
+                " / ".join(f"{r['ratio']:.2e}" for r in points) + " (formula "
+                + " / ".join(f"{r['ranks'][0]['formula_ratio_at_blocks_read']:.2e}" for r in points)
+                + (f"; {', '.join(synthetic)} without prefill: blocks marked computed" if synthetic else "") + ")",
+                "`python benchmarks/owner_mode.py`"))
+    t = om["timing"]["0"]
+    order = ("owner", "auto", "broadcast")
+    chose = t["auto_chose_decode"]
+    out.append((f"decode step, KVPP / replicated at {om['timed_context_tokens'] // 1024}k context, "
+                f"{' / '.join(order)} mode (goal <= {om['goal_ratio']:.2f})",
+                " / ".join(f"{t['modes'][m]['ratio_of_medians']:.2f}x" for m in order)
+                + f" (medians: replicated {t['replicated_decode_step_s']['median'] * 1e3:.1f} ms, "
+                + ", ".join(f"{m} {t['modes'][m]['decode_step_s']['median'] * 1e3:.1f} ms" for m in order)
+                + f"; auto chose owner mode in {chose.count('owner')} of {len(chose)} decode steps)", "same"))
     ab = _load("active_blocks")
     cross = ab["crossover_fraction"]
     out.append((f"active-block crossover, {ab['pool_blocks']}-block pool, {ab['layer_bytes'] / 2**20:.1f} MiB layers",
