@@ -123,6 +123,7 @@ class _ActiveSet:
 class _Forward:
     has_history: bool
     owner: bool = False  # owner mode: routed cache ops run on each layer's owner; no broadcast
+    query_tokens: int = -1  # from the forward's load, when given (owner mode gathers that many per rank)
     active: _ActiveSet | None = None
     next_position: int = 0  # plan position of the only layer the next prefetch may name
     in_flight: InFlight | None = None
@@ -264,7 +265,8 @@ class KVPPRuntime:
             raise NestedForwardError("runtime.forward() is already open.")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-        state = _Forward(has_history=bool(has_history) and self.transport is not None)
+        state = _Forward(has_history=bool(has_history) and self.transport is not None,
+                         query_tokens=load.query_tokens if load is not None else -1)
         if state.has_history and blocks is not None:
             state.active = self._prepare_active(blocks)
         choice = None
@@ -377,7 +379,7 @@ class KVPPRuntime:
         mode = (_OWNER if state.owner else _NO_HISTORY if not state.has_history
                 else _ACTIVE_BLOCKS if active is not None else _WHOLE_LAYERS)
         count, digest = (active.count, active.digest) if active is not None else (0, 0)
-        mine = torch.tensor([mode, count, digest], dtype=torch.int64)
+        mine = torch.tensor([mode, count, digest, state.query_tokens], dtype=torch.int64)
         group = self._agreement_group
         extremes = torch.cat([mine, -mine])
         if group is None:
@@ -388,14 +390,14 @@ class KVPPRuntime:
         except TransferFailedError as exc:
             self._break(exc)
             raise
-        high, low = extremes.cpu().view(2, 3)
+        high, low = extremes.cpu().view(2, 4)
         if not torch.equal(high, -low):
             names = ("history and path (0 none, 1 whole layers, 2 active blocks, 3 owner mode)", "active-block count",
-                     "active-block set")
+                     "active-block set", "query tokens (the load)")
             differing = [n for n, h, l in zip(names, high.tolist(), (-low).tolist()) if h != l]
             raise BlockSetMismatchError(
                 f"the ranks disagree on this forward's {', '.join(differing)}; every rank must pass the same "
-                f"has_history and blocks to runtime.forward() (this rank: mode {mode}, {count} blocks). "
+                f"has_history, blocks, mode and load to runtime.forward() (this rank: path {mode}, {count} blocks). "
                 "Nothing was moved.")
 
     def _mispaired(self, layer: int | None) -> None:

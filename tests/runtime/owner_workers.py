@@ -125,6 +125,12 @@ def owner_protocol_worker(rank: int, world: int):
         out["mismatch"] = None
     except E.BlockSetMismatchError as exc:
         out["mismatch"] = str(exc)
+    try:  # owner mode gathers each rank's query tokens: ranks that disagree on them fail before any gather
+        with other.forward(True, mode="owner", load=StepLoad(3 + rank, 10)):
+            pass
+        out["load_mismatch"] = None
+    except E.BlockSetMismatchError as exc:
+        out["load_mismatch"] = str(exc)
     return out
 
 

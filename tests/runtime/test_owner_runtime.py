@@ -24,6 +24,7 @@ def test_owner_mode_results_and_refusals(world):
         assert "the step's load" in res["auto_without_load"]
         assert "an attention shape" in res["auto_without_shape"]
         assert "3 owner mode" in res["mismatch"] and "Nothing was moved" in res["mismatch"]
+        assert "query tokens" in res["load_mismatch"] and "active-block" not in res["load_mismatch"]
 
 
 def test_a_stalled_peer_in_owner_mode_times_out_and_breaks_the_runtime():
