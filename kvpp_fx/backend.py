@@ -181,6 +181,9 @@ class KVPPBackend:
         result = insert_kvpp_ops(gm, self.table, graph_breaks=may_hold_part_of_the_model(gm), recompile=False)
         t_route = time.perf_counter()
         routing = route_owner_ops(gm, self.table, recompile=False) if result.changed else None
+        runtime = active_runtime()
+        if routing is not None and runtime is not None:
+            runtime.note_routing(result.layers, routing.routed)  # "auto" picks owner only for routed layers
         t1 = time.perf_counter()
         timings = {"insert_s": t_route - t0, "route_s": t1 - t_route}
         split = None

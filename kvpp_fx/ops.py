@@ -133,7 +133,8 @@ class RoutedOp:
     """A registered cache op of one layer, routed so that the runtime's mode decides where it runs.
 
     ``heads``: (where, dim) of each head operand of a head-separable op, in declaration order; empty
-    for an owner-local op. ``output_dim``: the head dimension of the output (head-separable ops).
+    for an owner-local op; ``token_dims``: each head operand's query-token dimension.
+    ``output_dim``: the head dimension of the output (head-separable ops).
     ``output_like``: the head operand whose shape and dtype the output has. Instances are interned, so
     equal routings are the same graph target.
     """
@@ -141,8 +142,12 @@ class RoutedOp:
     _interned: dict[tuple, RoutedOp] = {}
 
     def __new__(cls, op: object, layer: int, heads: tuple[tuple[ArgWhere, int], ...] = (),
-                output_dim: int | None = None, output_like: int = 0) -> RoutedOp:
-        key = (op, layer, tuple(heads), output_dim, output_like)
+                output_dim: int | None = None, output_like: int = 0,
+                token_dims: tuple[int, ...] | None = None) -> RoutedOp:
+        token_dims = tuple(token_dims) if token_dims is not None else (0,) * len(heads)
+        if len(token_dims) != len(heads):
+            raise ValueError(f"{len(heads)} head operands but {len(token_dims)} token dimensions.")
+        key = (op, layer, tuple(heads), output_dim, output_like, token_dims)
         routed = cls._interned.get(key)
         if routed is None:
             routed = super().__new__(cls)
@@ -151,6 +156,7 @@ class RoutedOp:
             routed.heads = tuple(heads)
             routed.output_dim = output_dim
             routed.output_like = output_like
+            routed.token_dims = token_dims
             schema = getattr(op, "_schema", None) or op.default._schema
             routed._schema = schema
             name = schema.name.replace("::", "_")
@@ -169,7 +175,8 @@ class RoutedOp:
                 f"output_dim={self.output_dim})")
 
     def __reduce__(self):
-        return RoutedOp, (self.kvpp_routed_op, self.layer, self.heads, self.output_dim, self.output_like)
+        return RoutedOp, (self.kvpp_routed_op, self.layer, self.heads, self.output_dim, self.output_like,
+                          self.token_dims)
 
     def __call__(self, *args, **kwargs):
         op = self.kvpp_routed_op
@@ -191,8 +198,8 @@ class RoutedOp:
                     call_args[where] = tensor
             return op(*call_args, **call_kwargs)
 
-        return runtime.owner_compute(self.layer, tensors, [dim for _, dim in self.heads], self.output_dim,
-                                     self.output_like, compute)
+        return runtime.owner_compute(self.layer, tensors, [dim for _, dim in self.heads], list(self.token_dims),
+                                     self.output_dim, self.output_like, compute)
 
 
 def _tracing_with_fake_tensors() -> bool:

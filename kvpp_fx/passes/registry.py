@@ -34,10 +34,12 @@ class CacheOperand:
 
 @dataclass(frozen=True)
 class HeadOperand:
-    """An operand that carries attention heads, split over the TP ranks along dimension ``dim``."""
+    """An operand that carries attention heads, split over the TP ranks along dimension ``dim``, and the
+    step's query tokens along ``token_dim`` (owner mode checks those against the forward's load)."""
 
     arg: int | str | tuple[str, int]
     dim: int
+    token_dim: int = 0
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,10 @@ def _val(node: torch.fx.Node):
 
 
 def resolve_heads(node: torch.fx.Node, rule: HeadSeparable) -> tuple[tuple[int | str, int], ...]:
-    """(location, dim) of each declared head operand in this call, checked against the metadata."""
-    heads, sizes = [], []
+    """(location, dim) of each declared head operand in this call, checked against the metadata: one
+    head count and one dtype over the head operands, and an output shaped like the ``output_like``
+    operand with its heads on the same dimension."""
+    heads, vals = [], []
     for operand in rule.operands:
         try:
             where = arg_location(node, operand.arg)
@@ -74,18 +76,30 @@ def resolve_heads(node: torch.fx.Node, rule: HeadSeparable) -> tuple[tuple[int |
             raise HeadOperandError(f"{node.format_node()}: head operand {operand.arg!r} is not a graph value.")
         val = _val(value)
         if isinstance(val, torch.Tensor):
-            if not -val.dim() <= operand.dim < val.dim():
-                raise HeadOperandError(f"{node.format_node()}: head operand {operand.arg!r} has {val.dim()} "
-                                       f"dimensions, the declaration names dimension {operand.dim}.")
-            sizes.append(val.shape[operand.dim])
+            for what, dim in (("head", operand.dim), ("token", operand.token_dim)):
+                if not -val.dim() <= dim < val.dim():
+                    raise HeadOperandError(f"{node.format_node()}: head operand {operand.arg!r} has {val.dim()} "
+                                           f"dimensions, the declaration names {what} dimension {dim}.")
+        vals.append(val)
         heads.append((where, operand.dim))
+    known = [(v, o) for v, o in zip(vals, rule.operands) if isinstance(v, torch.Tensor)]
+    sizes = [v.shape[o.dim] for v, o in known]
     out = _val(node)
-    if isinstance(out, torch.Tensor) and sizes:
-        sizes.append(out.shape[rule.output_dim] if -out.dim() <= rule.output_dim < out.dim() else None)
+    like, like_operand = vals[rule.output_like], rule.operands[rule.output_like]
+    if isinstance(like, torch.Tensor) and out is not None:
+        if not isinstance(out, torch.Tensor) or out.shape != like.shape or out.dtype != like.dtype:
+            got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise HeadOperandError(f"{node.format_node()}: the output is {got}; the declaration says it is shaped "
+                                   f"like head operand {rule.output_like} ({tuple(like.shape)} {like.dtype}).")
+        if rule.output_dim % like.dim() != like_operand.dim % like.dim():
+            raise HeadOperandError(f"{node.format_node()}: the output's head dimension {rule.output_dim} is not "
+                                   f"that of head operand {rule.output_like} ({like_operand.dim}), whose shape it has.")
     if len({str(s) for s in sizes}) > 1:
-        raise HeadOperandError(f"{node.format_node()}: the head operands and the output disagree on the number "
-                               f"of heads ({sizes}); a head-separable op's head dimensions must all hold the "
-                               "rank's heads.")
+        raise HeadOperandError(f"{node.format_node()}: the head operands disagree on the number of heads "
+                               f"({sizes}); a head-separable op's head dimensions must all hold the rank's heads.")
+    if len({v.dtype for v, _ in known}) > 1:
+        raise HeadOperandError(f"{node.format_node()}: head operands of dtypes {sorted(str(v.dtype) for v, _ in known)}; "
+                               "owner mode packs them into one buffer of one dtype.")
     return tuple(heads)
 
 
@@ -121,7 +135,8 @@ def route_owner_ops(gm: torch.fx.GraphModule, table: LayerTable, *, recompile: b
             else:
                 heads = resolve_heads(node, spec.owner)
                 routes.append((node, RoutedOp(node.target, group.layer, heads, spec.owner.output_dim,
-                                              spec.owner.output_like)))
+                                              spec.owner.output_like,
+                                              tuple(o.token_dim for o in spec.owner.operands))))
     for node, routed in routes:
         node.target = routed
     for wait in waits.values():

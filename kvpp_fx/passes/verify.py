@@ -323,11 +323,13 @@ def _routing_problems(waits: list[torch.fx.Node], registered: list[tuple[torch.f
             except LayerResolutionError as exc:
                 problems.append(f"{node.name}: {exc}")
                 continue
-            if (target.heads, target.output_dim, target.output_like) != \
-                    (declared, rule.output_dim, rule.output_like):
+            tokens = tuple(o.token_dim for o in rule.operands)
+            if (target.heads, target.output_dim, target.output_like, target.token_dims) != \
+                    (declared, rule.output_dim, rule.output_like, tokens):
                 problems.append(f"{node.name} is routed with heads {target.heads}, output dimension "
-                                f"{target.output_dim}, output like {target.output_like}; {spec.op} declares "
-                                f"{declared}, {rule.output_dim}, {rule.output_like}.")
+                                f"{target.output_dim}, output like {target.output_like}, token dimensions "
+                                f"{target.token_dims}; {spec.op} declares {declared}, {rule.output_dim}, "
+                                f"{rule.output_like}, {tokens}.")
         else:
             problems.append(f"{node.name} is routed, but {spec.op} declares no owner rule.")
     return problems

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import hashlib
 import logging
 import os
@@ -124,6 +125,8 @@ class _Forward:
     has_history: bool
     owner: bool = False  # owner mode: routed cache ops run on each layer's owner; no broadcast
     query_tokens: int = -1  # from the forward's load, when given (owner mode gathers that many per rank)
+    last_work: Any = None  # the last owner-mode collective (one communicator completes in order)
+    exchange_failed: torch.Tensor | None = None  # on a device: the owners' status values, read at the end
     active: _ActiveSet | None = None
     next_position: int = 0  # plan position of the only layer the next prefetch may name
     in_flight: InFlight | None = None
@@ -160,6 +163,7 @@ class KVPPRuntime:
             if group is not None else {}
         self.attention = attention
         self.link = link or LinkModel()
+        self._routed: dict[int, bool] = {}  # what the backend reported for each layer's compiled graph
         self._stats = TransferStats(targets)
         self._forward: _Forward | None = None
         self._broken: BaseException | None = None
@@ -241,6 +245,19 @@ class KVPPRuntime:
         """The first failure that broke the runtime, or None."""
         return self._broken
 
+    def note_routing(self, layers: tuple[int, ...], routed: bool) -> None:
+        """The backend compiled a graph holding `layers`, routed for owner mode or not (a graph compiled
+        under this runtime's forward reports it; an unreported layer counts as unknown)."""
+        for layer in layers:
+            self._routed[layer] = routed
+
+    def routing(self) -> dict[int, bool]:
+        """Each layer's reported routing: True (owner mode possible), False (broadcast only)."""
+        return dict(self._routed)
+
+    def _unrouted_layers(self) -> list[int]:
+        return [layer for layer in self.plan.target_layers if self._routed.get(layer) is False]
+
     @property
     def owner_mode(self) -> bool:
         """True inside a forward that runs in owner mode."""
@@ -276,6 +293,15 @@ class KVPPRuntime:
             choice = self._choose(state, load)
             mode = choice["mode"]
         state.owner = mode == OWNER
+        if state.owner and self._unrouted_layers():
+            raise OwnerModeUnsupportedError(
+                f"owner mode was asked, but the compiled graph of layers {self._unrouted_layers()} is not routed "
+                "for it (one of its cache ops declares no owner rule in its AttentionOpSpec); nothing was moved. "
+                'Use mode="broadcast" or "auto", or declare the ops and recompile.')
+        if state.owner and load is None:
+            raise OwnerModeUnsupportedError(
+                "owner mode needs the step's load (forward(..., load=StepLoad(query_tokens, attention_pairs))): "
+                "every rank gathers that many query tokens, and the ranks agree on it first.")
         if state.owner:
             state.active = None  # owner mode reads the owner's persistent cache; no block moves
         if self.transport is not None:
@@ -306,11 +332,23 @@ class KVPPRuntime:
                     self._break(failure)
                     if exc is None:
                         raise
+            if state.last_work is not None:  # on a device the exchanges were waited for by the stream only
+                try:
+                    self.transport.complete_work_on_host(state.last_work, "the forward's last owner-mode exchange")
+                except TransferFailedError as failure:
+                    self._break(failure)
+                    if exc is None:
+                        raise
             if exc is not None:
                 if state.issued:
                     self._break(exc)
                 return
             self._raise_if_broken()  # a failure inside this forward was caught by the caller
+            if state.exchange_failed is not None and bool(state.exchange_failed.item()):
+                error = OwnerRoutingError("an owner failed to compute a layer in this forward; this rank's "
+                                          "outputs of that layer are zeros.")
+                self._break(error)
+                raise error
             if (state.active is not None and state.issued and self.storage.device.type != "cpu"
                     and not bool(state.active.ids_ok.item())):
                 self._mispaired(None)  # on a device the received ids are checked once, here
@@ -363,15 +401,15 @@ class KVPPRuntime:
             missing = "an attention shape (KVPPRuntime.create(attention=...))" if self.attention is None \
                 else "the step's load (forward(..., load=StepLoad(...)))"
             raise OwnerModeUnsupportedError(f'mode="auto" needs {missing} to compare the two modes.')
+        unknown = [layer for layer in self.plan.target_layers if not self._routed.get(layer, False)]
+        if unknown:
+            return {"mode": BROADCAST, "why": f"layers {unknown} are not known to be routed for owner mode"}
         broadcast = 0
         if state.has_history:
             first = self.plan.target_layers[0]
             broadcast = (self.plan.active_broadcast_bytes(first, state.active.count) if state.active is not None
                          else self._views[first].numel() * self._views[first].element_size())
-        picked = choose_mode(self.attention, load, broadcast, self.plan.group_size, self.link)
-        return {"mode": picked.mode, "broadcast_bytes_per_layer": picked.broadcast_bytes,
-                "owner_bytes_per_layer": picked.owner_bytes, "broadcast_s_per_layer": picked.broadcast_s,
-                "owner_s_per_layer": picked.owner_s}
+        return dataclasses.asdict(choose_mode(self.attention, load, broadcast, self.plan.group_size, self.link))
 
     def _agree(self, state: _Forward) -> None:
         """All ranks must agree on what this forward moves before anything moves (one small all-reduce)."""
@@ -557,63 +595,110 @@ class KVPPRuntime:
         self._owner_turn(layer)
         return self._owned[layer]
 
-    def owner_compute(self, layer: int, heads: list[torch.Tensor], dims: list[int], output_dim: int,
-                      output_like: int, compute: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+    def owner_compute(self, layer: int, heads: list[torch.Tensor], dims: list[int], token_dims: list[int],
+                      output_dim: int, output_like: int,
+                      compute: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
         """Run a head-separable op of `layer` on its owner over every rank's heads; return this rank's part.
 
         Every rank packs its head operands into one buffer, which one gather brings to the owner. The
         owner concatenates each operand along its head dimension in rank order, calls ``compute``, splits
-        the output along ``output_dim`` and scatters the parts back. Both collectives run on the current
-        stream, in program order, and the current stream waits for each (the host too, on CPU).
+        the output along ``output_dim`` and scatters the parts back, each followed by one status value
+        (non-zero: the owner failed, and the part is zeros). Both collectives run on the current stream,
+        in program order, and the current stream waits for each (the host too, on CPU).
+
+        Before anything is issued, every head operand must hold the forward's agreed query tokens on its
+        token dimension (and, with an attention shape, the rank's share of the heads), and all must have
+        one dtype: buffers of different sizes would pair wrongly in the gather.
         """
         state = self._owner_turn(layer)
         group_size = self.plan.group_size
-        for tensor, dim in zip(heads, dims):
-            if not -tensor.dim() <= dim < tensor.dim():
-                raise OwnerRoutingError(f"layer {layer}: head dimension {dim} of a {tuple(tensor.shape)} operand.")
+        self._check_heads(layer, heads, dims, token_dims, state.query_tokens)
         like = heads[output_like]
         local_heads = like.shape[dims[output_like]]
-        out_shape = list(like.shape)
         owned = self._owned[layer]
         pack = torch.cat([t.contiguous().view(-1) for t in heads]) if len(heads) > 1 else \
             heads[0].contiguous().view(-1)
         nbytes = pack.numel() * pack.element_size() + like.numel() * like.element_size()
         state.issued += 1  # counted first: a failure while issuing may have left a peer's half pending
         owner = self._owner_rank[layer]
+        start = time.perf_counter_ns()
         gathered = [torch.empty_like(pack) for _ in range(group_size)] if owned else None
         if self._fault == "skip-gather":
             if owned:
                 for part in gathered:
                     part.copy_(pack)
         else:
-            self._run_collective(lambda: self.api.gather(pack, gathered, owner, self.group),
-                                 f"owner-mode gather of layer {layer}")
-        mine = torch.empty(out_shape, dtype=like.dtype, device=like.device)
-        parts = None
+            state.last_work = self._run_collective(lambda: self.api.gather(pack, gathered, owner, self.group),
+                                                   f"owner-mode gather of layer {layer}")
+        received = torch.empty(like.numel() + 1, dtype=like.dtype, device=like.device)
+        parts, failure = None, None
         if owned:
-            full = []
-            offset = 0
-            for tensor, dim in zip(heads, dims):
-                n = tensor.numel()
-                full.append(torch.cat([g[offset:offset + n].view(tensor.shape) for g in gathered], dim=dim))
-                offset += n
-            out = compute(full)
-            expected = list(out_shape)
-            expected[output_dim] = local_heads * group_size
-            if list(out.shape) != expected or out.dtype != like.dtype:
-                raise OwnerRoutingError(
-                    f"layer {layer}: the op's output over all heads is {tuple(out.shape)} {out.dtype}; its "
-                    f"declaration says {tuple(expected)} {like.dtype} (the shape of head operand {output_like} "
-                    f"with heads on dimension {output_dim}).")
-            parts = [p.contiguous() for p in out.split(local_heads, dim=output_dim)]
-            if self._fault == "swap-heads":
-                parts = parts[1:] + parts[:1]
-        self._run_collective(lambda: self.api.scatter(mine, parts, owner, self.group),
-                             f"owner-mode scatter of layer {layer}")
+            try:
+                parts = self._owner_parts(layer, heads, dims, gathered, compute, like, output_like, output_dim,
+                                          local_heads)
+            except Exception as exc:  # the other ranks learn it from the scatter instead of a timeout
+                failure = exc
+                parts = [torch.cat([torch.zeros_like(like).view(-1), like.new_ones(1)]) for _ in range(group_size)]
+        state.last_work = self._run_collective(lambda: self.api.scatter(received, parts, owner, self.group),
+                                               f"owner-mode scatter of layer {layer}")
+        if failure is not None:
+            raise failure
+        status = received[-1:]
+        if self.storage.device.type == "cpu":
+            if bool(status.item()):
+                raise OwnerRoutingError(f"the owner of layer {layer} failed to compute it (see its error); "
+                                        "this rank received no output.")
+        else:  # read on the host once, when the forward ends
+            state.exchange_failed = status if state.exchange_failed is None else \
+                torch.maximum(state.exchange_failed, status)
         self._stats.record_exchange(layer, nbytes * (group_size - 1) if owned else nbytes)
-        return mine
+        if self.timeline is not None:
+            self.timeline.add(f"exchange L{layer}", "exchange", start, time.perf_counter_ns(),
+                              track="kvpp transfer stream", layer=layer, bytes=nbytes, owner=owner)
+        return received[:-1].view(like.shape)
 
-    def _run_collective(self, issue: Callable[[], Any], what: str) -> None:
+    def _check_heads(self, layer: int, heads: list[torch.Tensor], dims: list[int], token_dims: list[int],
+                     query_tokens: int) -> None:
+        local = self.attention.split(self.plan.group_size) if self.attention is not None else None
+        for i, (tensor, dim, token_dim) in enumerate(zip(heads, dims, token_dims)):
+            if not (-tensor.dim() <= dim < tensor.dim() and -tensor.dim() <= token_dim < tensor.dim()):
+                raise OwnerRoutingError(f"layer {layer}: head operand {i} is {tuple(tensor.shape)}; its declared "
+                                        f"head dimension {dim} or token dimension {token_dim} does not exist.")
+            if tensor.shape[token_dim] != query_tokens:
+                raise OwnerRoutingError(
+                    f"layer {layer}: head operand {i} holds {tensor.shape[token_dim]} query tokens, the forward's "
+                    f"load {query_tokens}; owner mode gathers equal buffers from every rank.")
+            if local is not None and tensor.shape[dim] != local:
+                raise OwnerRoutingError(f"layer {layer}: head operand {i} holds {tensor.shape[dim]} heads, the "
+                                        f"runtime's attention shape {local} per rank.")
+            if tensor.dtype != heads[0].dtype:
+                raise OwnerRoutingError(f"layer {layer}: head operands of dtypes {heads[0].dtype} and "
+                                        f"{tensor.dtype}; owner mode packs them into one buffer of one dtype.")
+
+    def _owner_parts(self, layer, heads, dims, gathered, compute, like, output_like, output_dim,
+                     local_heads) -> list[torch.Tensor]:
+        """The owner's side: all heads in rank order, the op, and each rank's part plus a zero status."""
+        full, offset = [], 0
+        for tensor, dim in zip(heads, dims):
+            n = tensor.numel()
+            full.append(torch.cat([g[offset:offset + n].view(tensor.shape) for g in gathered], dim=dim))
+            offset += n
+        out = compute(full)
+        expected = list(like.shape)
+        expected[output_dim] = local_heads * self.plan.group_size
+        if not isinstance(out, torch.Tensor) or list(out.shape) != expected or out.dtype != like.dtype:
+            got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+            raise OwnerRoutingError(
+                f"layer {layer}: the op's output over all heads is {got}; its declaration says "
+                f"{tuple(expected)} {like.dtype} (the shape of head operand {output_like} with heads on "
+                f"dimension {output_dim}).")
+        zero = like.new_zeros(1)
+        parts = [torch.cat([p.contiguous().view(-1), zero]) for p in out.split(local_heads, dim=output_dim)]
+        if self._fault == "swap-heads":
+            parts = parts[1:] + parts[:1]
+        return parts
+
+    def _run_collective(self, issue: Callable[[], Any], what: str) -> Any:
         """Issue a collective and make the current stream wait for it; a failure breaks the runtime."""
         try:
             try:
@@ -624,6 +709,7 @@ class KVPPRuntime:
         except TransferFailedError as exc:
             self._break(exc)
             raise
+        return work
 
     # --- counters and lifetime ---------------------------------------------------------------------
 

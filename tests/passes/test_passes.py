@@ -369,6 +369,20 @@ def mutate_routed_op_for_another_layer():
     return gm, TABLE
 
 
+def mutate_owner_local_output_read_outside_its_layer():
+    gm = routed_graph()
+    write = node_named(gm, "write_kv_1")
+    with gm.graph.inserting_after(write):
+        gm.graph.call_function(operator.is_, (write, None))
+    return gm, TABLE
+
+
+def mutate_owner_local_output_as_a_head_operand():
+    gm = routed_graph()
+    node_named(gm, "attn_2").update_arg(1, node_named(gm, "write_kv_2"))
+    return gm, TABLE
+
+
 MUTATIONS = [
     ("counts", mutate_drop_final_prefetch, "layer 4 is prefetched 0 times, expected 1"),
     ("counts", mutate_drop_a_layer_whose_ops_have_no_cache_operand, "layer 3 is awaited 0 times"),
@@ -391,6 +405,10 @@ MUTATIONS = [
     ("routing", mutate_head_dimension_of_a_routed_op,
      r"attn_1 is routed with heads \(\(0, 2\), \(1, 1\)\).*declares \(\(0, 1\), \(1, 1\)\)"),
     ("routing", mutate_routed_op_for_another_layer, "attn_3 is routed for layer 2 but touches layer 3"),
+    ("routing", mutate_owner_local_output_read_outside_its_layer,
+     "is_ reads the owner-local output of write_kv_1, which is None on the ranks that do not own layer 1"),
+    ("routing", mutate_owner_local_output_as_a_head_operand,
+     "attn_2 takes the owner-local output of write_kv_2 as a head operand"),
 ]
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvpp_fx.ops import RoutedOp, is_routed_op
+from kvpp_fx.runtime.runtime import KVPPRuntime
 from kvpp_fx.passes.registry import (
     AttentionOpSpec,
     HeadOperand,
@@ -17,6 +18,9 @@ from kvpp_fx.passes.registry import (
 from kvpp_fx.passes.route import HeadOperandError, OwnerLocalOutputError, route_owner_ops
 from kvpp_fx.passes.split import split_pieces
 from kvpp_fx.passes.verify import verify_graph
+from kvpp_fx.backend import kvpp_backend
+from tests.passes import toy
+from tests.passes.test_golden import compile_and_run
 from tests.passes.test_passes import TABLE, kvpp_nodes, node_named, rewritten
 
 ATTENTION = "kvpp_ref::mla_attention"
@@ -86,7 +90,21 @@ def test_head_operands_that_disagree_on_the_head_count_are_refused():
     rule = HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 2)), output_dim=1)
     with declared(ATTENTION, rule):
         gm = rewritten()
-        with pytest.raises(HeadOperandError, match=r"disagree on the number of heads \(\[2, 4, 2\]\)"):
+        with pytest.raises(HeadOperandError, match=r"disagree on the number of heads \(\[2, 4\]\)"):
+            route_owner_ops(gm, TABLE)
+
+
+def test_an_output_that_is_not_shaped_like_its_declared_operand_is_refused():
+    # the attention output [T, 2, 8] has q_latent's shape, not q_pe's [T, 2, 4]
+    rule = HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 1)), output_dim=1, output_like=1)
+    with declared(ATTENTION, rule):
+        gm = rewritten()
+        with pytest.raises(HeadOperandError, match="shaped like head operand 1"):
+            route_owner_ops(gm, TABLE)
+    rule = HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 1)), output_dim=0)
+    with declared(ATTENTION, rule):
+        gm = rewritten()
+        with pytest.raises(HeadOperandError, match="head dimension 0 is not that of head operand 0"):
             route_owner_ops(gm, TABLE)
 
 
@@ -102,7 +120,24 @@ def test_declarations_are_validated():
 def test_routed_ops_land_in_eager_pieces():
     gm = rewritten()
     route_owner_ops(gm, TABLE)
+    placed = []
     for piece in split_pieces(gm).pieces:
         routed = [n for n in piece.graph_module.graph.nodes if is_routed_op(n.target)]
         assert not routed or piece.is_eager
+        placed += routed
+    assert len(placed) == 8  # write_kv and mla_attention of each of the 4 layers
     assert node_named(gm, "attn_3").target.layer == 3
+
+
+@pytest.mark.parametrize("declare", [True, False], ids=["declared", "undeclared"])
+def test_the_backend_tells_the_runtime_which_layers_are_routed(declare, monkeypatch):
+    seen = {}
+    real = KVPPRuntime.note_routing
+    monkeypatch.setattr(KVPPRuntime, "note_routing",
+                        lambda self, layers, routed: (seen.update(dict.fromkeys(layers, routed)),
+                                                      real(self, layers, routed))[1])
+    plan = toy.toy_plan(4)
+    with contextlib.nullcontext() if declare else declared(ATTENTION, None):
+        record = compile_and_run(toy.ToyMLA(4), kvpp_backend(plan, mode="eager"), plan, 4)
+    assert record.owner_routed is declare
+    assert seen == dict.fromkeys(range(4), declare)

@@ -36,9 +36,9 @@ def metadata(tokens: int = 3):
     return table, torch.tensor([9, 5]), torch.tensor([2, 1])
 
 
-def owner_forward(rt, forward: int, *, attend, mode="owner", routed=True):
+def owner_forward(rt, forward: int, *, attend, mode="owner", routed=True, tokens: int = 3):
     layers = rt.plan.target_layers
-    with rt.forward(True, mode=mode):
+    with rt.forward(True, mode=mode, load=StepLoad(tokens, 14 * tokens)):
         rt.prefetch(layers[0], rt.plan.slot(layers[0]))
         for layer in layers:
             view = rt.wait(layer, rt.plan.slot(layer), routed=routed)
@@ -102,13 +102,14 @@ def owner_protocol_worker(rank: int, world: int):
     except E.OwnerRoutingError as exc:
         out["outside_turn"] = str(exc)
 
-    # 4. "auto" needs the step's load; a runtime without an attention shape cannot choose
-    try:
-        with rt.forward(True, mode="auto"):
-            pass
-        out["auto_without_load"] = None
-    except E.OwnerModeUnsupportedError as exc:
-        out["auto_without_load"] = str(exc)
+    # 4. "auto" and "owner" need the step's load; a runtime without an attention shape cannot choose
+    for mode in ("auto", "owner"):
+        try:
+            with rt.forward(True, mode=mode):
+                pass
+            out[f"{mode}_without_load"] = None
+        except E.OwnerModeUnsupportedError as exc:
+            out[f"{mode}_without_load"] = str(exc)
     bare = fresh_runtime(world, 4, 20.0)
     try:
         with bare.forward(True, mode="auto", load=StepLoad(1, 10)):
@@ -120,7 +121,7 @@ def owner_protocol_worker(rank: int, world: int):
     # 5. ranks that disagree on the mode fail together before anything moves
     other = fresh_runtime(world, 4, 20.0, attention=shape)
     try:
-        with other.forward(True, mode="owner" if rank == 0 else "broadcast"):
+        with other.forward(True, mode="owner" if rank == 0 else "broadcast", load=StepLoad(3, 30)):
             pass
         out["mismatch"] = None
     except E.BlockSetMismatchError as exc:
@@ -166,3 +167,81 @@ def owner_stall_worker(rank: int, world: int, timeout_s: float):
         return {"error": type(exc).__name__, "elapsed": elapsed, "later": None}
     dist.barrier()
     return {"error": None}
+
+
+def routed_call(rt, op, *args):
+    from kvpp_fx.runtime.runtime import _CURRENT
+
+    token = _CURRENT.set(rt)
+    try:
+        return op(*args)
+    finally:
+        _CURRENT.reset(token)
+
+
+def owner_failures_worker(rank: int, world: int):
+    """Non-owners skip cache writes; an owner that fails tells the others at once; a rank whose queries
+    disagree with the load refuses before its gather (its peers time out)."""
+    out = {}
+    shape = AttentionShape(HEADS_PER_RANK * world, WIDTH, RANK_WIDTH, 4)
+    table, seq_lens, query_lens = metadata()
+
+    # 1. the cache writes of a layer run on its owner only
+    rt = fresh_runtime(world, 4, 20.0, attention=shape)
+    before = {layer: rt.typed_views(layer)["kv"].clone() for layer in rt.plan.target_layers}
+    write = torch.ops.kvpp_ref.write_kv.default
+
+    def writes(layer, view):
+        kv = torch.full((3, RANK_WIDTH), 1.0 + layer)
+        routed_call(rt, RoutedOp(write, layer), rt.typed_views(layer)["kv"], kv, torch.ones(3, ROPE),
+                    torch.tensor([0, 1, 2]), layer)
+
+    owner_forward(rt, 1, attend=writes)
+    out["written"] = {layer: not torch.equal(before[layer], rt.typed_views(layer)["kv"])
+                      for layer in rt.plan.target_layers}
+    out["owned"] = list(rt.plan.owned_layers(rt.rank))
+
+    # 2. the owner of layer 0 fails inside the op: the other ranks learn it from the scatter
+    rt = fresh_runtime(world, 4, 20.0, attention=shape)
+    bad_table = torch.full_like(table, 99) if rank == 0 else table  # rank 0 owns layer 0
+
+    def failing(layer, view):
+        routed_call(rt, routed_attention(layer), *queries(rank, layer), rt.typed_views(layer)["kv"], bad_table,
+                    seq_lens, query_lens, SCALE, layer)
+
+    start = time.monotonic()
+    try:
+        owner_forward(rt, 1, attend=failing)
+        out["owner_failure"] = None
+    except Exception as exc:  # the owner: the op's own error; the others: OwnerRoutingError
+        out["owner_failure"] = (type(exc).__name__, time.monotonic() - start, rt.broken is not None)
+
+    # 3. layers whose compiled graph is not routed: owner mode is refused up front, auto broadcasts
+    rt = fresh_runtime(world, 4, 20.0, attention=shape)
+    rt.note_routing((0, 1), True)
+    rt.note_routing((2, 3), False)
+    try:
+        with rt.forward(True, mode="owner", load=StepLoad(3, 30)):
+            pass
+        out["unrouted_owner"] = None
+    except E.OwnerModeUnsupportedError as exc:
+        out["unrouted_owner"] = (str(exc), rt.broken is not None)
+    owner_forward(rt, 1, attend=lambda layer, view: None, mode="auto", tokens=1)
+    out["unrouted_auto"] = rt.last_forward()["choice"]
+
+    # 4. rank 1's queries hold one token more than the agreed load
+    rt = fresh_runtime(world, 4, 3.0, attention=shape)
+
+    def mismatched(layer, view):
+        q_latent, q_pe = queries(rank, layer, tokens=4 if rank == 1 else 3)
+        routed_call(rt, routed_attention(layer), q_latent, q_pe, rt.typed_views(layer)["kv"], table, seq_lens,
+                    query_lens, SCALE, layer)
+
+    try:
+        owner_forward(rt, 1, attend=mismatched)
+        out["token_mismatch"] = None
+    except (E.OwnerRoutingError, E.TransferFailedError) as exc:
+        out["token_mismatch"] = (type(exc).__name__, str(exc))
+    if rank == 1:
+        time.sleep(5.0)  # stay connected, so the owner sees its own timeout rather than a closed peer
+    return out
