@@ -20,7 +20,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _number(kind: type, ok, wanted: str):
+def number_type(kind: type, ok, wanted: str):
     """An argparse type: `kind(text)` that satisfies `ok`, else a one-line error naming `wanted`."""
     def parse(text: str):
         try:
@@ -34,11 +34,11 @@ def _number(kind: type, ok, wanted: str):
     return parse
 
 
-_positive_int = _number(int, lambda v: v >= 1, "a positive integer")
-_non_negative_int = _number(int, lambda v: v >= 0, "a non-negative integer")
-_positive_float = _number(float, lambda v: 0 < v < float("inf"), "a positive number")
-_non_negative_float = _number(float, lambda v: 0 <= v < float("inf"), "a non-negative number")
-_fraction = _number(float, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")
+_positive_int = number_type(int, lambda v: v >= 1, "a positive integer")
+_non_negative_int = number_type(int, lambda v: v >= 0, "a non-negative integer")
+_positive_float = number_type(float, lambda v: 0 < v < float("inf"), "a positive number")
+_non_negative_float = number_type(float, lambda v: 0 <= v < float("inf"), "a non-negative number")
+_fraction = number_type(float, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")
 
 
 def _depth(text: str) -> int:
@@ -86,8 +86,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                          attention_flops_per_s=(PLAN_ATTENTION_TFLOPS if args.attention_tflops is None
                                                 else args.attention_tflops) * 1e12)
         cost = transfer_cost(plan, report["engine_blocks"], args.context_tokens, args.link_gbps)
-        cost.update(owner_cost(plan, cost, shape, link, batch_tokens=batch_tokens, requests=requests,
-                               sparse_topk=config.get("index_topk") or None))
+        if args.pcp > 1:  # PCP ranks hold different tokens of the same heads: there are no heads to gather
+            cost["owner_mode_unavailable"] = "owner mode splits heads over the KVPP group, which needs PCP = 1"
+        else:
+            cost.update(owner_cost(plan, cost, shape, link, batch_tokens=batch_tokens, requests=requests,
+                                   sparse_topk=config.get("index_topk") or None))
         report["transfer_cost"] = cost
     print(json.dumps(report, indent=2) if args.json else format_plan_table(report))
     return 0

@@ -176,6 +176,10 @@ def launch(nproc: int, options: dict) -> list[dict]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvpp_fx.cli import number_type
+
+    non_negative = number_type(int, lambda v: v >= 0, "a non-negative integer")
+    positive = number_type(int, lambda v: v >= 1, "a positive integer")
     parser.add_argument("--nproc", type=int, default=2, help="number of CPU ranks (the TP and KVPP group)")
     parser.add_argument("--preset", default=DEFAULTS["preset"], help="reference preset or HF model directory")
     parser.add_argument("--mode", choices=("eager", "piecewise"), default=DEFAULTS["mode"])
@@ -186,9 +190,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kvpp-mode", choices=("broadcast", "owner", "auto"), default=DEFAULTS["kvpp_mode"],
                         help="broadcast the blocks each step reads, send queries to each layer's owner, or pick "
                              "per step by the cost model (default)")
-    parser.add_argument("--context-tokens", type=int, default=DEFAULTS["context_tokens"],
+    parser.add_argument("--context-tokens", type=non_negative, default=DEFAULTS["context_tokens"],
                         help="add a request with a prompt of this many tokens (long-context decode)")
-    parser.add_argument("--token-budget", type=int, default=None, help="tokens per step (default 32)")
+    parser.add_argument("--token-budget", type=positive, default=None, help="tokens per step (default 32)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -199,8 +203,6 @@ def run_demo(args: argparse.Namespace) -> int:
     options = {"preset": args.preset, "mode": args.mode, "inner": args.inner, "kv_memory": args.kv_memory,
                "trace": args.trace or None, "dump_dir": args.dump_dir or None, "timeout_s": DEFAULTS["timeout_s"],
                "kvpp_mode": args.kvpp_mode, "context_tokens": args.context_tokens, "token_budget": args.token_budget}
-    if args.context_tokens < 0 or (args.token_budget is not None and args.token_budget < 1):
-        raise ValueError("--context-tokens must be >= 0 and --token-budget >= 1.")
     if options["trace"]:
         options["trace"] = str(Path(options["trace"]).resolve())
     if options["dump_dir"]:

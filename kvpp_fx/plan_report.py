@@ -194,6 +194,8 @@ def format_plan_table(report: dict[str, Any]) -> str:
                          f"{owner['seconds_per_layer'] * 1e3:>10.3f} {format_bytes(owner['bytes_per_forward']):>15} "
                          f"{owner['seconds_per_forward'] * 1e3:>11.2f}")
             lines += _format_mode_choice(cost)
+        if "owner_mode_unavailable" in cost:
+            lines.append(f"owner mode: not available ({cost['owner_mode_unavailable']})")
     if "draft_sharding_gain" in report:
         lines.append(f"draft sharding gain over local drafts: {report['draft_sharding_gain']:.3f}x")
     return "\n".join(lines)

@@ -220,3 +220,18 @@ def test_owner_bytes_need_the_head_count_and_an_even_split(capsys, tmp_path):
     assert cost["owner_mode"]["bytes_per_layer"] == 1 * 3 * (24 + 16) * 2
     assert main(["plan", "--model", str(config.parent), "--tp", "4", "--context-tokens", "100"]) == 2
     assert "6 heads do not split over a group of 4" in capsys.readouterr().err
+
+
+def test_plan_with_pcp_gives_no_owner_mode_estimate(capsys):
+    assert main(["plan", "--model", "deepseek-v3", "--tp", "4", "--pcp", "2", "--context-tokens", "100000"]) == 0
+    text = capsys.readouterr().out
+    assert "owner mode: not available (owner mode splits heads over the KVPP group, which needs PCP = 1)" in text
+    assert "mode for this step" not in text
+
+
+@pytest.mark.parametrize("flag,value,wanted", [("--context-tokens", "-3", "a non-negative integer"),
+                                               ("--token-budget", "0", "a positive integer"),
+                                               ("--kvpp-mode", "fast", "invalid choice")])
+def test_demo_refuses_bad_options_before_starting_ranks(capsys, flag, value, wanted):
+    assert main(["demo", flag, value]) == 2
+    assert wanted in capsys.readouterr().err

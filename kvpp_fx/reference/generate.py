@@ -71,6 +71,7 @@ def generate(model_dir_or_preset: str | Path, prompts: list[list[int]], max_new_
                "kvpp_mode": kvpp_mode}
     if isinstance(model_dir_or_preset, RefConfig):
         raise TypeError("pass a preset name or a HuggingFace model directory.")
+    EngineConfig(kvpp_mode=kvpp_mode, block_size=block_size, token_budget=token_budget)  # bad values fail here
     world = tp * pp
     if world == 1:
         with torch.no_grad():

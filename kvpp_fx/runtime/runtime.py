@@ -4,7 +4,14 @@ Per forward (``with runtime.forward(has_history): ...``) the graph calls, for th
 order: ``prefetch(first)``, then ``wait(L)`` followed by ``prefetch(next)``. ``prefetch`` issues the
 layer's broadcast on the calling thread and returns at once; ``wait`` makes the compute stream wait for
 it and returns the view attention must read: persistent on the owner, the layer's scratch slot
-elsewhere. A forward without history moves no bytes.
+elsewhere. A broadcast-mode forward without history moves no bytes.
+
+Owner mode (``forward(..., mode="owner", load=...)``): no broadcast is issued; each routed
+head-separable op gathers every rank's query heads to the layer's owner, runs there over all heads
+against the persistent cache, and scatters each rank its part of the output (`owner_compute`);
+owner-local ops (the writes) run on the owner only. The exchanges happen whether or not the step has
+history. ``mode="auto"`` picks per forward with the cost model (`kvpp_fx.cache.cost`), and owner mode
+only for layers the backend reported as routed.
 
 Active blocks: ``forward(has_history, blocks=ids)`` names the blocks the step reads that hold tokens
 computed before it. Then each layer's owner gathers those blocks of every component (and their ids)
@@ -12,8 +19,9 @@ into its staging buffer, one broadcast carries them, and receivers scatter them 
 at the same ids; blocks outside the set are not sent. A set larger than the staging capacity or the
 crossover fraction of the pool is sent as whole layers.
 
-Agreement: each forward of an enabled group starts with one small all-reduce of (history, whole or
-active, set size, digest of the set), so ranks that disagree on what the forward moves raise
+Agreement: each forward of an enabled group starts with one small all-reduce of (history, whole,
+active or owner mode, set size, digest of the set, query tokens of the load), so ranks that disagree
+on what the forward moves raise
 `BlockSetMismatchError` together, before any byte moves. Receivers also check the ids that arrive
 with each active-block broadcast (on CPU at the wait, on a device when the forward ends).
 
@@ -24,8 +32,8 @@ Invariants:
   at the same op: at most one broadcast in flight; ``prefetch`` names the plan's next layer; it never
   targets the slot of the in-flight or the last awaited layer; ``wait`` names the in-flight layer.
 - Nothing issued is cancelled. A forward that ends with a broadcast in flight completes it within the
-  timeout. A failed or timed-out broadcast, or a forward that raised after issuing any broadcast,
-  breaks the runtime: a peer may have paired that broadcast with a different collective, so no later
+  timeout. A failed or timed-out broadcast or owner-mode exchange, or a forward that raised after
+  issuing any, breaks the runtime: a peer may have paired that broadcast with a different collective, so no later
   byte can be trusted. Every later forward raises `RuntimeBrokenError` naming the first cause.
   Recovery is a new process group and a new runtime.
 """

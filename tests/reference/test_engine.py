@@ -136,3 +136,9 @@ def test_engine_rejects_bad_requests_and_modes():
         build_engine(PRESETS["tiny"], engine_config=EngineConfig(speculative=True), num_blocks=8)
     with pytest.raises(ValueError, match="graph_mode must be one of"):
         EngineConfig(graph_mode="full")
+    with pytest.raises(ValueError, match="kvpp_mode must be one of"):
+        EngineConfig(kvpp_mode="fast")
+    from kvpp_fx.reference.generate import generate
+
+    with pytest.raises(ValueError, match="kvpp_mode must be one of"):  # refused before any rank starts
+        generate("tiny", [[1, 2]], 2, tp=2, kvpp=True, kvpp_mode="fast")
