@@ -724,9 +724,11 @@ class KVPPRuntime:
     def stats(self) -> dict[str, Any]:
         """Totals, per-layer totals and the last forward; O(layers) whatever the number of forwards.
 
-        Keys: ``forwards`` (count), ``broadcasts``, ``bytes`` (sent or received by this rank),
-        ``per_layer`` ({layer: {broadcasts, bytes}}), ``last_forward`` ({has_history, broadcasts,
-        bytes, layers} or None), ``broken`` (the first cause, or None), and the allocation.
+        Keys: ``forwards`` (count), ``modes`` ({broadcast, owner}: forwards per mode), ``broadcasts``,
+        ``exchanges`` (owner-mode gathers and scatters, one per layer and forward), ``bytes`` (sent or
+        received by this rank), ``per_layer`` ({layer: {broadcasts, exchanges, bytes}}),
+        ``last_forward`` ({has_history, mode, broadcasts, exchanges, bytes, layers, choice} or None),
+        ``broken`` (the first cause, or None), and the allocation.
         """
         out = self._stats.snapshot()
         out.update(rank=self.rank, allocated_bytes=self.storage.allocated_bytes,

@@ -31,6 +31,7 @@ class TransferStats:
         self._position = {layer: k for k, layer in enumerate(layers)}
         self._broadcasts = [0] * len(layers)
         self._bytes = [0] * len(layers)
+        self._exchanges = [0] * len(layers)
         self.forwards = 0
         self.broadcasts = 0
         self.bytes = 0
@@ -53,6 +54,7 @@ class TransferStats:
         """One owner-mode exchange (queries in, outputs out) of `layer`, `nbytes` over this rank's link."""
         k = self._position[layer]
         self._bytes[k] += nbytes
+        self._exchanges[k] += 1
         self.bytes += nbytes
         self.exchanges += 1
         if self.current is not None:
@@ -77,7 +79,7 @@ class TransferStats:
             "bytes": self.bytes,
             "exchanges": self.exchanges,
             "modes": dict(self.modes),
-            "per_layer": {layer: {"broadcasts": self._broadcasts[k], "bytes": self._bytes[k]}
-                          for k, layer in enumerate(self._layers)},
+            "per_layer": {layer: {"broadcasts": self._broadcasts[k], "exchanges": self._exchanges[k],
+                                  "bytes": self._bytes[k]} for k, layer in enumerate(self._layers)},
             "last_forward": self.last.as_dict() if self.last is not None else None,
         }
