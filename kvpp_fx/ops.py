@@ -166,10 +166,6 @@ class RoutedOp:
             cls._interned[key] = routed
         return routed
 
-    @property
-    def head_separable(self) -> bool:
-        return bool(self.heads)
-
     def __repr__(self) -> str:
         return (f"RoutedOp({self._schema.name}, layer={self.layer}, heads={self.heads}, "
                 f"output_dim={self.output_dim})")

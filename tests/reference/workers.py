@@ -28,7 +28,12 @@ def step_logits(rank: int, world: int, checkpoint: str, prompt: list[int], decod
 def modes_worker(rank: int, world: int, preset: str, options: dict, modes: tuple[str, ...], token_budget: int = 24,
                  new_tokens: int = 10):
     """The shared-prefix workload with KVPP off, then with KVPP on in each of `modes`; per step: logits,
-    mode and bytes. One KVPP group of all ranks (TP = world)."""
+    mode and bytes. One KVPP group of all ranks (TP = world). A mode "owner:<fault>" runs owner mode
+    with the runtime's test fault <fault> (a negative control)."""
+    import os
+
+    from kvpp_fx.runtime.runtime import FAULT_ENV
+
     from kvpp_fx.reference.config import PRESETS
     from kvpp_fx.reference.generate import default_num_blocks
     from kvpp_fx.reference.workload import shared_prefix_prompts
@@ -43,7 +48,9 @@ def modes_worker(rank: int, world: int, preset: str, options: dict, modes: tuple
     out = {}
     for mode in ("off",) + tuple(modes):
         torch._dynamo.reset()
-        engine_config = EngineConfig(token_budget=token_budget, kvpp_mode="broadcast" if mode == "off" else mode,
+        kvpp_mode, _, fault = mode.partition(":")
+        os.environ[FAULT_ENV] = fault  # read when the runtime is created
+        engine_config = EngineConfig(token_budget=token_budget, kvpp_mode="broadcast" if mode == "off" else kvpp_mode,
                                      **options)
         engine = build_engine(config, engine_config=engine_config, num_blocks=num_blocks, kvpp=mode != "off",
                               tp=tp, kvpp_group=group)
