@@ -1,7 +1,7 @@
 """Time of the KVPP insert pass, split pass and verifier on a 61-layer graph, and their share of the compile.
 
 The graph is the reference model's (tiny widths, 61 layers, DeepSeek-V3's depth). Per mode:
-- insert and verify: our passes over the graph (the goal: insert + verify <= 50 ms);
+- insert, route and verify: our passes over the graph (the goal: the three <= 50 ms);
 - split (piecewise): ``assign`` (our piece assignment) + ``split_module`` (torch.fx's split_module,
   which builds one GraphModule per piece; run with ``--profile-split`` to see its top functions);
 - codegen: regenerating the rewritten graph's Python code (what eager mode runs, and the dump);
@@ -66,21 +66,21 @@ def main(argv=None):
         res = compile_reference("tiny", layers=args.layers, mode=mode, inner=args.inner)
         t = res["record"].timings
         compile_s = res["compile_s"]
-        ours = t["insert_s"] + t.get("split_s", 0.0) + t["verify_s"] + t["codegen_s"]
-        rows[mode] = {"insert_s": t["insert_s"], "verify_s": t["verify_s"],
-                      "insert_plus_verify_s": t["insert_s"] + t["verify_s"],
+        ours = t["insert_s"] + t["route_s"] + t.get("split_s", 0.0) + t["verify_s"] + t["codegen_s"]
+        rows[mode] = {"insert_s": t["insert_s"], "route_s": t["route_s"], "verify_s": t["verify_s"],
+                      "insert_route_verify_s": t["insert_s"] + t["route_s"] + t["verify_s"],
                       "split_s": t.get("split_s", 0.0), "split_assign_s": t.get("split_assign_s", 0.0),
                       "split_module_s": t.get("split_split_module_s", 0.0), "codegen_s": t["codegen_s"],
                       "inner_compile_s": t.get("inner_compile_s", 0.0), "compile_s": compile_s,
                       "passes_share": ours / compile_s, "graph_nodes": res["record"].graph_after.count("\n")}
         row = rows[mode]
-        print(f"{mode:>9}: insert {row['insert_s']*1e3:6.1f} ms + verify {row['verify_s']*1e3:5.1f} ms = "
-              f"{row['insert_plus_verify_s']*1e3:6.1f} ms (goal {GOAL_S*1e3:.0f} ms: "
-              f"{'met' if row['insert_plus_verify_s'] <= GOAL_S else 'MISSED'})  "
+        print(f"{mode:>9}: insert {row['insert_s']*1e3:6.1f} ms + route {row['route_s']*1e3:5.1f} ms + verify "
+              f"{row['verify_s']*1e3:5.1f} ms = {row['insert_route_verify_s']*1e3:6.1f} ms (goal {GOAL_S*1e3:.0f} ms: "
+              f"{'met' if row['insert_route_verify_s'] <= GOAL_S else 'MISSED'})  "
               f"split {row['split_s']*1e3:6.1f} ms (assign {row['split_assign_s']*1e3:.1f}, split_module "
               f"{row['split_module_s']*1e3:.1f})  codegen {row['codegen_s']*1e3:6.1f} ms  "
               f"compile {compile_s:6.2f} s  passes share {row['passes_share']:.1%}")
-    result = {"benchmark": "pass_time", "layers": args.layers, "inner": args.inner, "goal_insert_plus_verify_s": GOAL_S,
+    result = {"benchmark": "pass_time", "layers": args.layers, "inner": args.inner, "goal_insert_route_verify_s": GOAL_S,
               "modes": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
