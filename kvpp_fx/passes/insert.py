@@ -92,7 +92,8 @@ class InsertResult:
     prefetches: tuple[torch.fx.Node, ...] = field(default=(), repr=False)
 
 
-def _val(node: torch.fx.Node):
+def node_value(node: torch.fx.Node):
+    """A node's example value: ``meta["val"]`` (after AOT) or Dynamo's ``meta["example_value"]``."""
     return node.meta.get("val", node.meta.get("example_value"))
 
 
@@ -103,7 +104,7 @@ def is_kvpp_handle(value: object) -> bool:
 
 
 def handle_placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    return [n for n in graph.nodes if n.op == "placeholder" and is_kvpp_handle(_val(n))]
+    return [n for n in graph.nodes if n.op == "placeholder" and is_kvpp_handle(node_value(n))]
 
 
 def resolve_layer(node: torch.fx.Node, spec: AttentionOpSpec, table: LayerTable) -> tuple[int, str]:
@@ -209,7 +210,7 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable, *, graph_breaks
         with graph.inserting_before(group.nodes[0]):
             wait = graph.create_node("call_function", WAIT, (group.layer, slot, [node for node, _ in reads],
                                      [component for _, component in reads]), name=f"kvpp_wait_L{group.layer}")
-            wait.meta["val"] = [_contiguous_like(_val(node), contiguous) for node, _ in reads]
+            wait.meta["val"] = [_contiguous_like(node_value(node), contiguous) for node, _ in reads]
             wait.meta["kvpp"] = {"layer": group.layer, "name": group.name, "slot": slot, "role": "wait"}
             views = {}
             for i, (node, component) in enumerate(reads):

@@ -25,7 +25,7 @@ import torch
 import torch.fx
 
 from kvpp_fx.ops import RoutedOp, is_routed_op
-from kvpp_fx.passes.insert import KVPPPassError, collect_layers
+from kvpp_fx.passes.insert import WAIT, KVPPPassError, collect_layers, node_value
 from kvpp_fx.passes.layer_table import LayerTable
 from kvpp_fx.passes.registry import (
     AttentionOpSpec,
@@ -38,8 +38,6 @@ from kvpp_fx.passes.registry import (
 )
 
 logger = logging.getLogger(__name__)
-
-WAIT = torch.ops.kvpp.wait.default
 
 
 class OwnerLocalOutputError(KVPPPassError):
@@ -56,10 +54,6 @@ class RouteResult:
     reason: str = ""  # why a graph with layers was not routed
 
 
-def _val(node: torch.fx.Node):
-    return node.meta.get("val", node.meta.get("example_value"))
-
-
 def resolve_heads(node: torch.fx.Node, rule: HeadSeparable) -> tuple[tuple[int | str, int], ...]:
     """(location, dim) of each declared head operand in this call, checked against the metadata: one
     head count and one dtype over the head operands, and an output shaped like the ``output_like``
@@ -74,7 +68,7 @@ def resolve_heads(node: torch.fx.Node, rule: HeadSeparable) -> tuple[tuple[int |
         value = get_arg(node, operand.arg)
         if not isinstance(value, torch.fx.Node):
             raise HeadOperandError(f"{node.format_node()}: head operand {operand.arg!r} is not a graph value.")
-        val = _val(value)
+        val = node_value(value)
         if isinstance(val, torch.Tensor):
             for what, dim in (("head", operand.dim), ("token", operand.token_dim)):
                 if not -val.dim() <= dim < val.dim():
@@ -84,7 +78,7 @@ def resolve_heads(node: torch.fx.Node, rule: HeadSeparable) -> tuple[tuple[int |
         heads.append((where, operand.dim))
     known = [(v, o) for v, o in zip(vals, rule.operands) if isinstance(v, torch.Tensor)]
     sizes = [v.shape[o.dim] for v, o in known]
-    out = _val(node)
+    out = node_value(node)
     like, like_operand = vals[rule.output_like], rule.operands[rule.output_like]
     if isinstance(like, torch.Tensor) and out is not None:
         if not isinstance(out, torch.Tensor) or out.shape != like.shape or out.dtype != like.dtype:

@@ -314,8 +314,7 @@ def _routing_problems(waits: list[torch.fx.Node], registered: list[tuple[torch.f
                 if owner_run.get(user) != layer:
                     problems.append(f"{user.name} reads the owner-local output of {node.name}, which is None on the "
                                     f"ranks that do not own layer {layer}.")
-                elif isinstance(user.target.heads, tuple) and any(
-                        _arg_at(user, where) is node for where, _ in user.target.heads):
+                elif any(_arg_at(user, where) is node for where, _ in user.target.heads):
                     problems.append(f"{user.name} takes the owner-local output of {node.name} as a head operand.")
         elif isinstance(rule, HeadSeparable):
             try:

@@ -167,8 +167,6 @@ class KVPPRuntime:
         self.crossover = crossover
         self._fault = os.environ.get(FAULT_ENV, "")
         self._agreement_group = agreement_group
-        self._owner_rank = {layer: dist.get_global_rank(group, plan.owners[layer]) for layer in targets} \
-            if group is not None else {}
         self.attention = attention
         self.link = link or LinkModel()
         self._routed: dict[int, bool] = {}  # what the backend reported for each layer's compiled graph
@@ -301,9 +299,10 @@ class KVPPRuntime:
             choice = self._choose(state, load)
             mode = choice["mode"]
         state.owner = mode == OWNER
-        if state.owner and self._unrouted_layers():
+        unrouted = self._unrouted_layers() if state.owner else []
+        if unrouted:
             raise OwnerModeUnsupportedError(
-                f"owner mode was asked, but the compiled graph of layers {self._unrouted_layers()} is not routed "
+                f"owner mode was asked, but the compiled graph of layers {unrouted} is not routed "
                 "for it (one of its cache ops declares no owner rule in its AttentionOpSpec); nothing was moved. "
                 'Use mode="broadcast" or "auto", or declare the ops and recompile.')
         if state.owner and load is None:
@@ -628,7 +627,7 @@ class KVPPRuntime:
             heads[0].contiguous().view(-1)
         nbytes = pack.numel() * pack.element_size() + like.numel() * like.element_size()
         state.issued += 1  # counted first: a failure while issuing may have left a peer's half pending
-        owner = self._owner_rank[layer]
+        owner = self._src[layer]
         start = time.perf_counter_ns()
         gathered = [torch.empty_like(pack) for _ in range(group_size)] if owned else None
         if self._fault == "skip-gather":
