@@ -155,7 +155,8 @@ class KVPPBackend:
     _counter = itertools.count()
 
     def __init__(self, plan_or_layer_table: Any, *, mode: str = "eager", inner: str | Callable = "eager",
-                 dump_dir: str | os.PathLike | None = None, names: dict[str, int] | None = None) -> None:
+                 dump_dir: str | os.PathLike | None = None, names: dict[str, int] | None = None,
+                 first_prefetch: str = "entry") -> None:
         if mode == "full":
             raise ValueError(MSG_GRAPH_MODE)
         if mode not in MODES:
@@ -169,6 +170,7 @@ class KVPPBackend:
             table = table.with_names(names)
         self.table = table
         self.mode = mode
+        self.first_prefetch = first_prefetch
         self.inner_name = inner if isinstance(inner, str) else getattr(inner, "__name__", repr(inner))
         self.inner = resolve_inner(inner)
         env_dump = os.environ.get(DUMP_ENV)
@@ -178,7 +180,8 @@ class KVPPBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         before = gm.code  # Dynamo's graph, as captured (Dynamo's lazy codegen runs here)
         t0 = time.perf_counter()
-        result = insert_kvpp_ops(gm, self.table, graph_breaks=may_hold_part_of_the_model(gm), recompile=False)
+        result = insert_kvpp_ops(gm, self.table, graph_breaks=may_hold_part_of_the_model(gm), recompile=False,
+                                 first_prefetch=self.first_prefetch)
         t_route = time.perf_counter()
         routing = route_owner_ops(gm, self.table, recompile=False) if result.changed else None
         runtime = active_runtime()
@@ -257,9 +260,11 @@ class KVPPBackend:
 
 
 def kvpp_backend(plan_or_layer_table: Any, *, mode: str = "eager", inner: str | Callable = "eager",
-                 dump_dir: str | os.PathLike | None = None, names: dict[str, int] | None = None) -> KVPPBackend:
+                 dump_dir: str | os.PathLike | None = None, names: dict[str, int] | None = None,
+                 first_prefetch: str = "entry") -> KVPPBackend:
     """A Dynamo backend that rewrites the graph for KVPP (see the module docstring)."""
-    return KVPPBackend(plan_or_layer_table, mode=mode, inner=inner, dump_dir=dump_dir, names=names)
+    return KVPPBackend(plan_or_layer_table, mode=mode, inner=inner, dump_dir=dump_dir, names=names,
+                       first_prefetch=first_prefetch)
 
 
 @register_backend(name="kvpp")

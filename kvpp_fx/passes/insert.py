@@ -3,8 +3,10 @@
 Invariant after the pass, for the run of target layers Li .. Lj that the graph holds (a contiguous,
 in-order slice of the plan's target layers; the whole plan when the graph is the whole compiled
 function, ``fullgraph=True``):
-- ``prefetch(Li, slot(Li))`` follows the graph's placeholders when Li is the plan's first layer;
-  otherwise Li is already pending from the previous graph and is not prefetched here;
+- ``prefetch(Li, slot(Li))`` follows the graph's placeholders when Li is the plan's first layer (with
+  ``first_prefetch="at_first_wait"``: it stands just before Li's wait, for splitters that need every
+  eager piece to take an input, as vLLM's generated code does); otherwise Li is already pending from
+  the previous graph and is not prefetched here;
 - immediately before the first node that touches Lk's cache stands ``wait(Lk, slot(Lk), caches)``,
   then one ``getitem`` per cache operand, then ``prefetch`` of the plan's next layer (also after Lj,
   whose successor a later graph awaits; none after the plan's last layer);
@@ -166,11 +168,18 @@ def check_layer_run(found: list[int], table: LayerTable, graph_breaks: bool) -> 
             "in one graph.")
 
 
+FIRST_PREFETCH = ("entry", "at_first_wait")
+
+
 def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable, *, graph_breaks: bool = False,
-                    recompile: bool = True) -> InsertResult:
+                    recompile: bool = True, first_prefetch: str = "entry") -> InsertResult:
     """Rewrite `gm` in place (see the module docstring). `graph_breaks`: graph breaks may have split the
     model, so this graph may hold a run of the plan's layers, or none if nothing in it names a layer.
-    `recompile=False` leaves regenerating ``gm.code`` to the caller (the backend times it apart)."""
+    `recompile=False` leaves regenerating ``gm.code`` to the caller (the backend times it apart).
+    `first_prefetch`: where the plan's first layer is prefetched, after the inputs ("entry") or just
+    before its wait ("at_first_wait")."""
+    if first_prefetch not in FIRST_PREFETCH:
+        raise ValueError(f"first_prefetch must be one of {FIRST_PREFETCH}, got {first_prefetch!r}.")
     graph = gm.graph
     nodes = list(graph.nodes)
     if any(n.op == "call_function" and is_kvpp_op(n.target) for n in nodes):
@@ -200,7 +209,12 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable, *, graph_breaks
     first = layers[0]
     if table.position(first.layer) == 0:
         placeholders = [n for n in nodes if n.op == "placeholder"]
-        where = graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before(nodes[0])
+        if first_prefetch == "at_first_wait":
+            where = graph.inserting_before(first.nodes[0])
+        elif placeholders:
+            where = graph.inserting_after(placeholders[-1])
+        else:
+            where = graph.inserting_before(nodes[0])
         with where:
             prefetches.append(_prefetch(graph, first.layer, first.name, table))
 

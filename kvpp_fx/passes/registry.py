@@ -255,7 +255,6 @@ def layer_of(node: torch.fx.Node, spec: AttentionOpSpec,
 VLLM_SPECS = (
     AttentionOpSpec("vllm::unified_mla_kv_cache_update", ("layer_name", 2), "name"),
     AttentionOpSpec("vllm::unified_mla_attention_with_output", ("layer_name", 4), "name"),
-    AttentionOpSpec("vllm::unified_mla_attention", ("layer_name", 3), "name"),
     AttentionOpSpec("vllm::sparse_attn_indexer", ("k_cache_prefix", 1), "name",
                     (CacheOperand(("kv_cache", 2), "indexer"),)),
 )

@@ -276,6 +276,219 @@ def test_post_allocation_self_check_catches_unbound_layers_and_block_mismatch():
     with pytest.raises(KVPPAllocationError, match="'model.layers.1.self_attn.attn' is not bound"):
         worker._self_check(runner, state, config)
     layers[attn(1)].kv_cache = storage.typed_views(1)["kv"]
+    # vLLM gives every worker the smallest count any worker's budget holds (pipeline stages differ).
     state.budget_blocks = 9
-    with pytest.raises(KVPPAllocationError, match="vLLM planned 8 blocks, the KVPP budget holds 9"):
+    worker._self_check(runner, state, config)
+    state.budget_blocks = 7
+    with pytest.raises(KVPPAllocationError, match="vLLM planned 8 blocks, the KVPP budget holds 7"):
         worker._self_check(runner, state, config)
+
+
+def test_the_v2_model_runner_is_refused_by_name():
+    """V2's runner (vLLM's default wherever Triton runs) is not a subclass of V1's; its classes import
+    without Triton, and hooking one names the setting that selects V1."""
+    from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+
+    from kvpp_fx.integrations.vllm import worker
+    from kvpp_fx.integrations.vllm.validation import MSG_V2_RUNNER, check_execution
+
+    for base in (CPUModelRunnerV2, GPUModelRunnerV2):
+        with pytest.raises(worker.KVPPHookError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+            worker.kvpp_runner_class(base)
+    config = types.SimpleNamespace(use_v2_model_runner=True)
+    with pytest.raises(ValueError) as err:
+        check_execution(config, platform=types.SimpleNamespace(device_name="cpu"))
+    assert str(err.value) == MSG_V2_RUNNER
+
+
+# --- compilation modes ---------------------------------------------------------------------------------
+
+
+def _compiled_config(**compilation):
+    from vllm.config import CompilationConfig
+
+    return types.SimpleNamespace(compilation_config=CompilationConfig(**compilation),
+                                 additional_config={"enable_kvpp": True})
+
+
+def test_mode_3_lowers_an_unchosen_full_and_piecewise_and_adds_the_kvpp_splitting_ops(caplog):
+    from vllm.config import CUDAGraphMode
+
+    from kvpp_fx.integrations.vllm.compile_modes import (
+        KVPP_SPLITTING_OPS,
+        MSG_LOWERED,
+        Requested,
+        compile_digest,
+        configure_compilation,
+    )
+
+    config = _compiled_config(mode=3, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    config.compilation_config.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter",
+                                                        data_parallel_size=1)  # as vLLM resolves mode 3
+    defaults = list(config.compilation_config.splitting_ops)
+    with caplog.at_level("WARNING"):
+        configure_compilation(config, Requested(cudagraph_mode=None))
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert MSG_LOWERED in caplog.text
+    assert config.compilation_config.splitting_ops == defaults + list(KVPP_SPLITTING_OPS)
+    assert config.additional_config["kvpp_fx"] == {"digest": compile_digest()}
+    configure_compilation(config, Requested(cudagraph_mode="PIECEWISE"))  # a config resolved again
+    assert config.compilation_config.splitting_ops == defaults + list(KVPP_SPLITTING_OPS)
+    assert config.compilation_config.backend == "inductor"  # mode 3: vLLM's own per-piece compiler
+
+
+@pytest.mark.parametrize("mode,asked", [("FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE"), ("FULL_DECODE_ONLY", None),
+                                        ("FULL", None)])
+def test_full_cudagraphs_that_cannot_be_lowered_are_refused(mode, asked):
+    from vllm.config import CUDAGraphMode
+
+    from kvpp_fx.config import MSG_GRAPH_MODE
+    from kvpp_fx.integrations.vllm.compile_modes import MSG_DERIVED_FULL, Requested, configure_compilation
+
+    config = _compiled_config(mode=3, cudagraph_mode=CUDAGraphMode[mode])
+    with pytest.raises(ValueError) as err:
+        configure_compilation(config, Requested(cudagraph_mode=asked))
+    assert str(err.value) == MSG_DERIVED_FULL.format(mode=mode) and str(err.value).startswith(MSG_GRAPH_MODE)
+
+
+def test_inductor_graph_partition_is_refused():
+    from kvpp_fx.integrations.vllm.compile_modes import MSG_GRAPH_PARTITION, Requested, configure_compilation
+
+    config = _compiled_config(mode=3, use_inductor_graph_partition=True)
+    with pytest.raises(ValueError) as err:
+        configure_compilation(config, Requested(cudagraph_mode=None))
+    assert str(err.value) == MSG_GRAPH_PARTITION
+
+
+@pytest.mark.parametrize("backend,inner", [("inductor", "inductor"), ("eager", "eager"), ("aot_eager", "aot_eager")])
+def test_modes_1_and_2_compile_through_the_kvpp_backend(backend, inner):
+    from kvpp_fx.integrations.vllm.compile_modes import KVPP_BACKEND, Requested, configure_compilation, inner_backend
+
+    for mode in (1, 2):
+        config = _compiled_config(mode=mode, backend=backend)
+        configure_compilation(config, Requested(cudagraph_mode=None))
+        assert config.compilation_config.backend == KVPP_BACKEND
+        assert inner_backend(config) == inner
+        configure_compilation(config, Requested(cudagraph_mode=None))  # resolved again: unchanged
+        assert (config.compilation_config.backend, inner_backend(config)) == (KVPP_BACKEND, inner)
+
+
+def test_the_compile_digest_covers_the_passes(tmp_path):
+    import shutil
+
+    from kvpp_fx.integrations.vllm.compile_modes import PACKAGE_ROOT, compile_digest, digest_of
+
+    copy = tmp_path / "kvpp_fx"
+    shutil.copytree(PACKAGE_ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert digest_of(copy) == compile_digest()
+    insert = copy / "passes" / "insert.py"
+    insert.write_text(insert.read_text() + "\n# changed\n")
+    assert digest_of(copy) != compile_digest()
+    (copy / "runtime" / "stats.py").write_text("# the runtime does not decide what a graph holds\n")
+    insert.write_text((PACKAGE_ROOT / "passes" / "insert.py").read_text())
+    assert digest_of(copy) == compile_digest()
+
+
+def test_kvpp_workers_build_vllms_backend_as_the_kvpp_subclass():
+    from vllm.compilation import backends
+    from vllm.config import CompilationMode, VllmConfig
+
+    from kvpp_fx.integrations.vllm.compilation import install_vllm_backend, kvpp_vllm_backend_class
+
+    original = backends.VllmBackend
+    try:
+        install_vllm_backend()
+        ours = kvpp_vllm_backend_class()
+        assert backends.VllmBackend is ours and issubclass(ours, original)
+        config = VllmConfig()
+        config.compilation_config.mode = CompilationMode.VLLM_COMPILE  # vLLM CPU resolves mode 3 into 2
+        # vLLM's own choice of backend, at the place it builds the model's.
+        assert type(config.compilation_config.init_backend(config)) is ours
+        install_vllm_backend()  # a second engine in the process: still one subclass of vLLM's class
+        assert backends.VllmBackend is ours and ours.__mro__[1] is original
+    finally:
+        backends.VllmBackend = original
+
+
+# --- breakable CUDA graphs -----------------------------------------------------------------------------
+
+
+class StandInCapture:
+    """Stands in for vLLM's BreakableCUDAGraphCapture, which needs CUDA graphs (not on this host): it
+    records eager segments as vLLM's does (run now, rerun on every replay) and replays only those."""
+
+    _capturing = True
+
+    def __init__(self):
+        self.segments = []
+
+    def add_eager(self, fn):
+        self.segments.append(fn)
+        return fn()
+
+    def replay(self):
+        for fn in self.segments:
+            fn()
+
+
+def _breakable_model(runtime, num_layers):
+    from kvpp_fx.integrations.vllm import worker
+    from kvpp_fx.integrations.vllm.state import EngineState
+
+    class Attention(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    state = EngineState(ON, None, runtime=runtime)
+    layers = []
+    for i in range(num_layers):
+        module = Attention()
+        module._kvpp_engine, module._kvpp_layer = state, i
+        module.__class__ = worker._waiting_class(Attention)
+        layers.append(module)
+    return state, layers
+
+
+def test_under_breakable_cuda_graphs_the_waits_rerun_on_every_replay():
+    """vLLM runs the model's Python once, at capture (a dummy run, in passthrough), and each replay reruns
+    only the recorded segments: the waits must be eager segments, or a replayed step skips them."""
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    from kvpp_fx.integrations.vllm import worker
+    from kvpp_fx.ops import passthrough
+    from kvpp_fx.runtime.errors import SkippedLayerError
+    from kvpp_fx.runtime.runtime import KVPPRuntime
+    from tests.passes import toy
+
+    plan = toy.toy_plan(4)
+    with KVPPRuntime.create(plan, toy.allocate(plan)) as runtime:
+        state, layers = _breakable_model(runtime, 4)
+        capture = StandInCapture()
+        BreakableCUDAGraphCapture._tls.active = capture
+        try:
+            with passthrough():
+                x = torch.zeros(2)
+                for layer in layers:
+                    x = layer(x)
+        finally:
+            BreakableCUDAGraphCapture._tls.active = None
+        assert len(capture.segments) == 4
+        for _ in range(3):  # three replayed steps: each awaits every layer, in plan order
+            state.awaited.clear()
+            with runtime.forward(has_history=False):
+                capture.replay()
+        assert runtime.stats()["forwards"] == 3
+        # The control: a hook that waits in plain Python records nothing, so a replayed step skips them.
+        plain = StandInCapture()
+        BreakableCUDAGraphCapture._tls.active = plain
+        try:
+            with passthrough():
+                for layer in layers:
+                    worker.await_layer(state, layer._kvpp_layer)
+        finally:
+            BreakableCUDAGraphCapture._tls.active = None
+        assert plain.segments == []
+        state.awaited.clear()
+        with pytest.raises(SkippedLayerError), runtime.forward(has_history=False):
+            plain.replay()

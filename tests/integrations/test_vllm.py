@@ -19,24 +19,51 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
 from kvpp_fx.cache.placement import DEFAULT_STAGING_FRACTION
 from kvpp_fx.config import MSG_DCP, MSG_GRAPH_MODE, MSG_SPEC_METHOD, MSG_SPEC_TOKENS, MSG_VLLM_CONNECTOR
-from kvpp_fx.integrations.vllm.validation import KVPP_BACKEND, MSG_AOT, MSG_BACKEND, MSG_MODE_3
+from kvpp_fx.integrations.vllm.compile_modes import KVPP_BACKEND, MSG_BACKEND, TORCH_BACKENDS, compile_digest
 from tests.integrations.tiny_model import NUM_LAYERS, make_tiny_deepseek
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR")
-MTP = {"method": "mtp", "num_speculative_tokens": 1}
-COMPILED = {"enforce_eager": False, "compilation_config": {"mode": 2, "backend": KVPP_BACKEND, "custom_ops": ["none"]}}
 CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 KVPP_CPU_WORKER = "kvpp_fx.integrations.vllm.worker.KVPPWorker__vllm__v1__worker__cpu_worker__CPUWorker"
+# vLLM CPU picks AMX_MLA (bfloat16, block 128, chunked prefill and prefix caching) on CPUs with AMX and
+# CPU_MLA (any dtype, block 16, neither feature) elsewhere; the float32 checks name CPU_MLA, for the
+# target model and for the MTP drafter (which otherwise picks its own backend).
+HOST_HAS_AMX = bool(torch.cpu._is_amx_tile_supported())
+PLATFORM_MLA = "AMX_MLA" if HOST_HAS_AMX else "CPU_MLA"
+FP32 = {"dtype": "float32", "attention_backend": "CPU_MLA"}
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+MTP_CPU_MLA = {**MTP, "attention_backend": "CPU_MLA"}
+EAGER = {"enforce_eager": True, "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+FAULT = "tests.support.faults:SkippedScatter"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_cache(tmp_path_factory):
+    """vLLM's compile caches in the test's temp dir: every run compiles, nothing outside is touched."""
+    ENV["VLLM_CACHE_ROOT"] = str(tmp_path_factory.mktemp("vllm_cache"))
+    yield
+    ENV.pop("VLLM_CACHE_ROOT")
 
 
 def run_check(*args, timeout=400, env=None):
-    out = subprocess.run([sys.executable, "-m", "tests.integrations.vllm_checks", *args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=timeout, env=dict(ENV, **(env or {})))
-    line = next((l for l in out.stdout.splitlines() if l.startswith("KVPP-CHECK ")), None)
-    assert line is not None, out.stdout[-2000:] + out.stderr[-4000:]
+    """Run a check of `vllm_checks` in an interpreter (and process group) of its own: on a timeout the
+    whole group goes, vLLM's engine and worker processes included."""
+    check = subprocess.Popen([sys.executable, "-m", "tests.integrations.vllm_checks", *args], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(ENV, **(env or {})), start_new_session=True)
+    try:
+        stdout, stderr = check.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(check.pid, signal.SIGKILL)
+        stdout, stderr = check.communicate()
+        raise AssertionError(f"{args[0]} did not finish within {timeout} s:\n{stderr[-4000:]}") from None
+    line = next((l for l in stdout.splitlines() if l.startswith("KVPP-CHECK ")), None)
+    assert line is not None, stdout[-2000:] + stderr[-4000:]
     return json.loads(line.removeprefix("KVPP-CHECK "))
 
 
@@ -53,7 +80,7 @@ def test_against_vllm_objects():
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     summary = out.stdout.strip().splitlines()[-1]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 26 and "skipped" not in summary, out.stdout[-1000:]
+    assert passed and int(passed.group(1)) >= 38 and "skipped" not in summary, out.stdout[-1000:]
 
 
 def test_plugin_is_harmless_when_off(tiny_deepseek):
@@ -74,25 +101,31 @@ def _on(**args):
 
 
 def test_configs_at_construction(tiny_deepseek):
-    """Every config under which attention would run without kvpp ops fails at construction."""
+    """vLLM's defaults with only enable_kvpp run; every config under which attention would run without
+    kvpp ops fails at construction with a message that says what to set."""
     eager = dict(model=tiny_deepseek, enforce_eager=True)
     base = dict(model=tiny_deepseek)
     cases = {
         "maybe": {"args": dict(eager, additional_config={"enable_kvpp": "maybe"})},
-        "full-graph": _on(**base, enforce_eager=False, compilation_config={"cudagraph_mode": "FULL"}),
+        "full-graph": _on(**base, compilation_config={"cudagraph_mode": "FULL"}),
+        "full-and-piecewise-asked": _on(**base, compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"}),
         "dcp": _on(**eager, decode_context_parallel_size=2),
-        "default-compiled": _on(**base),
-        "mode-3": _on(**base, enforce_eager=False, compilation_config={"mode": 3}),
-        "aot": {**_on(**base, **COMPILED), "env": {"VLLM_USE_AOT_COMPILE": "1"}},
+        "custom-backend": _on(**base, compilation_config={"mode": 2, "backend": "my_pkg.my_backend"}),
         "connector": _on(**eager, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}),
         "ngram": _on(**eager, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                  "prompt_lookup_max": 2}),
         "mtp-dynamic": _on(**eager, speculative_config={"method": "mtp", "num_speculative_tokens": 2,
                                                        "num_speculative_tokens_per_batch_size": [[1, 8, 2],
                                                                                                  [9, 4096, 1]]}),
+        "defaults": _on(**base),
+        "mode-3": _on(**base, compilation_config={"mode": 3}),
+        "mode-2-eager": _on(**base, compilation_config={"mode": 2, "backend": "eager"}),
+        "kvpp-backend": _on(**base, compilation_config={"mode": 2, "backend": KVPP_BACKEND}),
+        "aot-off": {**_on(**base), "env": {"VLLM_USE_AOT_COMPILE": "0"}},
         "eager": _on(**eager, additional_config={"enable_kvpp": "true"}),
         "eager-mtp": _on(**eager, speculative_config=MTP),
-        "compiled": {**_on(**base, **COMPILED), "env": {"VLLM_USE_AOT_COMPILE": "0"}},
+        "breakable-cudagraph": {**_on(**base), "env": {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}},
+        "expert-parallel": _on(**base, enable_expert_parallel=True),
         "off": {"args": dict(base, tensor_parallel_size=2, compilation_config={"cudagraph_mode": "FULL"})},
         "off-unset": {"args": dict(base, tensor_parallel_size=2, compilation_config={"cudagraph_mode": "FULL"},
                                    additional_config={"enable_kvpp": False})},
@@ -103,10 +136,9 @@ def test_configs_at_construction(tiny_deepseek):
     refused = {
         "maybe": "additional_config.enable_kvpp must be a boolean, got 'maybe'.",
         "full-graph": MSG_GRAPH_MODE,
+        "full-and-piecewise-asked": MSG_GRAPH_MODE,
         "dcp": MSG_DCP,
-        "default-compiled": MSG_BACKEND.format(mode=2, backend=KVPP_BACKEND, got="inductor"),
-        "mode-3": MSG_MODE_3.format(backend=KVPP_BACKEND),
-        "aot": MSG_AOT,
+        "custom-backend": MSG_BACKEND.format(mode=2, torch_backends=list(TORCH_BACKENDS), got="my_pkg.my_backend"),
         "connector": MSG_VLLM_CONNECTOR.format(name="OffloadingConnector"),
         "ngram": MSG_SPEC_METHOD,
         "mtp-dynamic": MSG_SPEC_TOKENS,
@@ -114,75 +146,129 @@ def test_configs_at_construction(tiny_deepseek):
     for name, message in refused.items():
         assert results[name]["is_value_error"], (name, results[name])
         assert message in results[name]["message"], (name, results[name]["message"])
-    for name in ("eager", "eager-mtp", "compiled"):
-        assert results[name]["error"] is None, (name, results[name])
-        assert results[name]["worker_cls"] == KVPP_CPU_WORKER
-    assert results["compiled"]["mode"] == 2 and results["compiled"]["backend"] == KVPP_BACKEND
+    # vLLM CPU runs its default (mode 3) as mode 2 with inductor: the graph goes through the kvpp pass and
+    # inductor compiles the pieces, whether mode 3 is asked for or left to the default, AOT on or off.
+    digest = compile_digest()
+    for name, inner in (("defaults", "inductor"), ("mode-3", "inductor"), ("aot-off", "inductor"),
+                        ("mode-2-eager", "eager"), ("kvpp-backend", "inductor"), ("breakable-cudagraph", None),
+                        ("expert-parallel", "inductor"), ("eager", None), ("eager-mtp", None)):
+        result = results[name]
+        assert result["error"] is None, (name, result)
+        assert result["worker_cls"] == KVPP_CPU_WORKER, name
+        assert result["additional_config"]["kvpp_fx"]["digest"] == digest, name
+        if inner is None:
+            assert result["mode"] == 0 and "inner_backend" not in result["additional_config"]["kvpp_fx"], name
+        else:
+            assert (result["mode"], result["backend"]) == (2, KVPP_BACKEND), name
+            assert result["additional_config"]["kvpp_fx"]["inner_backend"] == inner, name
+        # vLLM resolves copies of a config again (the MTP drafter's): nothing changes the second time.
+        assert result["replaced"] == {k: result[k] for k in ("mode", "backend", "additional_config")}, name
     # KVPP off: exactly vLLM's own config, as without the plugin (whatever the graph mode).
     for name in ("off", "off-unset"):
         assert results[name]["error"] is None, results[name]
         assert results[name]["worker_cls"] == no_plugin["worker_cls"] == CPU_WORKER
         for key in ("mode", "backend", "cudagraph_mode"):
             assert results[name][key] == no_plugin[key]
+    assert results["off"]["additional_config"] == no_plugin["additional_config"] == {}
     assert results["off"]["hash"] == no_plugin["hash"]
 
 
+def test_every_builtin_vllm_spec_names_an_op_of_the_installed_vllm():
+    result = run_check("spec_ops")
+    assert result["specs"], result
+    missing = [op for op, exists in result["specs"].items() if not exists]
+    assert not missing, f"built-in vLLM op specs name ops vLLM {result['vllm']} does not have: {missing}"
+    assert "vllm::unified_mla_attention_with_output" in result["specs"]
+    # The control: the check does see a missing op.
+    assert result["control"] is False
+
+
 def test_vllm_split_graph_keeps_kvpp_ops_in_splitting_pieces():
+    """vLLM's own split_graph puts every kvpp op in an eager piece that takes an input (vLLM's generated
+    code needs one), with the first prefetch at the first wait as mode 3 places it."""
     result = run_check("split")
     assert result["splitting_ops"][-2:] == ["kvpp::prefetch", "kvpp::wait"]
-    placed = [op for piece in result["pieces"] for op in piece["kvpp_ops"]]
+    pieces = result["at_first_wait"]
+    placed = [op for piece in pieces for op in piece["kvpp_ops"]]
     assert len(placed) == 8  # 4 prefetches, 4 waits
-    for piece in result["pieces"]:
+    for piece in pieces:
         if piece["kvpp_ops"]:
-            assert piece["splitting"], piece
+            assert piece["splitting"] and piece["inputs"] > 0, piece
+    # The control: at graph entry, the first prefetch is an eager piece of its own without inputs.
+    entry = next(piece for piece in result["entry"] if piece["kvpp_ops"])
+    assert len(entry["kvpp_ops"]) == 1 and entry["splitting"] and entry["inputs"] == 0, entry
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_deepseek):
-    """TP 2 with MTP, float32 (in bfloat16, inductor and eager round differently and this random
-    model's near-tied logits flip): KVPP off (eager), on (eager), on with broadcasts suppressed, on
-    (compiled)."""
-    common = {"speculative_config": MTP, "dtype": "float32"}
+    """TP 2 with MTP, float32 on CPU_MLA (in bfloat16, inductor and eager round differently and this
+    random model's near-tied logits flip): KVPP off (eager), on in eager mode, on under vLLM's default
+    compilation (on CPU: mode 2 with inductor), on under mode 3 (`cpu_mode3`). Each KVPP engine then
+    runs again with receivers skipping their scatter: the negative control of its path."""
+    common = {**FP32, "speculative_config": MTP_CPU_MLA}
     variants = {
-        "off": {"args": common},
-        "on": {"kvpp": True, "args": common},
-        "suppressed": {"kvpp": True, "args": common, "env": {"KVPP_FX_TEST_SUPPRESS_BROADCASTS": "1"}},
-        "compiled": {"kvpp": True, "args": {**common, **COMPILED}},
+        "off": {"args": {**common, **EAGER}},
+        "eager": {"kvpp": True, "args": {**common, **EAGER}, "fault": FAULT},
+        "default": {"kvpp": True, "args": common, "fault": FAULT},
+        "mode3": {"kvpp": True, "mode3": True, "args": common, "fault": FAULT},
     }
     return {name: run_check("generate", tiny_deepseek, json.dumps(v)) for name, v in variants.items()}
 
 
-def test_mtp_tokens_identical_with_kvpp(runs):
-    off, on = runs["off"], runs["on"]
+def test_mtp_tokens_identical_with_kvpp_in_eager_mode(runs):
+    off, on = runs["off"], runs["eager"]
     assert on["tokens"] == off["tokens"]
     assert all(len(t) == 16 for t in on["tokens"])
     assert len(set(on["tokens"][0])) > 1  # real, varied tokens, not one repeated id
     assert off["stats"] == [None, None]  # KVPP off: no runtime, vLLM's own cache
 
 
-def test_suppressed_broadcasts_change_the_tokens(runs):
-    """The negative control: non-owners reading stale scratch must show in the tokens."""
-    assert runs["suppressed"]["tokens"] != runs["off"]["tokens"]
-    assert all(s["broadcasts"] == 0 for s in runs["suppressed"]["stats"])
+@pytest.mark.parametrize("name", ["eager", "default", "mode3"])
+def test_receivers_skipping_their_scatter_change_the_tokens(runs, name):
+    """The negative control of each path: non-owners attending over stale scratch must show."""
+    run = runs[name]
+    assert run["faulty"] != run["tokens"] and run["tokens"] == runs["off"]["tokens"]
+    assert all(s["device_api"] == FAULT and s["broadcasts"] > 0 for s in run["faulty_stats"])
 
 
-def test_compiled_kvpp_matches_eager_off(runs):
-    compiled, off = runs["compiled"], runs["off"]
-    assert compiled["tokens"] == off["tokens"]
-    for stats in compiled["stats"]:
+def test_vllms_default_compilation_runs_the_kvpp_pass(runs):
+    """Nothing but enable_kvpp: vLLM CPU's default (mode 2 with inductor) compiles through the kvpp
+    backend, inductor compiles the pieces, and the tokens are those of KVPP off."""
+    run = runs["default"]
+    assert (run["config"]["mode"], run["config"]["backend"]) == (2, KVPP_BACKEND)
+    assert run["config"]["kvpp_fx"] == {"inner_backend": "inductor", "digest": compile_digest()}
+    assert run["tokens"] == runs["off"]["tokens"]
+    for stats in run["stats"]:
         graphs = {(g["kind"], tuple(g["layers"])) for g in stats["compiled_graphs"]}
         # The target model's graph gets the plan's ops; the drafter's graph (MTP layer only) none.
         assert graphs == {("target", tuple(range(NUM_LAYERS))), ("draft", (NUM_LAYERS,))}, graphs
         assert stats["broadcasts"] > 0
 
 
+def test_mode_3_runs_the_pass_before_vllms_split(runs):
+    """Mode 3 (vLLM's CUDA default) on the CPU stand-in: KVPP's VllmBackend rewrites the whole graph,
+    vLLM splits it at its splitting ops plus the kvpp ops, inductor compiles the pieces, vLLM's
+    generated code runs the kvpp ops inline; the tokens are those of KVPP off."""
+    run = runs["mode3"]
+    assert run["config"]["mode"] == 3 and run["config"]["backend"] == "inductor"
+    assert run["config"]["splitting_ops"][-2:] == ["kvpp::prefetch", "kvpp::wait"]
+    assert "vllm::unified_mla_attention_with_output" in run["config"]["splitting_ops"]
+    assert run["config"]["kvpp_fx"] == {"digest": compile_digest()}
+    assert run["tokens"] == runs["off"]["tokens"]
+    for stats in run["stats"]:
+        graphs = {(g["kind"], tuple(g["layers"])) for g in stats["compiled_graphs"]}
+        assert ("target", tuple(range(NUM_LAYERS))) in graphs, graphs
+        assert stats["broadcasts"] == NUM_LAYERS * (stats["forwards"] - 1)
+
+
 def test_each_rank_holds_its_own_layers_the_mtp_layer_and_two_scratch(runs):
-    for name in ("on", "compiled"):
+    for name in ("eager", "default", "mode3"):
         stats = runs[name]["stats"]
         assert [s["persistent_layers"] for s in stats] == [[0, 1, 2, 6], [3, 4, 5, 6]]
         assert [s["draft_layers"] for s in stats] == [[6], [6]]
         assert [s["scratch_buffers"] for s in stats] == [2, 2]
         assert [(s["worker_class"], s["runner_class"]) for s in stats] == [("KVPPCPUWorker", "KVPPCPUModelRunner")] * 2
+        assert [s["attention_backends"] for s in stats] == [["CPU_MLA"]] * 2
 
 
 def test_vllm_plans_the_kvpp_block_count(runs):
@@ -197,13 +283,13 @@ def test_vllm_plans_the_kvpp_block_count(runs):
         return 6 * padded(n * page) + padded(math.ceil(DEFAULT_STAGING_FRACTION * n) * (page + 8))
 
     expected = max(n for n in range(1, budget // page + 1) if cost(n) <= budget)
-    assert runs["on"]["num_blocks"] == [expected, expected]
-    assert [s["allocated_bytes"] for s in runs["on"]["stats"]] == [cost(expected)] * 2
+    assert runs["eager"]["num_blocks"] == [expected, expected]
+    assert [s["allocated_bytes"] for s in runs["eager"]["stats"]] == [cost(expected)] * 2
     assert runs["off"]["num_blocks"][0] == budget // (7 * page)  # replicated: 6 layers + MTP, unpadded
 
 
 def test_broadcasts_on_decode_steps_never_on_the_first_prefill(runs):
-    for stats in runs["on"]["stats"]:
+    for stats in runs["eager"]["stats"]:
         assert stats["per_layer"].keys() == {str(i) for i in range(NUM_LAYERS)}  # never the MTP layer
         assert stats["forwards"] >= 8
         # Every forward with history moves all 6 layers; the first prefill moves none.
@@ -212,6 +298,42 @@ def test_broadcasts_on_decode_steps_never_on_the_first_prefill(runs):
         # not whole layers.
         whole_layer = stats["num_blocks"] * 16 * 576 * 4
         assert stats["bytes"] <= stats["broadcasts"] * 14 * (16 * 576 * 4 + 8) < stats["broadcasts"] * whole_layer
+
+
+@pytest.fixture(scope="module")
+def platform_backend_runs(tiny_deepseek):
+    """vLLM CPU's own choice of MLA backend, in bfloat16 with MTP, eager: AMX_MLA on AMX hosts (block
+    128, chunked prefill, prefix caching), CPU_MLA elsewhere. Prompts sharing a 300-token prefix, in two
+    waves (the second hits the first's prefix); on AMX hosts longer than a 256-token budget."""
+    common = {"dtype": "bfloat16", "speculative_config": MTP, **EAGER}
+    if HOST_HAS_AMX:  # without chunked prefill (CPU_MLA), a prompt longer than the budget never runs
+        common["max_num_batched_tokens"] = 256
+    variants = {
+        "off": {"args": common, "workload": "shared_prefixes"},
+        "on": {"kvpp": True, "args": common, "workload": "shared_prefixes", "fault": FAULT},
+    }
+    return {name: run_check("generate", tiny_deepseek, json.dumps(v)) for name, v in variants.items()}
+
+
+def test_the_platforms_own_mla_backend_gives_the_tokens_of_kvpp_off(platform_backend_runs):
+    off, on = platform_backend_runs["off"], platform_backend_runs["on"]
+    assert [s["attention_backends"] for s in on["stats"]] == [[PLATFORM_MLA]] * 2
+    assert on["config"]["block_size"] == (128 if HOST_HAS_AMX else 16)
+    assert on["tokens"] == off["tokens"] and len(on["tokens"]) == 3
+    assert all(len(t) == 16 for t in on["tokens"]) and len(set(on["tokens"][1])) > 1
+    # The negative control on this backend.
+    assert on["faulty"] != on["tokens"]
+    assert all(s["broadcasts"] > 0 for s in on["stats"])
+
+
+@pytest.mark.skipif(not HOST_HAS_AMX, reason="this host has no AMX: vLLM CPU runs MLA on CPU_MLA, with chunked "
+                    "prefill and prefix caching off, so no prefill reads computed blocks")
+def test_amx_chunked_prefill_and_prefix_hits_read_broadcast_history(platform_backend_runs):
+    on = platform_backend_runs["on"]
+    assert on["config"]["chunked_prefill"] and on["config"]["prefix_caching"]
+    # Later prefill chunks and prefix-cache hits attended over blocks that other ranks broadcast.
+    assert all(s["prefill_rows_with_history"] > 0 for s in on["stats"])
+    assert on["tokens"] == platform_backend_runs["off"]["tokens"]
 
 
 # --- online serving -------------------------------------------------------------------------------------
@@ -243,12 +365,18 @@ def _complete_concurrently(port: int) -> list[str]:
 
 def serve_and_query(model: str, kvpp: bool, log: Path) -> dict:
     """Start vLLM's OpenAI server at TP 2, send two concurrent completions requests; with KVPP on,
-    read the workers' KVPP stats, then suppress broadcasts (test-only) and ask again. Stop it."""
+    read the workers' KVPP stats, then install the fault (receivers skip their scatter) through the
+    workers' test seam and ask again. Stop it.
+
+    KVPP on runs vLLM's default compilation; KVPP off, the reference, runs eager (vLLM CPU's own
+    compiled default gives other tokens than its eager mode on this model, KVPP or not)."""
     port = _free_port()
+    settings = ([] if kvpp else ["--enforce-eager", "--compilation-config",
+                                 json.dumps({"custom_ops": ["-rotary_embedding"]})])
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-               "--tensor-parallel-size", "2", "--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20),
-               "--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]}),
+               "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", str(32 << 20),
+               "--dtype", "float32", "--attention-backend", "CPU_MLA", *settings,
                "--additional-config", json.dumps({"enable_kvpp": kvpp})]
     env = dict(ENV, VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_LOGGING_LEVEL="WARNING", VLLM_SERVER_DEV_MODE="1")
     with open(log, "w") as out:
@@ -267,8 +395,8 @@ def serve_and_query(model: str, kvpp: bool, log: Path) -> dict:
         result = {"texts": _complete_concurrently(port)}
         if kvpp:
             result["stats"] = _post(port, "/collective_rpc", {"method": "kvpp_stats"})["results"]
-            _post(port, "/collective_rpc", {"method": "kvpp_test_fault", "args": ["1"]})
-            result["suppressed"] = _complete_concurrently(port)
+            _post(port, "/collective_rpc", {"method": "kvpp_set_device_api", "args": [FAULT]})
+            result["faulty"] = _complete_concurrently(port)
         return result
     finally:
         os.killpg(server.pid, signal.SIGTERM)
@@ -287,5 +415,7 @@ def test_openai_server_same_text_with_kvpp(tiny_deepseek, tmp_path):
     # The server's own workers ran KVPP: each rank broadcast and holds half the layers.
     assert [s["owned_layers"] for s in on["stats"]] == [[0, 1, 2], [3, 4, 5]]
     assert all(s["broadcasts"] > 0 and s["worker_class"] == "KVPPCPUWorker" for s in on["stats"])
-    # The negative control: the same server with broadcasts suppressed answers differently.
-    assert on["suppressed"] != off["texts"]
+    # vLLM's default compilation went through the kvpp pass.
+    assert all({"kind": "target", "layers": list(range(NUM_LAYERS))} in s["compiled_graphs"] for s in on["stats"])
+    # The negative control: the same server with receivers skipping their scatter answers differently.
+    assert on["faulty"] != off["texts"]

@@ -21,20 +21,21 @@ block tables, slot mappings and block ids stay as they are; only where the bytes
 Once upon a time a small model answered questions about caches, layers, ranks and broadcasts."""
 
 
-def make_tiny_deepseek(path: Path) -> str:
+def make_tiny_deepseek(path: Path, num_layers: int = NUM_LAYERS) -> str:
+    """The checkpoint at `path` (``num_layers`` target layers, the last two MoE, plus one MTP layer)."""
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-        num_hidden_layers=NUM_LAYERS + 1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
-        kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=4,
+        num_hidden_layers=num_layers + 1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+        kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=num_layers - 2,
         n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=1024,
         initializer_range=0.3, bos_token_id=0, eos_token_id=1)
     torch.manual_seed(0)
     DeepseekV3ForCausalLM(config).save_pretrained(path)
     weights = load_file(path / "model.safetensors")
-    mtp = f"model.layers.{NUM_LAYERS}"
+    mtp = f"model.layers.{num_layers}"
     hidden = config.hidden_size
     weights.update({
         f"{mtp}.enorm.weight": torch.ones(hidden), f"{mtp}.hnorm.weight": torch.ones(hidden),
@@ -45,7 +46,7 @@ def make_tiny_deepseek(path: Path) -> str:
     })
     save_file({k: v.contiguous() for k, v in weights.items()}, path / "model.safetensors", metadata={"format": "pt"})
     hf = json.loads((path / "config.json").read_text())
-    hf.update(num_hidden_layers=NUM_LAYERS, num_nextn_predict_layers=1, topk_method="noaux_tc",
+    hf.update(num_hidden_layers=num_layers, num_nextn_predict_layers=1, topk_method="noaux_tc",
               scoring_func="sigmoid")
     (path / "config.json").write_text(json.dumps(hf))
     _write_tokenizer(path)

@@ -3,6 +3,7 @@ process-wide side effects, so the tests run each check in a fresh interpreter an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -78,11 +79,11 @@ def construct_many(cases_json: str) -> dict:
                              "is_value_error": isinstance(exc, ValueError)}
         else:
             results[name] = {"error": None, "worker_cls": config.parallel_config.worker_cls,
-                             "additional_config": dict(config.additional_config),
-                             "mode": int(config.compilation_config.mode),
-                             "backend": config.compilation_config.backend,
+                             **_compile_settings(config),
                              "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
                              "hash": config.compute_hash()}
+            # vLLM resolves copies of a config again (the MTP drafter's, with dataclasses.replace).
+            results[name]["replaced"] = _compile_settings(dataclasses.replace(config))
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -92,28 +93,91 @@ def construct_many(cases_json: str) -> dict:
     return results
 
 
+def _compile_settings(config) -> dict:
+    return {"mode": int(config.compilation_config.mode), "backend": config.compilation_config.backend,
+            "additional_config": json.loads(json.dumps(config.additional_config))}
+
+
+def spec_ops(_: str = "") -> dict:
+    """Whether each built-in vLLM op spec names an op the installed vLLM registers."""
+    import torch
+    import vllm
+    import vllm.model_executor.layers.attention.mla_attention  # noqa: F401  (registers the MLA ops)
+    import vllm.model_executor.layers.sparse_attn_indexer  # noqa: F401  (registers the SFA indexer op)
+
+    from kvpp_fx.passes.registry import VLLM_SPECS
+
+    def exists(qualified: str) -> bool:
+        namespace, _, name = qualified.partition("::")
+        return torch._C._dispatch_has_kernel(f"{namespace}::{name.split('.')[0]}") or hasattr(
+            getattr(torch.ops, namespace), name.split(".")[0])
+
+    return {"vllm": vllm.__version__, "specs": {spec.op: exists(spec.op) for spec in VLLM_SPECS},
+            "control": exists("vllm::unified_mla_attention_that_does_not_exist")}
+
+
 PROMPTS = [[(7 * i + 3) % 500 for i in range(90)], [(5 * i + 1) % 500 for i in range(70)]]
+# Longer than a 256-token budget, sharing a 300-token prefix: with chunked prefill and prefix caching
+# (vLLM CPU's AMX_MLA backend) later chunks and prefix hits read computed blocks.
+SHARED_PREFIX = [(11 * i + 5) % 500 for i in range(300)]
+FIRST_WAVE = [SHARED_PREFIX + [(3 * i + 7) % 500 for i in range(60)]]
+SECOND_WAVE = [SHARED_PREFIX + [(13 * i + 2) % 500 for i in range(90)],
+               SHARED_PREFIX + [(17 * i + 9) % 500 for i in range(40)]]
+WORKLOADS = {"short": [PROMPTS], "shared_prefixes": [FIRST_WAVE, SECOND_WAVE]}
 
 
 def generate(model_dir: str, variant_json: str = "{}") -> dict:
-    """Greedy tokens from LLM(...) at TP 2, and what each worker's KVPP runtime saw."""
+    """Greedy tokens from LLM(...) at TP 2, and what each worker's KVPP runtime saw.
+
+    ``variant``: ``kvpp`` (on/off), ``args`` (more LLM arguments), ``env``, ``mode3`` (the CPU stand-in
+    for vLLM's mode 3, `cpu_mode3`), ``workload`` (a key of WORKLOADS: prompt waves, each one
+    ``generate`` call), ``fault`` (a ``"module:callable"`` device API installed through the workers'
+    test seam after the first run, which then runs again: the negative control, on the same engine).
+    """
     variant = json.loads(variant_json)
     os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-                      VLLM_USE_AOT_COMPILE="0", **variant.get("env", {}))
+                      **variant.get("env", {}))
     from vllm import LLM, SamplingParams
 
     from kvpp_fx.integrations.vllm.worker import worker_stats
 
-    args = dict(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=2, enforce_eager=True,
-                kv_cache_memory_bytes=32 << 20, compilation_config={"custom_ops": ["-rotary_embedding"]},
+    if variant.get("mode3"):
+        from tests.integrations.cpu_mode3 import keep_mode_3
+
+        keep_mode_3()
+    args = dict(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=2, kv_cache_memory_bytes=32 << 20,
                 additional_config={"enable_kvpp": variant.get("kvpp", False)})
     args.update(variant.get("args", {}))
     llm = LLM(**args)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-    stats = llm.collective_rpc(worker_stats)
-    blocks = llm.collective_rpc(vllm_num_blocks)
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "stats": stats, "num_blocks": blocks}
+    waves = WORKLOADS[variant.get("workload", "short")]
+
+    def run() -> list[list[int]]:
+        tokens = []
+        for wave in waves:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)
+            tokens += [list(o.outputs[0].token_ids) for o in outputs]
+        return tokens
+
+    result = {"tokens": run(), "stats": llm.collective_rpc(worker_stats), "num_blocks": llm.collective_rpc(vllm_num_blocks),
+              "config": _config_summary(llm)}
+    if variant.get("fault"):
+        llm.reset_prefix_cache()
+        llm.collective_rpc("kvpp_set_device_api", args=(variant["fault"],))
+        result["faulty"] = run()
+        result["faulty_stats"] = llm.collective_rpc(worker_stats)
+    return result
+
+
+def _config_summary(llm) -> dict:
+    config = llm.llm_engine.vllm_config
+    compilation = config.compilation_config
+    return {"mode": int(compilation.mode), "backend": compilation.backend,
+            "splitting_ops": list(compilation.splitting_ops or []),
+            "cudagraph_mode": str(compilation.cudagraph_mode), "block_size": config.cache_config.block_size,
+            "chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
+            "prefix_caching": bool(config.cache_config.enable_prefix_caching),
+            "kvpp_fx": dict(config.additional_config.get("kvpp_fx", {}))}
 
 
 def vllm_num_blocks(worker) -> int:
@@ -121,41 +185,49 @@ def vllm_num_blocks(worker) -> int:
 
 
 def split(_: str = "") -> dict:
-    """Rewrite a vLLM-style graph with the KVPP pass, then split it with vLLM's own split_graph."""
+    """Rewrite a vLLM-style graph with the KVPP pass, then split it with vLLM's own split_graph, with the
+    first prefetch where mode 3 puts it (at the first wait) and at graph entry (the control)."""
     import torch
     from vllm.compilation.backends import split_graph
 
     from kvpp_fx.backend import kvpp_backend
-    from kvpp_fx.integrations.vllm.compilation import splitting_ops
+    from kvpp_fx.integrations.vllm.compile_modes import KVPP_SPLITTING_OPS
     from kvpp_fx.ops import is_kvpp_op
     from kvpp_fx.passes.layer_table import LayerTable
     from kvpp_fx.runtime.runtime import KVPPRuntime
     from tests.passes import toy
 
-    backend = kvpp_backend(LayerTable(target_layers=(0, 1, 2, 3)), mode="eager")
-    graphs = []
-
-    def capture(gm, example_inputs):
-        graphs.append(backend(gm, example_inputs))
-        return graphs[-1]
-
     plan = toy.toy_plan(4)
     storage = toy.allocate(plan)
     for i in range(4):
         toy.VLLM_STYLE_CACHES[f"model.layers.{i}.self_attn.attn"] = storage.typed_views(i)["kv"]
-    model = torch.compile(toy.ToyVLLMStyle(4), backend=capture, fullgraph=True)
-    with KVPPRuntime.create(plan, storage) as runtime, runtime.forward(has_history=False):
-        model(torch.randn(3, toy.HIDDEN))
-    ops = splitting_ops(["toy_vllm::unified_attention"])
-    _, items = split_graph(graphs[-1], ops)
-    pieces = []
-    for item in items:
-        kvpp = [n.name for n in item.graph.graph.nodes if n.op == "call_function" and is_kvpp_op(n.target)]
-        pieces.append({"name": item.submod_name, "splitting": item.is_splitting_graph, "kvpp_ops": kvpp})
-    return {"splitting_ops": ops, "pieces": pieces}
+    ops = ["toy_vllm::unified_attention", *KVPP_SPLITTING_OPS]
+    out = {"splitting_ops": ops}
+    for first_prefetch in ("at_first_wait", "entry"):
+        backend = kvpp_backend(LayerTable(target_layers=(0, 1, 2, 3)), mode="eager", first_prefetch=first_prefetch)
+        graphs = []
+
+        def capture(gm, example_inputs):
+            graphs.append(backend(gm, example_inputs))
+            return graphs[-1]
+
+        torch._dynamo.reset()
+        model = torch.compile(toy.ToyVLLMStyle(4), backend=capture, fullgraph=True)
+        with KVPPRuntime.create(plan, storage) as runtime, runtime.forward(has_history=False):
+            model(torch.randn(3, toy.HIDDEN))
+        _, items = split_graph(graphs[-1], ops)
+        pieces = []
+        for item in items:
+            kvpp = [n.name for n in item.graph.graph.nodes if n.op == "call_function" and is_kvpp_op(n.target)]
+            inputs = sum(n.op == "placeholder" for n in item.graph.graph.nodes)
+            pieces.append({"name": item.submod_name, "splitting": item.is_splitting_graph, "kvpp_ops": kvpp,
+                           "inputs": inputs})
+        out[first_prefetch] = pieces
+    return out
 
 
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
-    checks = {"plugin_off": plugin_off, "construct_many": construct_many, "split": split, "generate": generate}
+    checks = {"plugin_off": plugin_off, "construct_many": construct_many, "split": split, "generate": generate,
+              "spec_ops": spec_ops}
     print("KVPP-CHECK " + json.dumps(checks[name](*args)))

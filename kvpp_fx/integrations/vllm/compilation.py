@@ -1,42 +1,45 @@
-"""vLLM's compiled path: the Dynamo backend ``kvpp_fx.integrations.vllm.backend``.
+"""vLLM's compiled paths: the kvpp backend of modes 1 and 2, and the ``VllmBackend`` of mode 3.
 
-Used as ``compilation_config={"mode": 2, "backend": "kvpp_fx.integrations.vllm.backend"}`` (mode 1
-works the same way) with ``VLLM_USE_AOT_COMPILE=0``. vLLM hands it each whole Dynamo graph it
-compiles. Invariant: a graph of the target model gets the engine plan's kvpp ops (the layer table is
+Invariant, in both: a graph of the target model gets the engine plan's kvpp ops (the layer table is
 the plan's, so slots agree with the eager path and the runtime); a graph holding only MTP layers (the
-drafter's) gets none, since drafts stay local. The graph is then split at the kvpp and MLA ops and
-each other piece is compiled by ``$KVPP_VLLM_INNER`` (default ``inductor``).
+drafter's) gets none, since drafts stay local; a graph compiled with KVPP on but outside a KVPP
+engine's model runner is an error, never a graph without ops.
+
+- Modes 1 and 2: ``compilation_config.backend`` is ``kvpp_fx.integrations.vllm.backend``
+  (`kvpp_vllm_backend`): the kvpp backend in piecewise mode, whose pieces between the kvpp and MLA ops
+  are compiled by ``additional_config.kvpp_fx.inner_backend`` (inductor with vLLM's
+  ``inductor_compile_config``, as vLLM would have compiled the whole graph).
+- Mode 3: KVPP workers make vLLM build `kvpp_vllm_backend_class` in place of its ``VllmBackend``
+  (`install_vllm_backend`). Its ``__call__`` rewrites the whole Dynamo graph in place (no input added
+  or removed; every new node carries Dynamo's ``meta["example_value"]``, which vLLM's split reads),
+  then runs vLLM's own: the split at ``splitting_ops`` (which hold the kvpp ops, see `compile_modes`),
+  per-piece compilation, piecewise CUDA graphs. A graph that already holds kvpp ops (vLLM reloading
+  its own AOT artifact) is verified, not rewritten. In a process without a KVPP engine running, the
+  subclass is vLLM's backend exactly.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch.fx
 
 from kvpp_fx.backend import KVPPBackend
-from kvpp_fx.integrations.vllm.state import current_engine
+from kvpp_fx.integrations.vllm.compile_modes import inner_backend
+from kvpp_fx.integrations.vllm.state import EngineState, current_engine
 from kvpp_fx.passes.layer_table import LayerTable
 from kvpp_fx.passes.registry import find_spec, layer_of
 
 logger = logging.getLogger(__name__)
 
-INNER_ENV = "KVPP_VLLM_INNER"
-
-KVPP_SPLITTING_OPS = ("kvpp::prefetch", "kvpp::wait")
+_INSTALLED = "_kvpp_fx_backend"
 
 
 class KVPPCompileError(RuntimeError):
     """The kvpp backend cannot tell which engine's plan a graph belongs to."""
-
-
-def splitting_ops(existing: Iterable[str]) -> list[str]:
-    """``splitting_ops`` plus the kvpp ops (kept in order, no duplicates)."""
-    ops = list(existing)
-    return ops + [op for op in KVPP_SPLITTING_OPS if op not in ops]
 
 
 def graph_layers(gm: torch.fx.GraphModule) -> dict[str, int]:
@@ -65,24 +68,129 @@ def layer_table_for(names: dict[str, int], plan: Any | None, plan_names: dict[st
     return LayerTable.from_plan(plan, plan_names)
 
 
-def kvpp_vllm_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]):
+def _engine_for_compile() -> EngineState | None:
+    """The KVPP engine compiling now; None with KVPP off; an error when KVPP is on but no engine is."""
     state = current_engine()
     if state is None:
         _refuse_if_kvpp_on()
-    plan = None if state is None else state.plan
-    if state is not None and plan is None:
-        raise KVPPCompileError("the kvpp backend compiled a graph before the engine's KVPP plan was built.")
+        return None
+    if state.plan is None:
+        raise KVPPCompileError("a graph was compiled before the engine's KVPP plan was built.")
+    return state
+
+
+def _backend_for(state: EngineState | None, gm: torch.fx.GraphModule, mode: str,
+                 inner: str | Callable = "eager", **options: Any) -> tuple[KVPPBackend, str, tuple[int, ...]]:
     names = graph_layers(gm)
     layers = tuple(sorted(set(names.values())))
+    plan = None if state is None else state.plan
     table = layer_table_for(names, plan, dict(state.vplan.layer_index) if plan is not None else None)
-    inner = os.environ.get(INNER_ENV, "inductor")
     kind = "target" if table.target_layers else ("draft" if state is not None else "kvpp-off")
+    return KVPPBackend(table, mode=mode, inner=inner, **options), kind, layers
+
+
+def _inner_compiler(vllm_config: Any) -> str | Callable:
+    name = inner_backend(vllm_config)
+    if name != "inductor":
+        return name
+    patches = dict(vllm_config.compilation_config.inductor_compile_config)
+
+    def inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable:
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+    return inductor
+
+
+def kvpp_vllm_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]):
+    """``compilation_config.backend`` of modes 1 and 2 (see the module docstring)."""
+    state = _engine_for_compile()
+    if state is None:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        inner = _inner_compiler(config) if config is not None else "inductor"
+    else:
+        inner = _inner_compiler(state.vllm_config)
+    backend, kind, layers = _backend_for(state, gm, "piecewise", inner)
     logger.info("KVPP: %s graph with layers %s, kvpp ops for %s, pieces compiled by %s.", kind, list(layers),
-                list(table.target_layers), inner)
-    compiled = KVPPBackend(table, mode="piecewise", inner=inner)(gm, example_inputs)
+                list(backend.table.target_layers), backend.inner_name)
+    compiled = backend(gm, example_inputs)
     if state is not None:
         state.compiled_graphs.append((kind, layers))
-    return compiled
+    return _compiled_each_start(compiled)
+
+
+MSG_NOT_SAVED = (
+    "kvpp-fx compiles its graphs again at every start (the compiled pieces call the engine's runtime), "
+    "so this AOT artifact is not saved; the kvpp pass then runs on every load."
+)
+
+
+def _compiled_each_start(compiled: Callable) -> Callable:
+    """vLLM's AOT compile (on by default) takes only serializable compiled functions. The kvpp backend's
+    is one that refuses to be saved, so vLLM logs it and keeps it in memory; a load can then never
+    skip the kvpp pass."""
+    from torch._dynamo.aot_compile_types import SerializableCallable
+
+    class CompiledEachStart(SerializableCallable):
+        def __init__(self, fn: Callable) -> None:
+            self.fn = fn
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return self.fn(*args, **kwargs)
+
+        @classmethod
+        def serialize_compile_artifacts(cls, fn: Any) -> bytes:
+            raise KVPPCompileError(MSG_NOT_SAVED)
+
+        @classmethod
+        def deserialize_compile_artifacts(cls, data: bytes) -> Any:
+            raise KVPPCompileError(MSG_NOT_SAVED)
+
+    return CompiledEachStart(compiled)
+
+
+@functools.cache
+def kvpp_vllm_backend_class() -> type:
+    """vLLM's ``VllmBackend`` with the kvpp insert pass run on the whole graph before its split."""
+    from vllm.compilation.backends import VllmBackend
+
+    base = getattr(VllmBackend, _INSTALLED, VllmBackend)
+
+    class KVPPVllmBackend(base):  # type: ignore[misc, valid-type]
+        def __call__(self, graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            state = _engine_for_compile()
+            if state is not None:
+                rewrite_whole_graph(state, graph, example_inputs)
+            return super().__call__(graph, example_inputs)
+
+    KVPPVllmBackend.__qualname__ = KVPPVllmBackend.__name__ = "KVPPVllmBackend"
+    setattr(KVPPVllmBackend, _INSTALLED, base)
+    return KVPPVllmBackend
+
+
+def install_vllm_backend() -> None:
+    """Make this process's vLLM build `kvpp_vllm_backend_class` wherever it builds a ``VllmBackend``:
+    every such place imports the name from ``vllm.compilation.backends`` when it runs."""
+    from vllm.compilation import backends
+
+    backends.VllmBackend = kvpp_vllm_backend_class()
+
+
+def rewrite_whole_graph(state: EngineState, gm: torch.fx.GraphModule, example_inputs: Any) -> None:
+    """Mode 3: the insert and route passes and the verifier on vLLM's whole Dynamo graph, in place."""
+    # vLLM's generated code calls each eager piece with its inputs, and a prefetch at graph entry
+    # would be a piece without any: the first layer's prefetch joins its wait's piece instead.
+    backend, kind, layers = _backend_for(state, gm, "eager", first_prefetch="at_first_wait")
+    backend(gm, example_inputs)
+    for node in gm.graph.nodes:
+        if "example_value" not in node.meta and "val" in node.meta:
+            node.meta["example_value"] = node.meta["val"]
+    logger.info("KVPP: %s graph with layers %s, kvpp ops for %s, split and compiled by vLLM.", kind, list(layers),
+                list(backend.table.target_layers))
+    state.compiled_graphs.append((kind, layers))
 
 
 def _refuse_if_kvpp_on() -> None:
@@ -95,5 +203,5 @@ def _refuse_if_kvpp_on() -> None:
 
     config = get_current_vllm_config_or_none()
     if config is not None and KVPPConfig.from_vllm_config(config).enabled:
-        raise KVPPCompileError("the kvpp backend compiled a graph outside a KVPP model runner's step; "
+        raise KVPPCompileError("a graph was compiled with KVPP on outside a KVPP model runner's step; "
                                "no kvpp op would be placed.")

@@ -5,9 +5,11 @@ off the wrapper only reads ``additional_config.enable_kvpp`` and calls vLLM's ow
 no platform worker module is imported and no vLLM class or function changes. If even that wrapper
 cannot be applied (a vLLM this plugin does not know), `register` logs it and returns.
 
-With ``enable_kvpp`` on, the wrapper validates twice: the configuration as given (before vLLM's
-platform hooks, which on CPU quietly turn a requested FULL cudagraph mode into NONE) with the KVPP
-rules, and the resolved one with the KVPP rules plus `validation.check_execution`. Then it points
+With ``enable_kvpp`` on, the wrapper validates the configuration as given with the KVPP rules
+(before vLLM's platform hooks, which on CPU quietly turn a requested FULL cudagraph mode into NONE) and
+notes what the user chose (`compile_modes.Requested`). After vLLM resolved it, it checks the platform,
+release and model runner (`validation.check_execution`), sets what the compilation mode needs
+(`compile_modes.configure_compilation`), applies the KVPP rules again, and points
 ``parallel_config.worker_cls`` at KVPP's subclass of the platform's worker (see `worker`), so only the
 worker processes of that engine are hooked.
 """
@@ -32,13 +34,16 @@ def validate_vllm_config(vllm_config) -> KVPPConfig:
     return config
 
 
-def enable_kvpp(vllm_config) -> KVPPConfig:
-    """For a resolved config with KVPP on: check it runs, then route its workers to the KVPP hooks."""
+def enable_kvpp(vllm_config, requested) -> KVPPConfig:
+    """For a resolved config with KVPP on: check it runs, set what its compilation mode needs, then
+    route its workers to the KVPP hooks. `requested`: `compile_modes.Requested` of the config as given."""
+    from kvpp_fx.integrations.vllm.compile_modes import configure_compilation
     from kvpp_fx.integrations.vllm.state import hooked_worker_qualname
     from kvpp_fx.integrations.vllm.validation import check_execution
 
-    config = validate_vllm_config(vllm_config)
     check_execution(vllm_config)
+    configure_compilation(vllm_config, requested)
+    config = validate_vllm_config(vllm_config)
     parallel = vllm_config.parallel_config
     parallel.worker_cls = hooked_worker_qualname(str(parallel.worker_cls))
     logger.info("KVPP on: group size %d (TP %d x PCP %d); workers %s.", config.size, config.tp, config.pcp,
@@ -60,14 +65,14 @@ def register() -> None:
 
     @functools.wraps(original)
     def post_init(self) -> None:
-        requested = validate_vllm_config(self)
-        if requested.enabled:
-            from kvpp_fx.integrations.vllm.validation import check_requested
+        enabled = validate_vllm_config(self).enabled
+        if enabled:
+            from kvpp_fx.integrations.vllm.compile_modes import Requested
 
-            check_requested(self)
+            requested = Requested.of(self)
         original(self)
-        if requested.enabled:
-            enable_kvpp(self)
+        if enabled:
+            enable_kvpp(self, requested)
 
     setattr(post_init, _PATCHED, True)
     VllmConfig.__post_init__ = post_init

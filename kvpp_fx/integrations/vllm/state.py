@@ -19,10 +19,6 @@ from kvpp_fx.config import KVPPConfig
 
 logger = logging.getLogger(__name__)
 
-# Test-only fault: every step runs as if it had no history, so no layer is broadcast and non-owners
-# read stale scratch. The vLLM tests use it as the negative control of their token equality.
-SUPPRESS_BROADCASTS_ENV = "KVPP_FX_TEST_SUPPRESS_BROADCASTS"
-
 _ENGINE: contextvars.ContextVar[EngineState | None] = contextvars.ContextVar("kvpp_vllm_engine", default=None)
 
 
@@ -63,7 +59,14 @@ class EngineState:
     group_ranks: list[int] = field(default_factory=list)
     compiled_graphs: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     awaited: set[int] = field(default_factory=set)  # eager hooks, per step
-    suppress_broadcasts: bool = False
+    device_api_factory: str | None = None  # "module:callable" (the tests' fault seam), None: the default
+    steps: int = 0  # target-model forwards
+    prefill_rows_with_history: int = 0  # rows whose prefill starts after computed tokens (a later chunk
+    #                                     of a chunked prefill, or a prefix-cache hit)
+
+    def note_step(self, num_computed: Any, num_prompt: Any) -> None:
+        self.steps += 1
+        self.prefill_rows_with_history += int(((num_computed > 0) & (num_computed < num_prompt)).sum())
 
     @property
     def plan(self):

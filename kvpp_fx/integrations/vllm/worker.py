@@ -33,13 +33,13 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
-import os
 from typing import Any
 
 import torch
 
 from kvpp_fx.cache.allocate import allocate_cache
 from kvpp_fx.config import KVPPConfig
+from kvpp_fx.integrations.vllm.compilation import install_vllm_backend
 from kvpp_fx.integrations.vllm.specs import (
     INDEXER_COMPONENT,
     VllmPlan,
@@ -49,7 +49,6 @@ from kvpp_fx.integrations.vllm.specs import (
 )
 from kvpp_fx.integrations.vllm.validation import SUPPORTED_VLLM
 from kvpp_fx.integrations.vllm.state import (
-    SUPPRESS_BROADCASTS_ENV,
     WORKER_PREFIX,
     EngineState,
     KVPPAllocationError,
@@ -108,10 +107,10 @@ def kvpp_worker_class(base: type) -> type:
             if runner is None:
                 raise hook_error(f"{base.__qualname__}.init_device", "the worker built no model_runner.")
             runner.__class__ = kvpp_runner_class(type(runner))
-            runner._kvpp = EngineState(KVPPConfig.from_vllm_config(self.vllm_config), self.vllm_config,
-                                       suppress_broadcasts=os.environ.get(SUPPRESS_BROADCASTS_ENV) == "1")
-            if runner._kvpp.suppress_broadcasts:
-                logger.warning("KVPP: %s=1, broadcasts are suppressed (test-only fault).", SUPPRESS_BROADCASTS_ENV)
+            runner._kvpp = EngineState(KVPPConfig.from_vllm_config(self.vllm_config), self.vllm_config)
+            if int(self.vllm_config.compilation_config.mode or 0) == 3:
+                # Before load_model: vLLM builds its backend when it builds the model.
+                install_vllm_backend()
 
         def determine_available_memory(self) -> int:
             state: EngineState = self.model_runner._kvpp
@@ -134,11 +133,12 @@ def kvpp_worker_class(base: type) -> type:
         def kvpp_stats(self) -> dict[str, Any] | None:
             return worker_stats(self)
 
-        def kvpp_test_fault(self, suppress_broadcasts: str = "1") -> None:
-            """Test-only: ``"1"`` suppresses every later broadcast (the negative control of the tests)."""
-            self.model_runner._kvpp.suppress_broadcasts = suppress_broadcasts == "1"
-            logger.warning("KVPP: broadcasts %s (test-only fault).",
-                           "suppressed" if suppress_broadcasts == "1" else "restored")
+        def kvpp_set_device_api(self, factory: str | None = None) -> None:
+            """The tests' one seam into a worker (``collective_rpc("kvpp_set_device_api", args=(...,))``):
+            rebuild this worker's runtime over the same cache with the `DeviceAPI` that `factory` (a
+            ``"module:callable"`` name, called with the cache's device) returns; None restores the
+            default. The tests pass fault-injecting device APIs from their own tree this way."""
+            _set_device_api(self.model_runner._kvpp, factory)
 
     KVPPWorker.__name__ = f"KVPP{base.__name__}"
     KVPPWorker.__qualname__ = WORKER_PREFIX + f"{base.__module__}.{base.__qualname__}".replace(".", "__")
@@ -198,8 +198,9 @@ def kvpp_runner_class(base: type) -> type:
                 raise KVPPAllocationError("a step ran before KVPP allocated the KV cache.")
             batch = self.input_batch
             computed = batch.num_computed_tokens_cpu[: batch.num_reqs]
-            has_history = bool((computed > 0).any()) and not state.suppress_broadcasts
+            has_history = bool((computed > 0).any())
             blocks = active_blocks(batch.block_table, computed, batch.num_reqs)
+            state.note_step(computed, batch.num_prompt_tokens[: batch.num_reqs])
             state.awaited.clear()
             with state.runtime.forward(has_history=has_history, blocks=blocks):
                 return super()._model_forward(*args, **kwargs)
@@ -261,9 +262,7 @@ def _allocate(runner: Any, state: EngineState, kv_cache_config: Any, device: Any
         state.group, state.agreement_group, state.group_ranks = _kvpp_group(state.config)
     rank = torch.distributed.get_rank(state.group)
     storage = allocate_cache(vplan.plan, rank, kv_cache_config.num_blocks, device)
-    if state.runtime is not None:
-        state.runtime.close()
-    state.runtime = KVPPRuntime.create(vplan.plan, storage, state.group, agreement_group=state.agreement_group)
+    _create_runtime(state, storage)
     plan = vplan.plan
     logger.warning("KVPP: group %s, rank %d owns layers %s of %d; %d blocks; %d bytes allocated.",
                    state.group_ranks, rank, list(plan.owned_layers(rank)), len(plan.target_layers),
@@ -273,16 +272,39 @@ def _allocate(runner: Any, state: EngineState, kv_cache_config: Any, device: Any
             for name, index in vplan.layer_index.items()}
 
 
+def _create_runtime(state: EngineState, storage: Any) -> None:
+    if state.runtime is not None:
+        state.runtime.close()
+    device_api = None
+    if state.device_api_factory is not None:
+        from vllm.utils.import_utils import resolve_obj_by_qualname
+
+        device_api = resolve_obj_by_qualname(state.device_api_factory.replace(":", "."))(storage.device)
+    state.runtime = KVPPRuntime.create(state.plan, storage, state.group, agreement_group=state.agreement_group,
+                                       device_api=device_api)
+
+
+def _set_device_api(state: EngineState, factory: str | None) -> None:
+    if state.runtime is None:
+        raise KVPPAllocationError("kvpp_set_device_api before KVPP allocated the KV cache.")
+    state.device_api_factory = factory
+    _create_runtime(state, state.runtime.storage)
+    logger.warning("KVPP: runtime rebuilt with device API %s.", factory or "default")
+
+
 def _self_check(runner: Any, state: EngineState, kv_cache_config: Any) -> None:
     """Every cache layer is bound to its KVPP view, and vLLM plans exactly the budget's blocks."""
     if state.runtime is None:
         raise KVPPAllocationError("vLLM allocated its KV cache without KVPP's allocator "
                                   "(gpu_model_runner.allocate_kv_cache was not called).")
     storage = state.runtime.storage
-    if state.budget_blocks is not None and kv_cache_config.num_blocks != state.budget_blocks:
+    # vLLM gives every worker the smallest count any worker's budget holds (pipeline stages differ), so
+    # fewer blocks than this worker's budget is fine; more would not fit.
+    if state.budget_blocks is not None and kv_cache_config.num_blocks > state.budget_blocks:
         raise KVPPAllocationError(
             f"vLLM planned {kv_cache_config.num_blocks} blocks, the KVPP budget holds {state.budget_blocks} "
-            "(num_gpu_blocks_override and other block-count overrides cannot be combined with KVPP).")
+            "(num_gpu_blocks_override and other block-count overrides above the budget cannot be combined "
+            "with KVPP).")
     context = runner.compilation_config.static_forward_context
     vplan = state.vplan
     for name in runner.get_kv_cache_spec():
@@ -329,21 +351,44 @@ def wait_for_layer(runtime: KVPPRuntime, layer: int) -> None:
         runtime.prefetch(nxt, plan.slot(nxt))
 
 
+def await_layer(state: EngineState, layer: int) -> None:
+    """At a target layer's attention entry: `wait_for_layer` once per step (the SFA indexer and the MLA
+    attention of one layer share it); nothing in passthrough (dummy, profile and capture runs)."""
+    runtime = active_runtime()
+    if runtime is None or runtime is not state.runtime:
+        if not passing_through():  # a model call outside a step and outside a dummy run
+            raise NoActiveForwardError(
+                f"layer {layer}'s attention ran outside its engine's KVPP forward; its cache view would "
+                "not hold the layer's bytes.")
+    elif layer not in state.awaited:
+        state.awaited.add(layer)
+        wait_for_layer(runtime, layer)
+
+
+def breakable_capture() -> Any:
+    """vLLM's breakable CUDA-graph capture recording on this thread, or None.
+
+    Under ``VLLM_USE_BREAKABLE_CUDAGRAPH`` (on by default for DeepSeek-V3.2 and GLM-5 class models) the
+    model's Python runs once, at capture, and each replay reruns only the recorded segments: a wait
+    done in plain Python would be skipped on every replayed step. Recorded as an eager segment, it
+    reruns on each replay, in capture order, reading the step's runtime when it runs.
+    """
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    capture = BreakableCUDAGraphCapture.current()
+    return capture if capture is not None and capture._capturing else None
+
+
 @functools.cache
 def _waiting_class(cls: type) -> type:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Traced by Dynamo in the compiled path, where the graph pass places the ops instead.
         if not torch.compiler.is_compiling():
-            state: EngineState = self._kvpp_engine
-            runtime = active_runtime()
-            if runtime is None or runtime is not state.runtime:
-                if not passing_through():  # a model call outside a step and outside a dummy run
-                    raise NoActiveForwardError(
-                        f"layer {self._kvpp_layer}'s attention ran outside its engine's KVPP forward; its "
-                        "cache view would not hold the layer's bytes.")
-            elif self._kvpp_layer not in state.awaited:
-                state.awaited.add(self._kvpp_layer)
-                wait_for_layer(runtime, self._kvpp_layer)
+            capture = breakable_capture()
+            if capture is not None:
+                capture.add_eager(functools.partial(await_layer, self._kvpp_engine, self._kvpp_layer))
+            else:
+                await_layer(self._kvpp_engine, self._kvpp_layer)
         return cls.forward(self, *args, **kwargs)
 
     return type(f"KVPP{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
@@ -391,4 +436,12 @@ def worker_stats(worker: Any = None) -> dict[str, Any] | None:
     stats["compiled_graphs"] = [{"kind": kind, "layers": list(layers)} for kind, layers in state.compiled_graphs]
     stats["worker_class"] = type(worker.worker if hasattr(worker, "worker") else worker).__name__
     stats["runner_class"] = type(worker.model_runner).__name__
+    runner = worker.model_runner
+    context = runner.compilation_config.static_forward_context
+    stats["attention_backends"] = sorted({layer.get_attn_backend().get_name() for name, layer in context.items()
+                                          if name in state.vplan.layer_index and hasattr(layer, "get_attn_backend")})
+    stats["block_size"] = state.plan.spec.block_size
+    stats["steps"] = state.steps
+    stats["prefill_rows_with_history"] = state.prefill_rows_with_history
+    stats["device_api"] = state.device_api_factory
     return stats

@@ -1,0 +1,188 @@
+"""What KVPP buys a vLLM user: more requests held in the same KV memory, through vLLM's OpenAI server.
+
+    python benchmarks/vllm_serving.py [--layers 16] [--kv-memory 48MiB] [--requests 16] [--input-len 500]
+
+A tiny random DeepSeek-V3 with 16 layers (16 / (8 + 2) = 1.6x the blocks at TP 2 in theory, less the
+staging buffer and the 2 MiB padding) is served at TP 2 with a fixed ``--kv-cache-memory-bytes``, KVPP
+off and then on, each driven by vLLM's own benchmark client (``vllm bench serve``, whose module runs
+here: the CPU wheel's ``vllm`` script does not start) with more concurrent long-prompt requests than
+KVPP off can hold. Both servers run eagerly in bfloat16 on the platform's MLA backend, so that only
+KVPP differs. Reported, off and on: KV capacity in tokens as vLLM reports it (``vllm:cache_config_info``),
+the most requests running at once and the preemptions (vLLM's ``/metrics``, sampled while the client
+runs), output throughput, TTFT and TPOT medians, and whether the greedy outputs are equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from _common import write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvpp_fx.plan_report import parse_bytes  # noqa: E402
+from tests.integrations.tiny_model import make_tiny_deepseek  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def _gauge(text: str, name: str) -> float:
+    values = [float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+    return sum(values)
+
+
+def _capacity_tokens(text: str) -> int:
+    labels = re.search(r"^vllm:cache_config_info{([^}]*)}", text, re.M).group(1)
+    fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    return int(fields["num_gpu_blocks"]) * int(fields["block_size"])
+
+
+class Server:
+    """vLLM's OpenAI server at TP 2, started and stopped around a `with`."""
+
+    def __init__(self, model: str, kvpp: bool, kv_memory: int, log: Path) -> None:
+        self.port = _free_port()
+        self.log = log
+        self.command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
+            "tiny", "--host", "127.0.0.1", "--port", str(self.port), "--tensor-parallel-size", "2",
+            "--kv-cache-memory-bytes", str(kv_memory), "--dtype", "bfloat16", "--enforce-eager",
+            "--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]}),
+            "--additional-config", json.dumps({"enable_kvpp": kvpp})]
+        self.env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                        VLLM_LOGGING_LEVEL="WARNING", VLLM_SERVER_DEV_MODE="1")
+
+    def __enter__(self) -> Server:
+        with open(self.log, "w") as out:
+            self.process = subprocess.Popen(self.command, cwd=ROOT, env=self.env, stdout=out,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 600
+        while True:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start:\n{self.log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
+                    return self
+            except OSError:
+                time.sleep(2)
+
+    def __exit__(self, *exc) -> None:
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def kvpp_stats(self) -> list:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/collective_rpc",
+                                         data=json.dumps({"method": "kvpp_stats"}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read())["results"]
+
+
+def drive(server: Server, model: str, args: argparse.Namespace) -> dict:
+    """vLLM's benchmark client against `server`, with /metrics sampled meanwhile."""
+    from vllm.benchmarks.serve import add_cli_args, main
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    client = parser.parse_args([
+        "--backend", "vllm", "--base-url", f"http://127.0.0.1:{server.port}", "--model", "tiny",
+        "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len), "--random-range-ratio", "0", "--num-prompts",
+        str(args.requests), "--max-concurrency", str(args.requests), "--ignore-eos", "--temperature", "0",
+        "--seed", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl"])
+    running, stop = [], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            running.append(_gauge(_metrics(server.port), "vllm:num_requests_running"))
+            time.sleep(0.2)
+
+    before = _metrics(server.port)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = main(client)
+    finally:
+        stop.set()
+        sampler.join()
+    after = _metrics(server.port)
+    return {
+        "kv_capacity_tokens": _capacity_tokens(after),
+        "max_running": int(max(running)),
+        "preemptions": int(_gauge(after, "vllm:num_preemptions_total") - _gauge(before, "vllm:num_preemptions_total")),
+        "completed": result["completed"],
+        "output_throughput_tok_s": result["output_throughput"],
+        "median_ttft_ms": result["median_ttft_ms"],
+        "median_tpot_ms": result["median_tpot_ms"],
+        "generated_texts": result["generated_texts"],
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--kv-memory", default="48MiB")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--input-len", type=int, default=500)
+    parser.add_argument("--output-len", type=int, default=40)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    kv_memory = parse_bytes(args.kv_memory)
+    with tempfile.TemporaryDirectory(prefix="kvpp-serving-") as tmp:
+        model = make_tiny_deepseek(Path(tmp) / "model", num_layers=args.layers)
+        runs = {}
+        for name, kvpp in (("off", False), ("on", True)):
+            with Server(model, kvpp, kv_memory, Path(tmp) / f"{name}.log") as server:
+                runs[name] = drive(server, model, args)
+                if kvpp:
+                    stats = server.kvpp_stats()
+                    runs[name]["attention_backends"] = stats[0]["attention_backends"]
+                    runs[name]["kvpp_bytes_per_rank"] = [s["bytes"] for s in stats]
+            print(f"{name}: " + json.dumps({k: v for k, v in runs[name].items() if k != "generated_texts"}))
+    off, on = runs["off"], runs["on"]
+    equal = off.pop("generated_texts") == on.pop("generated_texts")
+    result = {
+        "layers": args.layers, "tp": 2, "kv_memory_bytes": kv_memory, "requests": args.requests,
+        "input_len": args.input_len, "output_len": args.output_len, "dtype": "bfloat16",
+        "attention_backend": on["attention_backends"], "off": off, "on": on,
+        "capacity_ratio": on["kv_capacity_tokens"] / off["kv_capacity_tokens"],
+        "max_running_ratio": on["max_running"] / off["max_running"],
+        "throughput_ratio": on["output_throughput_tok_s"] / off["output_throughput_tok_s"],
+        "greedy_outputs_equal": equal,
+    }
+    print(f"capacity {result['capacity_ratio']:.2f}x, requests running at once {off['max_running']} -> "
+          f"{on['max_running']}, preemptions {off['preemptions']} -> {on['preemptions']}, output throughput "
+          f"{result['throughput_ratio']:.2f}x, greedy outputs equal: {equal}")
+    write_result("vllm_serving", result, args.out)
+    return 0 if equal else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""What the tests share: fault-injecting seams, rank launch, graph capture and toy specs."""
