@@ -104,6 +104,19 @@ def rows() -> list[tuple[str, str, str]]:
                     f"{m['insert_route_verify_s'] * 1e3:.0f} ms (goal <= {pt['goal_insert_route_verify_s'] * 1e3:.0f} "
                     f"ms){split}; passes {m['passes_share']:.1%} of a {m['compile_s']:.1f} s compile",
                     "`python benchmarks/pass_time.py`"))
+    vs = _load("vllm_serving")
+    off, on = vs["off"], vs["on"]
+    out.append((f"vLLM OpenAI server, tiny DeepSeek-V3 with {vs['layers']} layers, TP {vs['tp']}, "
+                f"{vs['kv_memory_bytes'] // 2**20} MiB of KV per rank, {vs['requests']} concurrent "
+                f"{vs['input_len']}-token prompts, KVPP off / on",
+                f"KV capacity {off['kv_capacity_tokens']:,} / {on['kv_capacity_tokens']:,} tokens "
+                f"({vs['capacity_ratio']:.2f}x); requests running at once {off['max_running']} / {on['max_running']}; "
+                f"preemptions {off['preemptions']} / {on['preemptions']}; output throughput "
+                f"{off['output_throughput_tok_s']:.1f} / {on['output_throughput_tok_s']:.1f} tok/s; median TTFT "
+                f"{off['median_ttft_ms'] / 1e3:.1f} / {on['median_ttft_ms'] / 1e3:.1f} s, TPOT "
+                f"{off['median_tpot_ms']:.0f} / {on['median_tpot_ms']:.0f} ms; greedy outputs "
+                f"{'equal' if vs['greedy_outputs_equal'] else 'DIFFER'} ({', '.join(vs['attention_backend'])})",
+                "`python benchmarks/vllm_serving.py`"))
     return out
 
 

@@ -9,7 +9,8 @@ here: the CPU wheel's ``vllm`` script does not start) with more concurrent long-
 KVPP off can hold. Both servers run eagerly in bfloat16 on the platform's MLA backend, so that only
 KVPP differs. Reported, off and on: KV capacity in tokens as vLLM reports it (``vllm:cache_config_info``),
 the most requests running at once and the preemptions (vLLM's ``/metrics``, sampled while the client
-runs), output throughput, TTFT and TPOT medians, and whether the greedy outputs are equal.
+runs), output throughput, TTFT and TPOT medians, and whether the greedy outputs are equal where both
+servers run the same batches (under load they do not: vLLM's numerics depend on the batch).
 """
 
 from __future__ import annotations
@@ -104,19 +105,25 @@ class Server:
             return json.loads(response.read())["results"]
 
 
-def drive(server: Server, model: str, args: argparse.Namespace) -> dict:
-    """vLLM's benchmark client against `server`, with /metrics sampled meanwhile."""
+def client(server: Server, model: str, args: argparse.Namespace, requests: int, concurrency: int) -> dict:
+    """vLLM's benchmark client (``vllm bench serve``) against `server`: random prompts of a fixed seed."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser()
     add_cli_args(parser)
-    client = parser.parse_args([
+    return main(parser.parse_args([
         "--backend", "vllm", "--base-url", f"http://127.0.0.1:{server.port}", "--model", "tiny",
         "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--random-range-ratio", "0", "--num-prompts",
-        str(args.requests), "--max-concurrency", str(args.requests), "--ignore-eos", "--temperature", "0",
-        "--seed", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl"])
+        str(requests), "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0",
+        "--seed", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl", "--save-detailed"]))
+
+
+def drive(server: Server, model: str, args: argparse.Namespace) -> dict:
+    """The load (every request at once, /metrics sampled meanwhile), then the greedy check: a few
+    requests at a concurrency both servers hold, so both schedule the same batches (vLLM's numerics
+    depend on the batch, so under load, where KVPP runs more requests at once, tokens may differ)."""
     running, stop = [], threading.Event()
 
     def sample() -> None:
@@ -128,11 +135,12 @@ def drive(server: Server, model: str, args: argparse.Namespace) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        result = main(client)
+        result = client(server, model, args, args.requests, args.requests)
     finally:
         stop.set()
         sampler.join()
     after = _metrics(server.port)
+    check = client(server, model, args, 4, 2)
     return {
         "kv_capacity_tokens": _capacity_tokens(after),
         "max_running": int(max(running)),
@@ -141,7 +149,8 @@ def drive(server: Server, model: str, args: argparse.Namespace) -> dict:
         "output_throughput_tok_s": result["output_throughput"],
         "median_ttft_ms": result["median_ttft_ms"],
         "median_tpot_ms": result["median_tpot_ms"],
-        "generated_texts": result["generated_texts"],
+        "generated_texts": check["generated_texts"],
+        "generated_texts_under_load": result["generated_texts"],
     }
 
 
@@ -151,7 +160,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-memory", default="48MiB")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=500)
-    parser.add_argument("--output-len", type=int, default=40)
+    parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     kv_memory = parse_bytes(args.kv_memory)
@@ -168,6 +177,7 @@ def main(argv=None) -> int:
             print(f"{name}: " + json.dumps({k: v for k, v in runs[name].items() if k != "generated_texts"}))
     off, on = runs["off"], runs["on"]
     equal = off.pop("generated_texts") == on.pop("generated_texts")
+    under_load = [a == b for a, b in zip(off.pop("generated_texts_under_load"), on.pop("generated_texts_under_load"))]
     result = {
         "layers": args.layers, "tp": 2, "kv_memory_bytes": kv_memory, "requests": args.requests,
         "input_len": args.input_len, "output_len": args.output_len, "dtype": "bfloat16",
@@ -176,10 +186,13 @@ def main(argv=None) -> int:
         "max_running_ratio": on["max_running"] / off["max_running"],
         "throughput_ratio": on["output_throughput_tok_s"] / off["output_throughput_tok_s"],
         "greedy_outputs_equal": equal,
+        "greedy_check": "4 requests, 2 at a time (the same batches with KVPP off and on)",
+        "equal_outputs_under_load": sum(under_load),
     }
     print(f"capacity {result['capacity_ratio']:.2f}x, requests running at once {off['max_running']} -> "
           f"{on['max_running']}, preemptions {off['preemptions']} -> {on['preemptions']}, output throughput "
-          f"{result['throughput_ratio']:.2f}x, greedy outputs equal: {equal}")
+          f"{result['throughput_ratio']:.2f}x, greedy outputs equal: {equal} (under load {sum(under_load)} of "
+          f"{len(under_load)})")
     write_result("vllm_serving", result, args.out)
     return 0 if equal else 1
 

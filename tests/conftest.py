@@ -2,6 +2,11 @@ import os
 import tempfile
 
 import pytest
+from hypothesis import settings
+
+# Property tests check properties, not speed: on a loaded 2-core host an example can take a second.
+settings.register_profile("kvpp", deadline=None)
+settings.load_profile("kvpp")
 
 # Inductor's cache lives in the test tree's temp dir, never in the user's home or /tmp/torchinductor_*.
 _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="kvpp-inductor-")
@@ -14,3 +19,14 @@ def _reset_dynamo():
     import torch._dynamo
 
     torch._dynamo.reset()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which MLA backend vLLM CPU ran on this host: the vLLM checks cover the host's own kind only."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        kind = "AMX_MLA (this host has AMX: bfloat16, block 128, chunked prefill and prefix caching)"
+    else:
+        kind = "CPU_MLA (this host has no AMX: block 16, no chunked prefill or prefix caching for MLA)"
+    terminalreporter.write_line(f"vLLM CPU's own MLA backend here: {kind}")

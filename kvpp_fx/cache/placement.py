@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from kvpp_fx.cache.spec import LayerCacheSpec, ModelCacheSpec
 
@@ -59,6 +60,58 @@ def assign_owners(layer_indices: Iterable[int], group_size: int) -> dict[int, in
             owners[index] = rank
         start += count
     return owners
+
+
+@dataclass(frozen=True)
+class ScheduleStep:
+    """One kvpp op of a forward: ``kind`` is "prefetch" or "wait"."""
+
+    kind: str
+    layer: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class BroadcastSchedule:
+    """The order of the kvpp ops in every forward, the same on every rank: ``prefetch(first)``, then for
+    each target layer in execution order ``wait(L)`` followed by ``prefetch(next)`` (none after the
+    last). Slots are ``k % depth`` over that order. The graph pass places these ops, the eager hooks
+    call them, and the runtime checks that they come in this order."""
+
+    targets: tuple[int, ...]
+    depth: int
+
+    def slot(self, layer: int) -> int:
+        return self.targets.index(layer) % self.depth
+
+    def first(self) -> ScheduleStep | None:
+        """The prefetch at the start of the forward (None without target layers)."""
+        return ScheduleStep("prefetch", self.targets[0], 0) if self.targets else None
+
+    def at_layer(self, layer: int) -> tuple[ScheduleStep, ...]:
+        """What runs just before the layer's first cache op: its wait, then the next layer's prefetch."""
+        k = self.targets.index(layer)
+        steps = [ScheduleStep("wait", layer, k % self.depth)]
+        if k + 1 < len(self.targets):
+            steps.append(ScheduleStep("prefetch", self.targets[k + 1], (k + 1) % self.depth))
+        return tuple(steps)
+
+    def steps(self) -> tuple[ScheduleStep, ...]:
+        """The whole forward."""
+        first = self.first()
+        return (first, *(step for layer in self.targets for step in self.at_layer(layer))) if first else ()
+
+    def run(self, runtime: Any, layer: int | None = None) -> None:
+        """Issue the steps on a runtime: the whole forward, or (with `layer`) what that layer's attention
+        entry runs, the first layer's prefetch included (eager hooks)."""
+        if layer is None:
+            steps = self.steps()
+        else:
+            steps = self.at_layer(layer)
+            if layer == self.targets[0]:
+                steps = (self.first(), *steps)
+        for step in steps:
+            getattr(runtime, step.kind)(step.layer, step.slot)
 
 
 def staging_blocks(num_blocks: int, fraction: float) -> int:
@@ -175,6 +228,10 @@ class KVPPPlan:
         if self.is_local(layer, rank):
             return None
         return self.slot(layer)
+
+    def schedule(self) -> BroadcastSchedule:
+        """The order of the kvpp ops in every forward of this plan."""
+        return BroadcastSchedule(self.target_layers, self.depth)
 
     def next_target(self, layer: int) -> int | None:
         k = self.target_layers.index(layer)

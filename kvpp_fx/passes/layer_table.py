@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from kvpp_fx.cache.placement import MIN_DEPTH
+from kvpp_fx.cache.placement import MIN_DEPTH, BroadcastSchedule
 
 
 @dataclass(frozen=True)
@@ -67,3 +67,7 @@ class LayerTable:
 
     def slot(self, layer: int) -> int:
         return self._position[layer] % self.depth
+
+    def schedule(self) -> BroadcastSchedule:
+        """The order of the kvpp ops in every forward (the plan's, `KVPPPlan.schedule`)."""
+        return BroadcastSchedule(self.target_layers, self.depth)

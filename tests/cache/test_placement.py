@@ -213,3 +213,30 @@ def test_rank_outside_group_is_named():
     with pytest.raises(ValueError, match="outside the group"):
         plan.owned_layers(2)
     assert align_up(1) == ALIGNMENT and align_up(0) == 0
+
+
+def test_the_schedule_every_forward_follows():
+    from kvpp_fx.cache.placement import BroadcastSchedule, ScheduleStep
+
+    schedule = BroadcastSchedule((4, 7, 9), depth=2)
+    steps = [(s.kind, s.layer, s.slot) for s in schedule.steps()]
+    assert steps == [("prefetch", 4, 0), ("wait", 4, 0), ("prefetch", 7, 1), ("wait", 7, 1), ("prefetch", 9, 0),
+                     ("wait", 9, 0)]
+    assert schedule.at_layer(9) == (ScheduleStep("wait", 9, 0),)  # nothing after the last layer
+    assert BroadcastSchedule((), 2).steps() == () and BroadcastSchedule((), 2).first() is None
+
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def prefetch(self, layer, slot):
+            self.calls.append(("prefetch", layer, slot))
+
+        def wait(self, layer, slot):
+            self.calls.append(("wait", layer, slot))
+
+    whole, per_layer = Recorder(), Recorder()
+    schedule.run(whole)
+    for layer in (4, 7, 9):
+        schedule.run(per_layer, layer)
+    assert whole.calls == per_layer.calls == steps

@@ -340,15 +340,8 @@ def _kvpp_group(config: KVPPConfig):
 
 
 def wait_for_layer(runtime: KVPPRuntime, layer: int) -> None:
-    """What the graph pass inserts, done at the layer's attention entry: prefetch(first) at the first
-    layer, then wait(layer) and prefetch(next)."""
-    plan = runtime.plan
-    if layer == plan.target_layers[0]:
-        runtime.prefetch(layer, plan.slot(layer))
-    runtime.wait(layer, plan.slot(layer))
-    nxt = plan.next_target(layer)
-    if nxt is not None:
-        runtime.prefetch(nxt, plan.slot(nxt))
+    """What the graph pass inserts, done at the layer's attention entry (the plan's schedule)."""
+    runtime.plan.schedule().run(runtime, layer)
 
 
 def await_layer(state: EngineState, layer: int) -> None:
