@@ -41,3 +41,25 @@ bench: $(VLLM_STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The GPU check (docs/device-check.md). The device machine has no network: `make device-wheels` downloads,
+# here, the wheels of what kvpp-fx imports beyond torch, for its Python; they travel with the tree.
+DEVICE_WHEELS ?= .device-wheels
+DEVICE_PYTHON_VERSION ?= 3.12
+DEVICE_CHECK_ARGS ?=
+VENV_OR_PYTHON = $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+
+.PHONY: device-wheels device-check
+device-wheels:
+	$(VENV_OR_PYTHON) -m pip download -q --only-binary=:all: --implementation cp --python-version $(DEVICE_PYTHON_VERSION) \
+		--platform manylinux2014_x86_64 --dest $(DEVICE_WHEELS) pydantic
+	du -sh $(DEVICE_WHEELS)
+
+# On a machine whose python3 sees a GPU: that interpreter, the wheels, the tree on PYTHONPATH (about 8
+# minutes). Elsewhere: the smoke pass on CPU with the venv's Python if there is one. Not part of `make test`.
+device-check:
+	@if $(PYTHON) -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then \
+		PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/device_check.py --wheels $(DEVICE_WHEELS) $(DEVICE_CHECK_ARGS); \
+	else \
+		PYTHONPATH=$(CURDIR) $(VENV_OR_PYTHON) benchmarks/device_check.py --wheels $(DEVICE_WHEELS) $(DEVICE_CHECK_ARGS); \
+	fi
