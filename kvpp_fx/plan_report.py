@@ -61,9 +61,34 @@ def build_plan(model: str, *, tp: int, pcp: int = 1, block_size: int = 128, kv_d
                     staging_fraction=staging_fraction)
 
 
+class KVMemoryTooSmallError(ValueError):
+    """The KV memory per rank holds no block on some rank, with KVPP or replicated."""
+
+
+def min_kv_memory(plan: KVPPPlan) -> int:
+    """The least KV memory per rank that holds one block on every rank, with KVPP and replicated."""
+    def fits(n: int) -> bool:
+        return plan.num_blocks(n) >= 1 and plan.replicated_num_blocks(n) >= 1
+
+    high = 1
+    while not fits(high):
+        high *= 2
+    low = high // 2  # does not fit (or is 0)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return high
+
+
 def plan_report(plan: KVPPPlan, available_bytes: int) -> dict[str, Any]:
     block_size = plan.spec.block_size
     blocks = plan.num_blocks(available_bytes)
+    if blocks == 0 or plan.replicated_num_blocks(available_bytes) == 0:
+        short = min(range(plan.group_size), key=lambda r: plan.num_blocks(available_bytes, r))
+        where = f"rank {short}" if blocks == 0 else "a replicated rank"
+        raise KVMemoryTooSmallError(
+            f"KV memory {format_bytes(available_bytes)} per rank holds no block of {block_size} tokens on {where}; "
+            f"the minimum is {format_bytes(min_kv_memory(plan))} ({min_kv_memory(plan):,} bytes) per rank.")
     ranks = []
     for rank in range(plan.group_size):
         rank_blocks = plan.num_blocks(available_bytes, rank)

@@ -44,11 +44,18 @@ def create_kvpp_process_groups(
     """Create every group with `torch.distributed.new_group` and return this rank's one.
 
     `new_group` is collective over the whole world, so every rank creates every group, in the same
-    order, even the groups it is not a member of.
+    order, even the groups it is not a member of. Without `timeout` the groups get the world group's
+    (``new_group`` alone would give torch's default of 30 minutes).
     """
+    import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
+    if timeout is None:
+        try:
+            timeout = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+        except Exception:  # private API: torch's default rather than fail
+            timeout = dist.default_pg_timeout
     mine = None
     for ranks in groups:
         handle = dist.new_group(list(ranks), timeout=timeout, backend=backend)

@@ -50,6 +50,7 @@ def test_plan_table_names_the_ratio():
     (["plan", "--model", "deepseek-v3", "--tp", "8", "--context-tokens", "-5"], "non-negative"),
     (["plan", "--model", "deepseek-v3", "--tp", "8", "--context-tokens", "5", "--link-gbps", "0"], "positive"),
     (["frobnicate"], "invalid choice"),
+    (["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "1KiB"], "holds no block of 128 tokens on rank"),
 ])
 def test_bad_options_exit_2_with_one_line(args, needle):
     out = run_cli(*args)
@@ -235,3 +236,17 @@ def test_plan_with_pcp_gives_no_owner_mode_estimate(capsys):
 def test_demo_refuses_bad_options_before_starting_ranks(capsys, flag, value, wanted):
     assert main(["demo", flag, value]) == 2
     assert wanted in capsys.readouterr().err
+
+
+def test_the_least_kv_memory_holds_one_block_and_one_byte_less_none():
+    from kvpp_fx.plan_report import KVMemoryTooSmallError, build_plan, min_kv_memory, plan_report
+
+    plan = build_plan("deepseek-v3", tp=8)
+    least = min_kv_memory(plan)
+    assert plan.replicated_num_blocks(least) >= 1 and plan.num_blocks(least) >= 1
+    # the replicated cache needs the most: 61 layer buffers, each padded to the allocation granule
+    assert plan.replicated_num_blocks(least - 1) == 0
+    assert least >= sum(b.nbytes(1) for b in plan.replicated_buffers())
+    assert plan_report(plan, least)["engine_blocks"] == plan.num_blocks(least)
+    with pytest.raises(KVMemoryTooSmallError, match=f"minimum is .* [(]{least:,} bytes[)]"):
+        plan_report(plan, least - 1)

@@ -40,3 +40,24 @@ def test_world_size_mismatch_is_named():
         kvpp_groups(6, tp=4, pp=2)
     with pytest.raises(ValueError, match="tp must be a positive integer"):
         kvpp_groups(4, tp=0)
+
+
+def group_timeouts(rank: int, world: int) -> list[float]:
+    """The timeout of this rank's KVPP group, created without and with one (world group: 30 s)."""
+    from datetime import timedelta
+
+    import torch
+
+    from kvpp_fx.topology import create_kvpp_process_groups
+
+    inherited = create_kvpp_process_groups(kvpp_groups(world, tp=world))
+    given = create_kvpp_process_groups(kvpp_groups(world, tp=world), timeout=timedelta(seconds=7))
+    return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in (inherited, given)]
+
+
+@pytest.mark.multirank
+def test_kvpp_groups_inherit_the_world_groups_timeout_unless_given_one():
+    from kvpp_fx.launch import run_ranks
+
+    # torch's new_group alone would give its 30-minute default: a stuck peer would hang the group that long
+    assert run_ranks(group_timeouts, 2, timeout_s=60, pg_timeout_s=30.0) == [[30.0, 7.0]] * 2
