@@ -43,20 +43,22 @@ def _runtime(rank, world, layers, layer_mib):
 
 
 def _forward(rt, compute_s, overlapped):
-    layers = rt.plan.target_layers
+    """Overlapped: the plan's schedule (`KVPPPlan.schedule`), the next layer's broadcast issued before this
+    layer's compute. Serial: each layer's broadcast issued and awaited right before its attention."""
+    schedule = rt.plan.schedule()
     dist.barrier()
     start = time.perf_counter()
     with rt.forward(has_history=True):
         if overlapped:
-            rt.prefetch(layers[0], rt.plan.slot(layers[0]))
-        for layer in layers:
+            rt.prefetch(schedule.first().layer, schedule.first().slot)
+        for layer in schedule.targets:
             time.sleep(compute_s)  # this layer's work before attention (norm, projections, MLP of the previous)
+            wait, *prefetch_next = schedule.at_layer(layer)
             if not overlapped:
-                rt.prefetch(layer, rt.plan.slot(layer))
-            rt.wait(layer, rt.plan.slot(layer))
-            nxt = rt.plan.next_target(layer)
-            if overlapped and nxt is not None:
-                rt.prefetch(nxt, rt.plan.slot(nxt))
+                rt.prefetch(layer, wait.slot)
+            rt.wait(layer, wait.slot)
+            for step in prefetch_next if overlapped else ():
+                rt.prefetch(step.layer, step.slot)
     return time.perf_counter() - start
 
 

@@ -25,12 +25,12 @@ from torch import nn
 
 from _common import summary, write_result
 
-import kvpp_fx.reference.ops  # noqa: F401
 from kvpp_fx.backend import kvpp_backend
 from kvpp_fx.cache.allocate import allocate_cache
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
 from kvpp_fx.launch import run_ranks
+from kvpp_fx.reference.ops import REFERENCE_SPECS
 from kvpp_fx.runtime.runtime import KVPPRuntime
 from kvpp_fx.runtime.timeline import Timeline
 from kvpp_fx.topology import create_kvpp_process_groups, kvpp_groups
@@ -94,14 +94,16 @@ def worker(rank, world, layers, layer_mib, repeats):
 
     # measure one broadcast first, to size the compute stand-in to about one broadcast per layer
     probe = KVPPRuntime.create(plan, storage, group, overlap=False, timeline=Timeline(rank))
-    model = torch.compile(Model(layers, 0.0), backend=kvpp_backend(plan, mode="piecewise"), fullgraph=True)
+    model = torch.compile(Model(layers, 0.0), backend=kvpp_backend(plan, mode="piecewise", specs=REFERENCE_SPECS),
+                          fullgraph=True)
     for _ in range(3):
         forward_time(probe, model)
     spans = [e["dur"] for e in probe.timeline.events if e["cat"] == "broadcast"]
     seconds = 1.2 * statistics.median(spans) / 1e6
     probe.close()
     torch._dynamo.reset()
-    model = torch.compile(Model(layers, seconds), backend=kvpp_backend(plan, mode="piecewise"), fullgraph=True)
+    model = torch.compile(Model(layers, seconds), backend=kvpp_backend(plan, mode="piecewise", specs=REFERENCE_SPECS),
+                          fullgraph=True)
     serial_rt = KVPPRuntime.create(plan, storage, group, overlap=False, timeline=Timeline(rank))
     overlap_rt = KVPPRuntime.create(plan, storage, group, overlap=True)
     forward_time(serial_rt, model), forward_time(overlap_rt, model)  # warm-up

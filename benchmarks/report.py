@@ -50,9 +50,11 @@ def rows() -> list[tuple[str, str, str]]:
                 f"(goal >= {om['goal']})", "`python benchmarks/overlap_model.py`"))
     ro = _load("runtime_overhead")
     out.append((f"runtime cost per layer, no-op transport, {ro['layers']} layers",
-                f"{ro['us_per_layer_with_history']['median']:.1f} us with history, "
+                f"{ro['us_per_layer_with_history']['median']:.1f} us with history "
+                f"(goal <= {ro['goal_us_per_layer_with_history']:g} us), "
                 f"{ro['us_per_layer_without_history']['median']:.1f} us without (median); plus one agreement "
-                f"all-reduce per forward, {ro['us_agreement_per_forward']['median']:.0f} us on gloo",
+                f"per forward, {ro['us_agreement_per_forward']['median']:.0f} us (its gloo all-reduce alone "
+                f"{ro['us_agreement_all_reduce']['median']:.0f} us)",
                 "`python benchmarks/runtime_overhead.py`"))
     ds = _load("decode_step")
     occ = ds["occupancy"]

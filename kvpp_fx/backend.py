@@ -8,9 +8,13 @@
   Python, every other piece is compiled by ``inner`` ("eager", "aot_eager", "inductor", "torchair" or
   any Dynamo backend callable).
 - ``mode="full"`` is refused: a full graph would capture the cache ops and the broadcasts.
+- ``specs``: the attention/cache ops the passes recognise (`AttentionOpSpec`s); by default, the specs
+  of `kvpp_fx.passes.registry.default_specs` when the backend is built. With the plan's layer table
+  they form the backend's frozen `PassConfig`, which every pass of every compile reads.
 A model that Dynamo splits at graph breaks is fine: each graph holds a contiguous run of the plan's
-layers (docs/graph-contract.md). Graphs are written to ``dump_dir`` (or ``$KVPP_DUMP_DIR``): before and after the pass, each piece,
-and an index.
+layers, or one layer whose index is a run-time value when one compiled frame serves several layers
+(docs/graph-contract.md). Graphs are written to ``dump_dir`` (or ``$KVPP_DUMP_DIR``): before and after
+the pass, each piece, and an index.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,8 @@ from torch._dynamo.symbolic_convert import InstructionTranslator
 from kvpp_fx.config import MSG_GRAPH_MODE
 from kvpp_fx.passes.insert import insert_kvpp_ops
 from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.passes.pass_config import PassConfig
+from kvpp_fx.passes.registry import AttentionOpSpec
 from kvpp_fx.passes.render import describe_pieces
 from kvpp_fx.passes.route import route_owner_ops
 from kvpp_fx.passes.split import SplitResult, split_pieces
@@ -72,7 +78,9 @@ def may_hold_part_of_the_model(gm: torch.fx.GraphModule) -> bool:
 
 @dataclass
 class CompileRecord:
-    """What one compile did: for tests, dumps and benchmarks."""
+    """What one compile did: for tests, dumps and benchmarks, and for the engine that owns the backend
+    and the runtime, which tells the runtime each graph's layers and routing (``layers``,
+    ``owner_routed``): the backend does not reach into whichever runtime is active while it compiles."""
 
     mode: str
     layers: tuple[int, ...]
@@ -83,6 +91,7 @@ class CompileRecord:
     timings: dict[str, float] = field(default_factory=dict)
     dump_dir: Path | None = None
     owner_routed: bool = False  # the route pass routed the cache ops: the graph serves owner mode too
+    run_time_layer: bool = False  # one graph for several layers: its layer is a run-time value (`layers` empty)
 
 
 def resolve_inner(inner: str | Callable) -> Callable:
@@ -149,6 +158,11 @@ def _make_tuple_output(gm: torch.fx.GraphModule) -> bool:
     return True
 
 
+def _regenerate_code(gm: torch.fx.GraphModule) -> str:
+    gm.recompile()
+    return gm.code  # a lazy GraphModule writes its code on first access: part of codegen's time
+
+
 class KVPPBackend:
     """The Dynamo backend object returned by `kvpp_backend`."""
 
@@ -156,7 +170,7 @@ class KVPPBackend:
 
     def __init__(self, plan_or_layer_table: Any, *, mode: str = "eager", inner: str | Callable = "eager",
                  dump_dir: str | os.PathLike | None = None, names: dict[str, int] | None = None,
-                 first_prefetch: str = "entry") -> None:
+                 first_prefetch: str = "entry", specs: Iterable[AttentionOpSpec] | None = None) -> None:
         if mode == "full":
             raise ValueError(MSG_GRAPH_MODE)
         if mode not in MODES:
@@ -165,12 +179,8 @@ class KVPPBackend:
             raise KVPPBackendError(
                 f"mode='eager' runs the rewritten graph as is and compiles nothing, so inner={inner!r} would be "
                 "ignored; use mode='piecewise' to compile the pieces with it, or inner='eager'.")
-        table = LayerTable.coerce(plan_or_layer_table)
-        if names:
-            table = table.with_names(names)
-        self.table = table
+        self.config = PassConfig.build(plan_or_layer_table, specs=specs, names=names, first_prefetch=first_prefetch)
         self.mode = mode
-        self.first_prefetch = first_prefetch
         self.inner_name = inner if isinstance(inner, str) else getattr(inner, "__name__", repr(inner))
         self.inner = resolve_inner(inner)
         env_dump = os.environ.get(DUMP_ENV)
@@ -179,44 +189,48 @@ class KVPPBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         before = gm.code  # Dynamo's graph, as captured (Dynamo's lazy codegen runs here)
-        t0 = time.perf_counter()
-        result = insert_kvpp_ops(gm, self.table, graph_breaks=may_hold_part_of_the_model(gm), recompile=False,
-                                 first_prefetch=self.first_prefetch)
-        t_route = time.perf_counter()
-        routing = route_owner_ops(gm, self.table, recompile=False) if result.changed else None
-        runtime = active_runtime()
-        if routing is not None and runtime is not None:
-            runtime.note_routing(result.layers, routing.routed)  # "auto" picks owner only for routed layers
-        t1 = time.perf_counter()
-        timings = {"insert_s": t_route - t0, "route_s": t1 - t_route}
-        split = None
-        if self.mode == "piecewise":
-            split = split_pieces(gm)
-            timings["split_s"] = time.perf_counter() - t1
-            timings.update({f"split_{k}": v for k, v in split.timings.items()})
-        t2 = time.perf_counter()
-        verify_graph(gm.graph, self.table, split.pieces if split is not None else ())
-        t3 = time.perf_counter()
-        timings["verify_s"] = t3 - t2
-        if result.changed:
-            gm.recompile()  # the Python code of the rewritten graph: what eager mode runs, and the dump
-        after = gm.code
-        t4 = time.perf_counter()
-        timings["codegen_s"] = t4 - t3
-        record = CompileRecord(self.mode, result.layers, before, after, timings=timings,
-                               owner_routed=bool(routing and routing.routed))
+        start = time.perf_counter()
+        done, timings = self._run_passes(gm, graph_breaks=may_hold_part_of_the_model(gm))
+        inserted, routing, split = done["insert"], done["route"], done.get("split")
+        record = CompileRecord(self.mode, inserted.layers, before, gm.code, timings=timings,
+                               owner_routed=bool(routing and routing.routed), run_time_layer=inserted.run_time_layer)
         compiled: Callable = gm
         if split is not None:
             record.pieces = [(p.name, p.kind, p.graph_module.code) for p in split.pieces]
             record.piece_summary = describe_pieces(split.pieces)
+            inner_start = time.perf_counter()
             compiled = self._compile_pieces(split, example_inputs)
             _trace_pieces(split)
-            timings["inner_compile_s"] = time.perf_counter() - t4
-        record.timings["total_s"] = time.perf_counter() - t0
+            timings["inner_compile_s"] = time.perf_counter() - inner_start
+        timings["total_s"] = time.perf_counter() - start
         self.records.append(record)
         if self.dump_dir is not None:
             record.dump_dir = self._dump(record)
         return compiled
+
+    def _run_passes(self, gm: torch.fx.GraphModule, *, graph_breaks: bool) -> tuple[dict[str, Any], dict[str, float]]:
+        """Insert, route, split (piecewise), verify and codegen, in that order, each timed as ``<name>_s``.
+        The passes change the graph; codegen then writes ``gm.code`` once (what eager mode runs, and the
+        dump). Route runs only on a graph the insert pass rewrote: a graph that already held kvpp ops
+        keeps the routing it has."""
+        config = self.config
+        done: dict[str, Any] = {}
+        steps: list[tuple[str, Callable[[], Any]]] = [
+            ("insert", lambda: insert_kvpp_ops(gm, config, graph_breaks=graph_breaks)),
+            ("route", lambda: route_owner_ops(gm, config) if done["insert"].changed else None),
+        ]
+        if self.mode == "piecewise":
+            steps.append(("split", lambda: split_pieces(gm)))
+        steps += [("verify", lambda: verify_graph(gm, config, done["split"].pieces if "split" in done else ())),
+                  ("codegen", lambda: _regenerate_code(gm) if done["insert"].changed else None)]
+        timings: dict[str, float] = {}
+        for name, step in steps:
+            start = time.perf_counter()
+            done[name] = step()
+            timings[f"{name}_s"] = time.perf_counter() - start
+        if "split" in done:
+            timings.update({f"split_{k}": v for k, v in done["split"].timings.items()})
+        return done, timings
 
     def _compile_pieces(self, split: SplitResult, example_inputs: Sequence[Any]) -> Callable:
         if self.inner_name == "eager":
@@ -252,7 +266,8 @@ class KVPPBackend:
             files.append((f"piece_{i:02d}_{kind}_{name}.py", f"{kind} piece {name}", code))
         for filename, _, code in files:
             (out / filename).write_text(code.lstrip("\n"))
-        index = {"mode": record.mode, "layers": list(record.layers), "owner_routed": record.owner_routed, "timings_s": record.timings,
+        index = {"mode": record.mode, "layers": list(record.layers), "owner_routed": record.owner_routed,
+                 "run_time_layer": record.run_time_layer, "timings_s": record.timings,
                  "files": [{"file": f, "what": what} for f, what, _ in files]}
         (out / "index.json").write_text(json.dumps(index, indent=2))
         logger.info("KVPP graph dump written to %s", out)
@@ -261,10 +276,10 @@ class KVPPBackend:
 
 def kvpp_backend(plan_or_layer_table: Any, *, mode: str = "eager", inner: str | Callable = "eager",
                  dump_dir: str | os.PathLike | None = None, names: dict[str, int] | None = None,
-                 first_prefetch: str = "entry") -> KVPPBackend:
+                 first_prefetch: str = "entry", specs: Iterable[AttentionOpSpec] | None = None) -> KVPPBackend:
     """A Dynamo backend that rewrites the graph for KVPP (see the module docstring)."""
     return KVPPBackend(plan_or_layer_table, mode=mode, inner=inner, dump_dir=dump_dir, names=names,
-                       first_prefetch=first_prefetch)
+                       first_prefetch=first_prefetch, specs=specs)
 
 
 @register_backend(name="kvpp")
@@ -284,7 +299,7 @@ def _kvpp_registered(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], op
 
 
 def _registered_backend(plan: Any, options: dict) -> KVPPBackend:
-    unknown = set(options) - {"mode", "inner", "dump_dir", "names"}
+    unknown = set(options) - {"mode", "inner", "dump_dir", "names", "specs"}
     if unknown:
         raise KVPPBackendError(f"unknown kvpp backend options: {sorted(unknown)}.")
     return kvpp_backend(plan, **options)

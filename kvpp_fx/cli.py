@@ -7,6 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from kvpp_fx.argtypes import fraction, non_negative_float, non_negative_int, positive_float, positive_int
 from kvpp_fx.cache.placement import DEFAULT_DEPTH, DEFAULT_STAGING_FRACTION, MIN_DEPTH
 from kvpp_fx.cache.spec import KV_DTYPES, QUERY_DTYPES, UnknownModelError
 
@@ -20,29 +21,8 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def number_type(kind: type, ok, wanted: str):
-    """An argparse type: `kind(text)` that satisfies `ok`, else a one-line error naming `wanted`."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
-        return value
-
-    return parse
-
-
-_positive_int = number_type(int, lambda v: v >= 1, "a positive integer")
-_non_negative_int = number_type(int, lambda v: v >= 0, "a non-negative integer")
-_positive_float = number_type(float, lambda v: 0 < v < float("inf"), "a positive number")
-_non_negative_float = number_type(float, lambda v: 0 <= v < float("inf"), "a non-negative number")
-_fraction = number_type(float, lambda v: 0.0 <= v <= 1.0, "a fraction in [0, 1]")
-
-
 def _depth(text: str) -> int:
-    value = _positive_int(text)
+    value = positive_int(text)
     if value < MIN_DEPTH:
         raise argparse.ArgumentTypeError(
             f"scratch depth must be at least {MIN_DEPTH}, got {value}: with one slot the next layer's "
@@ -121,30 +101,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="capacity planner: owners, blocks and ratio per rank")
     plan.add_argument("--model", required=True, help="preset name or path to a HF config.json")
-    plan.add_argument("--tp", type=_positive_int, required=True)
-    plan.add_argument("--pcp", type=_positive_int, default=1)
+    plan.add_argument("--tp", type=positive_int, required=True)
+    plan.add_argument("--pcp", type=positive_int, default=1)
     plan.add_argument("--kv-memory", default="40GiB", help="KV cache memory per rank, e.g. 40GiB")
-    plan.add_argument("--block-size", type=_positive_int, default=128)
+    plan.add_argument("--block-size", type=positive_int, default=128)
     plan.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
     plan.add_argument("--depth", type=_depth, default=DEFAULT_DEPTH,
                       help=f"scratch buffers per rank (at least {MIN_DEPTH})")
     plan.add_argument("--mtp", action="store_true", help="include the config's nextn layers as drafts")
     plan.add_argument("--shard-draft", action="store_true", help="give draft layers owners too")
-    plan.add_argument("--staging-fraction", type=_fraction, default=DEFAULT_STAGING_FRACTION,
+    plan.add_argument("--staging-fraction", type=fraction, default=DEFAULT_STAGING_FRACTION,
                       help="active-block staging as a fraction of the pool (0 disables active blocks)")
-    plan.add_argument("--context-tokens", type=_non_negative_int, default=None,
+    plan.add_argument("--context-tokens", type=non_negative_int, default=None,
                       help="total tokens of history one step reads: prints broadcast and owner-mode bytes and "
                            "link time per layer and forward, and the mode the cost model picks")
-    plan.add_argument("--batch-tokens", type=_positive_int, default=None,
+    plan.add_argument("--batch-tokens", type=positive_int, default=None,
                       help="query tokens of that step (default 1: one decoding request)")
-    plan.add_argument("--requests", type=_positive_int, default=None,
+    plan.add_argument("--requests", type=positive_int, default=None,
                       help="requests the query tokens belong to, sharing the context evenly (default: "
                            "--batch-tokens, a decode step; 1 for one request's prefill chunk)")
-    plan.add_argument("--link-gbps", type=_positive_float, default=400.0,
+    plan.add_argument("--link-gbps", type=positive_float, default=400.0,
                       help="link bandwidth in GB/s (gigabytes) for --context-tokens (default 400)")
-    plan.add_argument("--link-latency-us", type=_non_negative_float, default=None,
+    plan.add_argument("--link-latency-us", type=non_negative_float, default=None,
                       help=f"fixed cost of one collective in microseconds (default {PLAN_LINK_LATENCY_US:g})")
-    plan.add_argument("--attention-tflops", type=_positive_float, default=None,
+    plan.add_argument("--attention-tflops", type=positive_float, default=None,
                       help="attention throughput of a layer's owner in TFLOP/s, for the heads it computes for "
                            f"the other ranks in owner mode (default {PLAN_ATTENTION_TFLOPS:g})")
     plan.add_argument("--query-dtype", choices=tuple(QUERY_DTYPES), default=None,
@@ -156,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     graph = sub.add_parser("graph", help="print the reference model's graph after the KVPP pass")
     graph.add_argument("--model", default="tiny", help="reference preset or HF model directory")
     graph.add_argument("--mode", choices=("eager", "piecewise"), default="eager")
-    graph.add_argument("--layers", type=_positive_int, default=2, help="number of decoder layers")
+    graph.add_argument("--layers", type=positive_int, default=2, help="number of decoder layers")
     graph.add_argument("--dump-dir", default=None, help="also write the dump files here")
     graph.set_defaults(func=_cmd_graph)
 

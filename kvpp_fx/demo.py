@@ -18,85 +18,105 @@ import os
 import statistics
 import sys
 import uuid
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-DEFAULTS = {"preset": "small", "mode": "piecewise", "inner": "eager", "kv_memory": "128MiB",
-            "trace": "out/trace.json", "dump_dir": "out/graphs", "timeout_s": 60.0, "kvpp_mode": "auto",
-            "context_tokens": 0}
+from kvpp_fx.argtypes import non_negative_int, positive_int
+from kvpp_fx.cache.cost import MODES as KVPP_MODES
+
+GRAPH_MODES = ("eager", "piecewise")  # the backend's; the demo always compiles
 
 
-def _run(engine_options: dict, *, kvpp: bool, preset: str, kv_memory: int, prompts, group, tp, timeline,
-         dump_dir):
-    import torch
+@dataclass(frozen=True)
+class DemoOptions:
+    """What the demo runs. Its defaults are the command's (`add_arguments` reads them); the launcher
+    pickles it to every rank."""
 
-    from kvpp_fx.reference.config import load_config
-    from kvpp_fx.reference.engine import EngineConfig, build_engine
-    from kvpp_fx.reference.workload import NEW_TOKENS
+    nproc: int = 2                        # CPU ranks started by the elastic launcher (ignored under torchrun)
+    preset: str = "small"                 # reference preset or HF model directory
+    mode: str = "piecewise"               # the backend's graph mode
+    inner: str = "eager"                  # inner backend of the piecewise mode
+    kv_memory: str = "128MiB"             # KV cache memory per rank
+    trace: str | None = "out/trace.json"  # Chrome/Perfetto trace file (None: none)
+    dump_dir: str | None = "out/graphs"   # graph dump folder (None: none)
+    kvpp_mode: str = "auto"               # "broadcast", "owner" or "auto" (per step, by the cost model)
+    context_tokens: int = 0               # > 0: one more request with a prompt of this many tokens
+    token_budget: int | None = None       # tokens per step (None: the workload's TOKEN_BUDGET)
+    timeout_s: float = 60.0               # of the process groups
 
-    torch._dynamo.reset()
-    engine = build_engine(load_config(preset), engine_config=EngineConfig(**engine_options, dump_dir=dump_dir),
-                          kv_memory=kv_memory, kvpp=kvpp, tp=tp, kvpp_group=group, timeline=timeline)
-    for prompt in prompts:
-        engine.add_request(prompt, NEW_TOKENS)
-    outputs = engine.run()
-    stats = engine.runtime.stats()
-    engine.runtime.close()
-    records = engine.backend.records if engine.backend is not None else []
-    dump = records[-1].dump_dir if records else None
-    steps = [{"tokens": s["num_tokens"], "decode_only": s["decode_only"], "mode": s["mode"],
-              "active_blocks": s["active_blocks"], "pool_blocks": s["pool_blocks"],
-              "broadcast_bytes": s["broadcast_bytes"], "owner_bytes": s["owner_bytes"]} for s in engine.steps]
-    return {"outputs": outputs, "num_blocks": engine.runtime.storage.num_blocks, "stats": stats, "steps": steps,
-            "decode_step_s": [s["seconds"] for s in engine.steps if s["decode_only"]], "kv_memory": kv_memory,
-            "dump_dir": str(dump.parent.parent) if dump is not None else None}  # <dir>/rankN/graph_NNN
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DemoOptions:
+        """The parsed command line, with '' for no trace or dump and paths made absolute (every rank
+        writes to the same place, wherever it runs)."""
+        return cls(nproc=args.nproc, preset=args.preset, mode=args.mode, inner=args.inner, kv_memory=args.kv_memory,
+                   trace=_absolute(args.trace), dump_dir=_absolute(args.dump_dir), kvpp_mode=args.kvpp_mode,
+                   context_tokens=args.context_tokens, token_budget=args.token_budget)
 
 
-def demo_rank(options: dict) -> list[dict] | None:
-    """One rank's work (torch.distributed env from the launcher). Rank 0 returns every rank's result."""
+def _absolute(path: str | None) -> str | None:
+    return str(Path(path).resolve()) if path else None
+
+
+def demo_rank(options: DemoOptions) -> list[dict] | None:
+    """One rank's work (torch.distributed env from the launcher): the workload with KVPP off, then on.
+    Rank 0 returns every rank's result."""
     import torch
     import torch.distributed as dist
 
     from kvpp_fx.plan_report import parse_bytes
     from kvpp_fx.reference.config import load_config
-    from kvpp_fx.reference.model import TPInfo
-    from kvpp_fx.reference.workload import TOKEN_BUDGET, shared_prefix_prompts
+    from kvpp_fx.reference.engine import EngineConfig
+    from kvpp_fx.reference.generate import rank_groups, run_engine
+    from kvpp_fx.reference.workload import NEW_TOKENS, TOKEN_BUDGET, shared_prefix_prompts
     from kvpp_fx.runtime.timeline import Timeline, write_chrome_trace
-    from kvpp_fx.topology import create_kvpp_process_groups, kvpp_groups
 
     torch.set_num_threads(1)
-    timeout = timedelta(seconds=options["timeout_s"])
+    timeout = timedelta(seconds=options.timeout_s)
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = create_kvpp_process_groups(kvpp_groups(world, tp=world), timeout=timeout)
-    tp = TPInfo(rank, world, dist.group.WORLD)
-    vocab = load_config(options["preset"]).vocab_size
-    prompts = shared_prefix_prompts(vocab)
-    context = options.get("context_tokens", 0)
+    groups = rank_groups(rank, world, timeout=timeout)
+    config = load_config(options.preset)
+    prompts = shared_prefix_prompts(config.vocab_size)
+    context = options.context_tokens
     if context:
         generator = torch.Generator().manual_seed(11)
-        prompts.append(torch.randint(0, vocab, (context,), generator=generator).tolist())
-    engine_options = {"graph_mode": options["mode"], "inner": options["inner"],
-                      "token_budget": options.get("token_budget") or TOKEN_BUDGET,
-                      "max_model_len": max(256, -(-(context + 64) // 256) * 256),
-                      "kvpp_mode": options.get("kvpp_mode", "broadcast")}
-    kv_memory = parse_bytes(options["kv_memory"])
-    common = dict(preset=options["preset"], kv_memory=kv_memory, prompts=prompts, group=group, tp=tp)
-    off = _run(engine_options, kvpp=False, timeline=None, dump_dir=None, **common)
-    timeline = Timeline(rank) if options.get("trace") else None
-    on = _run(engine_options, kvpp=True, timeline=timeline, dump_dir=options.get("dump_dir"), **common)
-    mine = {"rank": rank, "off": off, "on": on, "trace_events": timeline.chrome_events() if timeline else []}
+        prompts.append(torch.randint(0, config.vocab_size, (context,), generator=generator).tolist())
+    engine_config = EngineConfig(graph_mode=options.mode, inner=options.inner,
+                                 token_budget=options.token_budget or TOKEN_BUDGET,
+                                 max_model_len=max(256, -(-(context + 64) // 256) * 256), kvpp_mode=options.kvpp_mode)
+    kv_memory = parse_bytes(options.kv_memory)
+    timeline = Timeline(rank) if options.trace else None
+    mine: dict[str, Any] = {"rank": rank}
+    for kvpp in (False, True):
+        torch._dynamo.reset()
+        result = run_engine(config, prompts, NEW_TOKENS, groups=groups, kvpp=kvpp, kv_memory=kv_memory,
+                            engine_config=replace(engine_config, dump_dir=options.dump_dir if kvpp else None),
+                            timeline=timeline if kvpp else None)
+        mine["on" if kvpp else "off"] = _run_summary(result, kv_memory)
+    mine["trace_events"] = timeline.chrome_events() if timeline else []
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
-    if rank == 0 and options.get("trace"):
-        write_chrome_trace(options["trace"], *[g.pop("trace_events") for g in gathered])
+    if rank == 0 and options.trace:
+        write_chrome_trace(options.trace, *[g.pop("trace_events") for g in gathered])
     dist.barrier()
     return gathered if rank == 0 else None
 
 
-def build_report(results: list[dict], options: dict) -> dict[str, Any]:
+def _run_summary(result: dict[str, Any], kv_memory: int) -> dict[str, Any]:
+    """What the report reads of one run (`run_engine`'s result)."""
+    steps = [{"tokens": s["num_tokens"], "decode_only": s["decode_only"], "mode": s["mode"],
+              "active_blocks": s["active_blocks"], "pool_blocks": s["pool_blocks"],
+              "broadcast_bytes": s["broadcast_bytes"], "owner_bytes": s["owner_bytes"]} for s in result["steps"]]
+    dumps = result["dump_dirs"]
+    return {"outputs": result["outputs"], "num_blocks": result["num_blocks"], "stats": result["stats"], "steps": steps,
+            "decode_step_s": [s["seconds"] for s in result["steps"] if s["decode_only"]], "kv_memory": kv_memory,
+            "dump_dir": str(Path(dumps[-1]).parent.parent) if dumps else None}  # <dir>/rankN/graph_NNN
+
+
+def build_report(results: list[dict], options: DemoOptions) -> dict[str, Any]:
 
     def median_ms(values):
         return 1e3 * statistics.median(values) if values else None
@@ -106,8 +126,8 @@ def build_report(results: list[dict], options: dict) -> dict[str, Any]:
     on_step, off_step = median_ms(r0["on"]["decode_step_s"]), median_ms(r0["off"]["decode_step_s"])
     worst_on_blocks = min(r["on"]["num_blocks"] for r in results)
     return {
-        "preset": options["preset"], "ranks": len(results), "mode": options["mode"], "inner": options["inner"],
-        "kv_memory_bytes": r0["on"]["kv_memory"], "kvpp_mode": options.get("kvpp_mode", "broadcast"),
+        "preset": options.preset, "ranks": len(results), "mode": options.mode, "inner": options.inner,
+        "kv_memory_bytes": r0["on"]["kv_memory"], "kvpp_mode": options.kvpp_mode,
         "tokens_identical": identical,
         "outputs": r0["on"]["outputs"],
         "per_rank": [{
@@ -123,7 +143,7 @@ def build_report(results: list[dict], options: dict) -> dict[str, Any]:
         "decode_step_ms": {"kvpp": on_step, "replicated": off_step,
                            "ratio": on_step / off_step if on_step and off_step else None},
         "graph_dump": r0["on"]["dump_dir"],
-        "trace": options.get("trace"),
+        "trace": options.trace,
     }
 
 
@@ -161,7 +181,7 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def launch(nproc: int, options: dict) -> list[dict]:
+def launch(nproc: int, options: DemoOptions) -> list[dict]:
     """Start `nproc` local ranks with torch's elastic launcher and return rank 0's gathered results."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -176,23 +196,21 @@ def launch(nproc: int, options: dict) -> list[dict]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvpp_fx.cli import number_type
-
-    non_negative = number_type(int, lambda v: v >= 0, "a non-negative integer")
-    positive = number_type(int, lambda v: v >= 1, "a positive integer")
-    parser.add_argument("--nproc", type=int, default=2, help="number of CPU ranks (the TP and KVPP group)")
-    parser.add_argument("--preset", default=DEFAULTS["preset"], help="reference preset or HF model directory")
-    parser.add_argument("--mode", choices=("eager", "piecewise"), default=DEFAULTS["mode"])
-    parser.add_argument("--inner", default=DEFAULTS["inner"], help="inner backend of the piecewise mode")
-    parser.add_argument("--kv-memory", default=DEFAULTS["kv_memory"], help="KV cache memory per rank")
-    parser.add_argument("--trace", default=DEFAULTS["trace"], help="Chrome/Perfetto trace file ('' for none)")
-    parser.add_argument("--dump-dir", default=DEFAULTS["dump_dir"], help="graph dump folder ('' for none)")
-    parser.add_argument("--kvpp-mode", choices=("broadcast", "owner", "auto"), default=DEFAULTS["kvpp_mode"],
+    defaults = DemoOptions()
+    parser.add_argument("--nproc", type=int, default=defaults.nproc, help="number of CPU ranks (the TP and KVPP group)")
+    parser.add_argument("--preset", default=defaults.preset, help="reference preset or HF model directory")
+    parser.add_argument("--mode", choices=GRAPH_MODES, default=defaults.mode)
+    parser.add_argument("--inner", default=defaults.inner, help="inner backend of the piecewise mode")
+    parser.add_argument("--kv-memory", default=defaults.kv_memory, help="KV cache memory per rank")
+    parser.add_argument("--trace", default=defaults.trace, help="Chrome/Perfetto trace file ('' for none)")
+    parser.add_argument("--dump-dir", default=defaults.dump_dir, help="graph dump folder ('' for none)")
+    parser.add_argument("--kvpp-mode", choices=KVPP_MODES, default=defaults.kvpp_mode,
                         help="broadcast the blocks each step reads, send queries to each layer's owner, or pick "
-                             "per step by the cost model (default)")
-    parser.add_argument("--context-tokens", type=non_negative, default=DEFAULTS["context_tokens"],
+                             f"per step by the cost model (default {defaults.kvpp_mode})")
+    parser.add_argument("--context-tokens", type=non_negative_int, default=defaults.context_tokens,
                         help="add a request with a prompt of this many tokens (long-context decode)")
-    parser.add_argument("--token-budget", type=positive, default=None, help="tokens per step (default 32)")
+    parser.add_argument("--token-budget", type=positive_int, default=defaults.token_budget,
+                        help="tokens per step (default 32, the workload's budget)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -200,21 +218,15 @@ def run_demo(args: argparse.Namespace) -> int:
     import warnings
 
     warnings.simplefilter("ignore")
-    options = {"preset": args.preset, "mode": args.mode, "inner": args.inner, "kv_memory": args.kv_memory,
-               "trace": args.trace or None, "dump_dir": args.dump_dir or None, "timeout_s": DEFAULTS["timeout_s"],
-               "kvpp_mode": args.kvpp_mode, "context_tokens": args.context_tokens, "token_budget": args.token_budget}
-    if options["trace"]:
-        options["trace"] = str(Path(options["trace"]).resolve())
-    if options["dump_dir"]:
-        options["dump_dir"] = str(Path(options["dump_dir"]).resolve())
+    options = DemoOptions.from_args(args)
     if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:  # started by torchrun: we are one rank
         results = demo_rank(options)
         if results is None:
             return 0
     else:
-        if args.nproc < 2:
+        if options.nproc < 2:
             raise ValueError("--nproc must be at least 2: KVPP needs a group of two or more ranks.")
-        results = launch(args.nproc, options)
+        results = launch(options.nproc, options)
     report = build_report(results, options)
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["tokens_identical"] else 1

@@ -1,7 +1,8 @@
-"""The two KVPP graph ops, registered with torch.library in the ``kvpp`` namespace.
+"""The KVPP graph ops, registered with torch.library in the ``kvpp`` namespace.
 
     kvpp::prefetch(int layer, int slot) -> ()
     kvpp::wait(int layer, int slot, Tensor[] caches, str[] components, bool routed=False) -> Tensor[]
+    kvpp::enter_layer(SymInt layer, Tensor[] caches, str[] components) -> Tensor[]
 
 ``wait`` takes the cache tensors the graph had for the layer before the rewrite (one per cache
 component its attention/cache ops read) and returns, in the same order, the views those ops must read
@@ -9,6 +10,11 @@ instead: persistent on the owner rank, the layer's scratch slot elsewhere. The c
 runtime pick the right typed view of the layer's bundle (an SFA layer has the latent cache, the
 indexer keys and their scales). ``routed=True`` says the layer's cache ops were routed for owner mode
 (each is a `RoutedOp`); a wait without it refuses an owner-mode forward. See docs/graph-contract.md.
+
+``enter_layer`` serves a graph that Dynamo compiled once for several layers, whose layer index is a
+run-time value (a graph input): it runs the plan's schedule for that layer when it is called (the first
+layer's prefetch if no graph issued it, the layer's wait, the next layer's prefetch) and returns the
+views as ``wait`` does; for a local draft layer it returns the caches it was given.
 
 `RoutedOp` is the graph target the pass puts in place of a registered cache op whose owner-mode rule
 is declared: in broadcast mode it calls the op as it is; in owner mode it runs the op on the layer's
@@ -35,6 +41,7 @@ NAMESPACE = "kvpp"
 _lib = torch.library.Library(NAMESPACE, "DEF")
 _lib.define("prefetch(int layer, int slot) -> ()")
 _lib.define("wait(int layer, int slot, Tensor[] caches, str[] components, bool routed=False) -> Tensor[]")
+_lib.define("enter_layer(SymInt layer, Tensor[] caches, str[] components) -> Tensor[]")
 
 
 _PASSTHROUGH: contextvars.ContextVar[bool] = contextvars.ContextVar("kvpp_passthrough", default=False)
@@ -73,6 +80,23 @@ def _wait_impl(layer: int, slot: int, caches: list[torch.Tensor], components: li
         return list(caches)
     runtime = current_runtime()
     runtime.wait(layer, slot, routed=routed)
+    return _views(runtime, layer, caches, components)
+
+
+def _enter_layer_impl(layer: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
+    if len(caches) != len(components):
+        raise ValueError(f"kvpp.enter_layer for layer {layer}: {len(caches)} caches but {len(components)} "
+                         "component names.")
+    if passing_through():
+        return list(caches)
+    runtime = current_runtime()
+    if not runtime.enter_layer(layer):  # a local draft layer: the graph's caches are its own
+        return list(caches)
+    return _views(runtime, layer, caches, components)
+
+
+def _views(runtime, layer: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
+    """The runtime's views of `layer` for the graph's cache operands, checked against them."""
     views = runtime.typed_views(layer)
     out = []
     for cache, name in zip(caches, components):
@@ -89,6 +113,7 @@ def _wait_impl(layer: int, slot: int, caches: list[torch.Tensor], components: li
 
 _lib.impl("prefetch", _prefetch_impl, "CompositeExplicitAutograd")
 _lib.impl("wait", _wait_impl, "CompositeExplicitAutograd")
+_lib.impl("enter_layer", _enter_layer_impl, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake(f"{NAMESPACE}::prefetch", lib=_lib)
@@ -103,21 +128,27 @@ def _wait_fake(layer: int, slot: int, caches: list[torch.Tensor], components: li
     return [torch.empty(cache.shape, dtype=cache.dtype, device=cache.device) for cache in caches]
 
 
+@torch.library.register_fake(f"{NAMESPACE}::enter_layer", lib=_lib)
+def _enter_layer_fake(layer: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
+    return [torch.empty(cache.shape, dtype=cache.dtype, device=cache.device) for cache in caches]
+
+
 # torch 2.13 has no public effect registration for ops defined with `torch.library.Library`: the public
 # route, `CustomOpDef.register_effect`, needs `torch.library.custom_op`, whose outputs may not alias
 # inputs, and `wait` returns its inputs under `passthrough()`. Hence the private call, here only.
-for _op in ("prefetch", "wait"):
+for _op in ("prefetch", "wait", "enter_layer"):
     torch.library._register_effectful_op(f"{NAMESPACE}::{_op}", EffectType.ORDERED)
 
 prefetch = torch.ops.kvpp.prefetch
 wait = torch.ops.kvpp.wait
+enter_layer = torch.ops.kvpp.enter_layer
 
-KVPP_OPS = (torch.ops.kvpp.prefetch, torch.ops.kvpp.wait)
-_KVPP_TARGETS = frozenset(KVPP_OPS + (torch.ops.kvpp.prefetch.default, torch.ops.kvpp.wait.default))
+KVPP_OPS = (torch.ops.kvpp.prefetch, torch.ops.kvpp.wait, torch.ops.kvpp.enter_layer)
+_KVPP_TARGETS = frozenset(KVPP_OPS + tuple(op.default for op in KVPP_OPS))
 
 
 def is_kvpp_op(target: object) -> bool:
-    """True for both ops, as the packet (Dynamo graphs) or the overload (after AOT)."""
+    """True for the kvpp ops, as the packet (Dynamo graphs) or the overload (after AOT)."""
     try:
         return target in _KVPP_TARGETS
     except TypeError:  # an unhashable target
@@ -194,8 +225,7 @@ class RoutedOp:
                     call_args[where] = tensor
             return op(*call_args, **call_kwargs)
 
-        return runtime.owner_compute(self.layer, tensors, [dim for _, dim in self.heads], list(self.token_dims),
-                                     self.output_dim, self.output_like, compute)
+        return runtime.owner_compute(self.layer, self, tensors, compute)  # this op is its own rule
 
 
 def _tracing_with_fake_tensors() -> bool:

@@ -3,6 +3,8 @@
 Invariant after the pass, for the run of target layers Li .. Lj that the graph holds (a contiguous,
 in-order slice of the plan's target layers; the whole plan when the graph is the whole compiled
 function, ``fullgraph=True``):
+- every registered op carries a `NodeStamp` with its layer and the spec it matched (draft layers'
+  too, on every graph the pass sees, rewritten or not);
 - ``prefetch(Li, slot(Li))`` follows the graph's placeholders when Li is the plan's first layer (with
   ``first_prefetch="at_first_wait"``: it stands just before Li's wait, for splitters that need every
   eager piece to take an input, as vLLM's generated code does); otherwise Li is already pending from
@@ -17,8 +19,14 @@ function, ``fullgraph=True``):
 - a graph without registered ops is left alone only when graph breaks may have split the model and
   nothing in it names a target layer (no KVPP handle read, no layer name): it cannot read a cache.
   Otherwise the model's attention op is not registered: `NoGraphLayersError`.
+A graph whose registered ops take their layer index from a graph input (a SymInt: Dynamo compiled one
+frame for several layers) holds one layer known only at run time. All its registered ops read that one
+input, and immediately before the first stands ``enter_layer(layer, caches)``, then one ``getitem`` per
+cache operand, which the ops read: the runtime runs the plan's schedule for the layer the input names
+(docs/graph-contract.md). Such a graph holds no op with a constant layer.
 Ranks that issued broadcasts in a different order would deadlock or exchange the wrong layers, so a
-run that is not a contiguous slice of the plan in plan order is a `LayerOrderError`.
+run that is not a contiguous slice of the plan in plan order is a `LayerOrderError`. The order of the
+kvpp ops is the plan's `BroadcastSchedule` (``LayerTable.schedule()``), written nowhere else.
 """
 
 from __future__ import annotations
@@ -30,15 +38,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from kvpp_fx.cache.placement import ScheduleStep
 from kvpp_fx.ops import is_kvpp_op
 from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.passes.pass_config import NodeStamp, PassConfig, stamp
 from kvpp_fx.passes.registry import (
     LAYER_NAME_PATTERN,
     AttentionOpSpec,
-    SpecLookup,
     get_arg,
     layer_of,
-    registered_specs,
+    run_time_layer_input,
     set_arg,
 )
 
@@ -46,8 +55,11 @@ logger = logging.getLogger(__name__)
 
 WAIT = torch.ops.kvpp.wait.default
 PREFETCH = torch.ops.kvpp.prefetch.default
-REGISTER_HINT = ("register the op that reads it with kvpp_fx.passes.registry.register_attention_op "
-                 "(naming its cache operand), or keep the read inside a registered op")
+ENTER_LAYER = torch.ops.kvpp.enter_layer.default
+RUN_TIME_LAYER = -1  # the layer of a stamp in a graph whose layer is a run-time value
+REGISTER_HINT = ("give the backend an AttentionOpSpec for the op that reads it, naming its cache operand "
+                 "(kvpp_backend(..., specs=...), or register_attention_op for the default specs), or keep "
+                 "the read inside a registered op")
 
 
 class KVPPPassError(ValueError):
@@ -78,6 +90,11 @@ class UnguardedLayerError(KVPPPassError):
     """A registered op's layer comes from a graph input, which Dynamo does not guard."""
 
 
+class RunTimeLayerGraphError(KVPPPassError):
+    """A graph whose layer is a run-time value also holds other layers, or reads its layer from several
+    inputs."""
+
+
 @dataclass(frozen=True)
 class LayerNodes:
     layer: int
@@ -92,6 +109,7 @@ class InsertResult:
     layers: tuple[int, ...]
     waits: tuple[torch.fx.Node, ...] = field(default=(), repr=False)
     prefetches: tuple[torch.fx.Node, ...] = field(default=(), repr=False)
+    run_time_layer: bool = False  # one layer, named by a graph input at run time (`enter_layer`)
 
 
 def node_value(node: torch.fx.Node):
@@ -126,29 +144,49 @@ def resolve_layer(node: torch.fx.Node, spec: AttentionOpSpec, table: LayerTable)
     return layer_of(node, spec, table.names or None)
 
 
-def collect_layers(graph: torch.fx.Graph, table: LayerTable,
-                   lookup: SpecLookup | None = None) -> list[LayerNodes]:
-    """Cache-touching nodes grouped by target layer, in order of each layer's first node."""
-    lookup = lookup or SpecLookup()
-    groups: dict[int, list[tuple[torch.fx.Node, AttentionOpSpec]]] = {}
-    names: dict[int, str] = {}
-    targets = set(table.target_layers)
-    drafts = set(table.draft_layers)
-    for node in graph.nodes:
-        spec = lookup(node)
+@dataclass(frozen=True)
+class ResolvedOp:
+    """A registered op of the graph, its layer and the spec it matched."""
+
+    node: torch.fx.Node
+    layer: int  # RUN_TIME_LAYER when the layer is the value of `source`
+    name: str
+    spec: AttentionOpSpec
+    source: torch.fx.Node | None = None
+
+
+def resolve_cache_ops(nodes: list[torch.fx.Node], config: PassConfig) -> list[ResolvedOp]:
+    """Every registered op in graph order, draft layers included: the one layer resolution of a compile.
+    A layer that is neither a target nor a draft is refused."""
+    table = config.table
+    known = set(table.target_layers) | set(table.draft_layers)
+    resolved = []
+    for node in nodes:
+        spec = config.matcher(node)
         if spec is None:
             continue
-        layer, name = resolve_layer(node, spec, table)
-        if layer in drafts:
+        source = run_time_layer_input(node, spec)
+        if source is not None:
+            resolved.append(ResolvedOp(node, RUN_TIME_LAYER, source.name, spec, source))
             continue
-        if layer not in targets:
+        layer, name = resolve_layer(node, spec, table)
+        if layer not in known:
             raise UnknownGraphLayerError(
                 f"{node.format_node()} touches layer {layer} ({name}), which is neither a target nor a "
                 f"draft layer of the plan (targets {list(table.target_layers)}).")
-        groups.setdefault(layer, []).append((node, spec))
-        names.setdefault(layer, name)
-    return [LayerNodes(layer, names[layer], tuple(n for n, _ in items), tuple(s for _, s in items))
-            for layer, items in groups.items()]
+        resolved.append(ResolvedOp(node, layer, name, spec))
+    return resolved
+
+
+def group_layers(resolved: list[ResolvedOp], table: LayerTable) -> list[LayerNodes]:
+    """The target layers' ops grouped by layer, in order of each layer's first op."""
+    drafts = set(table.draft_layers)
+    groups: dict[int, list[ResolvedOp]] = {}
+    for op in resolved:
+        if op.layer not in drafts:
+            groups.setdefault(op.layer, []).append(op)
+    return [LayerNodes(layer, ops[0].name, tuple(op.node for op in ops), tuple(op.spec for op in ops))
+            for layer, ops in groups.items()]
 
 
 def check_layer_run(found: list[int], table: LayerTable, graph_breaks: bool) -> None:
@@ -168,24 +206,20 @@ def check_layer_run(found: list[int], table: LayerTable, graph_breaks: bool) -> 
             "in one graph.")
 
 
-FIRST_PREFETCH = ("entry", "at_first_wait")
-
-
-def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable, *, graph_breaks: bool = False,
-                    recompile: bool = True, first_prefetch: str = "entry") -> InsertResult:
-    """Rewrite `gm` in place (see the module docstring). `graph_breaks`: graph breaks may have split the
-    model, so this graph may hold a run of the plan's layers, or none if nothing in it names a layer.
-    `recompile=False` leaves regenerating ``gm.code`` to the caller (the backend times it apart).
-    `first_prefetch`: where the plan's first layer is prefetched, after the inputs ("entry") or just
-    before its wait ("at_first_wait")."""
-    if first_prefetch not in FIRST_PREFETCH:
-        raise ValueError(f"first_prefetch must be one of {FIRST_PREFETCH}, got {first_prefetch!r}.")
+def insert_kvpp_ops(gm: torch.fx.GraphModule, config: PassConfig, *, graph_breaks: bool = False) -> InsertResult:
+    """Rewrite `gm`'s graph in place (see the module docstring); the caller regenerates ``gm.code``.
+    `graph_breaks`: graph breaks may have split the model, so this graph may hold a run of the plan's
+    layers, or none if nothing in it names a layer."""
+    table = config.table
     graph = gm.graph
     nodes = list(graph.nodes)
+    resolved = resolve_cache_ops(nodes, config)
     if any(n.op == "call_function" and is_kvpp_op(n.target) for n in nodes):
+        _stamp_cache_ops(resolved)
         return InsertResult(changed=False, layers=())
-    lookup = SpecLookup()
-    layers = collect_layers(graph, table, lookup)
+    if any(op.source is not None for op in resolved):
+        return _insert_run_time_layer(graph, nodes, resolved, table)
+    layers = group_layers(resolved, table)
     order = {node: i for i, node in enumerate(nodes)}
     operands = {group.layer: _cache_operands(group, order) for group in layers}
     _refuse_shared_caches(operands)
@@ -198,56 +232,93 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, table: LayerTable, *, graph_breaks
             raise NoGraphLayersError(
                 f"the plan has target layers {list(table.target_layers)} but no node of this graph is a "
                 f"registered attention/cache op of one of them, and {why}; registered ops: "
-                f"{sorted(s.op for s in registered_specs())}. Register the model's attention op with "
-                "register_attention_op.")
+                f"{[s.op for s in config.specs]}. Give the backend the model's attention op "
+                "(kvpp_backend(..., specs=...), or register_attention_op for the default specs).")
+        _stamp_cache_ops(resolved)
         return InsertResult(changed=False, layers=())
     check_layer_run([group.layer for group in layers], table, graph_breaks)
+    _stamp_cache_ops(resolved)
 
-    plan = table.target_layers
+    schedule = table.schedule()
+    names = {group.layer: group.name for group in layers}
     waits, prefetches = [], []
     contiguous: dict = {}
     first = layers[0]
     if table.position(first.layer) == 0:
         placeholders = [n for n in nodes if n.op == "placeholder"]
-        if first_prefetch == "at_first_wait":
+        if config.first_prefetch == "at_first_wait":
             where = graph.inserting_before(first.nodes[0])
         elif placeholders:
             where = graph.inserting_after(placeholders[-1])
         else:
             where = graph.inserting_before(nodes[0])
         with where:
-            prefetches.append(_prefetch(graph, first.layer, first.name, table))
+            prefetches.append(_prefetch(graph, schedule.first(), first.name))
 
     for group in layers:
-        slot = table.slot(group.layer)
         reads = operands[group.layer]
+        wait_step, *then = schedule.at_layer(group.layer)
         with graph.inserting_before(group.nodes[0]):
-            wait = graph.create_node("call_function", WAIT, (group.layer, slot, [node for node, _ in reads],
+            wait = graph.create_node("call_function", WAIT, (group.layer, wait_step.slot, [node for node, _ in reads],
                                      [component for _, component in reads]), name=f"kvpp_wait_L{group.layer}")
             wait.meta["val"] = [_contiguous_like(node_value(node), contiguous) for node, _ in reads]
-            wait.meta["kvpp"] = {"layer": group.layer, "name": group.name, "slot": slot, "role": "wait"}
+            stamp(wait, NodeStamp("wait", group.layer, group.name, wait_step.slot))
             views = {}
             for i, (node, component) in enumerate(reads):
                 view = graph.create_node("call_function", operator.getitem, (wait, i),
                                          name=f"{component}_L{group.layer}")
                 view.meta["val"] = wait.meta["val"][i]
-                view.meta["kvpp"] = {"layer": group.layer, "name": group.name, "slot": slot, "role": "view",
-                                     "component": component}
+                stamp(view, NodeStamp("view", group.layer, group.name, wait_step.slot, component))
                 views[component] = view
-            position = table.position(group.layer)
-            if position + 1 < len(plan):
-                nxt = plan[position + 1]
-                name = next((g.name for g in layers if g.layer == nxt), f"layers.{nxt}")
-                prefetches.append(_prefetch(graph, nxt, name, table))
+            for step in then:
+                prefetches.append(_prefetch(graph, step, names.get(step.layer, f"layers.{step.layer}")))
         waits.append(wait)
         for node, spec in zip(group.nodes, group.specs):
             for operand in spec.cache_operands:
                 set_arg(node, operand.arg, views[operand.component])
 
-    if recompile:
-        gm.recompile()
     logger.debug("kvpp insert pass: %d layers rewritten", len(layers))
     return InsertResult(True, tuple(g.layer for g in layers), tuple(waits), tuple(prefetches))
+
+
+def _insert_run_time_layer(graph: torch.fx.Graph, nodes: list[torch.fx.Node], resolved: list[ResolvedOp],
+                           table: LayerTable) -> InsertResult:
+    """One ``enter_layer`` for the graph's one run-time layer, and its ops rebound to its views."""
+    sources = sorted({op.source.name for op in resolved if op.source is not None})
+    constant = sorted({op.layer for op in resolved if op.source is None and op.layer not in table.draft_layers})
+    if len(sources) > 1 or constant:
+        held = f"layers {constant} as constants and " if constant else ""
+        raise RunTimeLayerGraphError(
+            f"the graph's registered ops take {held}their layer index from the inputs {sources} at run time. A "
+            "graph whose layer is a run-time value (one compiled frame serving several layers) must hold exactly "
+            "one layer, named by one input; keep each layer's cache ops in the layer's own frame.")
+    ops = [op for op in resolved if op.source is not None]
+    group = LayerNodes(RUN_TIME_LAYER, ops[0].name, tuple(op.node for op in ops), tuple(op.spec for op in ops))
+    reads = _cache_operands(group, {node: i for i, node in enumerate(nodes)})
+    _refuse_stray_readers(graph, [group], {RUN_TIME_LAYER: reads})
+    _stamp_cache_ops(resolved)
+    source = ops[0].source
+    with graph.inserting_before(group.nodes[0]):
+        enter = graph.create_node("call_function", ENTER_LAYER, (source, [node for node, _ in reads],
+                                  [component for _, component in reads]), name="kvpp_enter_layer")
+        enter.meta["val"] = [_contiguous_like(node_value(node), {}) for node, _ in reads]
+        stamp(enter, NodeStamp("enter", RUN_TIME_LAYER, group.name))
+        views = {}
+        for i, (node, component) in enumerate(reads):
+            view = graph.create_node("call_function", operator.getitem, (enter, i), name=f"{component}_layer")
+            view.meta["val"] = enter.meta["val"][i]
+            stamp(view, NodeStamp("view", RUN_TIME_LAYER, group.name, component=component))
+            views[component] = view
+    for node, spec in zip(group.nodes, group.specs):
+        for operand in spec.cache_operands:
+            set_arg(node, operand.arg, views[operand.component])
+    logger.debug("kvpp insert pass: one run-time layer (%s) rewritten", source.name)
+    return InsertResult(True, (), (enter,), run_time_layer=True)
+
+
+def _stamp_cache_ops(resolved: list[ResolvedOp]) -> None:
+    for op in resolved:
+        stamp(op.node, NodeStamp("cache_op", op.layer, op.name, spec=op.spec))
 
 
 def _contiguous_like(value, made: dict):
@@ -266,10 +337,10 @@ def _contiguous_like(value, made: dict):
     return made[key]
 
 
-def _prefetch(graph: torch.fx.Graph, layer: int, name: str, table: LayerTable) -> torch.fx.Node:
-    node = graph.create_node("call_function", PREFETCH, (layer, table.slot(layer)), name=f"kvpp_prefetch_L{layer}")
+def _prefetch(graph: torch.fx.Graph, step: ScheduleStep, name: str) -> torch.fx.Node:
+    node = graph.create_node("call_function", PREFETCH, (step.layer, step.slot), name=f"kvpp_prefetch_L{step.layer}")
     node.meta["val"] = None
-    node.meta["kvpp"] = {"layer": layer, "name": name, "slot": table.slot(layer), "role": "prefetch"}
+    stamp(node, NodeStamp("prefetch", step.layer, name, step.slot))
     return node
 
 

@@ -1,10 +1,11 @@
-"""Registry of attention/cache ops the KVPP passes recognise.
+"""Attention/cache op specs, and the one matcher that finds them in a graph.
 
-Invariant: a node touches layer L's cache exactly when its target matches a registered
-`AttentionOpSpec` and the spec reads L from the node. Matching is by qualified name, as vLLM's
-``should_split`` matches splitting ops, so specs for vLLM's ops work without importing vLLM:
-``"ns::op"`` matches the packet and every overload; ``"ns::op.overload"`` matches that overload (and
-the packet when the overload is ``default``, since a Dynamo graph calls the packet).
+Invariant: a node touches layer L's cache exactly when `OpMatcher` finds its target's
+`AttentionOpSpec` among the configuration's specs and the spec reads L from the node. Matching is by
+qualified name, as vLLM's ``should_split`` matches splitting ops, so specs for vLLM's ops work without
+importing vLLM: ``"ns::op"`` matches the packet and every overload; ``"ns::op.overload"`` matches that
+overload (and the packet when the overload is ``default``, since a Dynamo graph calls the packet).
+When both forms are given, the overload's spec wins, for every pass and the verifier alike.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class HeadSeparable:
 
     operands: tuple[HeadOperand, ...]
     output_dim: int
-    output_like: int = 0  # the head operand whose shape and dtype the output has (the other ranks size
-    #                       their part of the output by it)
+    output_like: int = 0  # the head operand whose shape, dtype and strides the output has (as the op's
+    #                       fake says; the other ranks build their part of the output by it)
 
     def __post_init__(self) -> None:
         if not self.operands:
@@ -100,73 +101,45 @@ class AttentionOpSpec:
         if self.owner is not None and not isinstance(self.owner, (HeadSeparable, OwnerLocal)):
             raise ValueError(f"owner must be a HeadSeparable or an OwnerLocal, got {self.owner!r}.")
 
-    def matches(self, target: Any) -> bool:
-        return self.op in op_names(target)
 
-
-def op_names(target: Any) -> set[str]:
-    """Every name a spec may use for `target`: 'ns::op' and 'ns::op.overload' forms (for an op the KVPP
-    pass routed, those of the op it wraps)."""
+def op_names(target: Any) -> tuple[str, ...]:
+    """The names a spec may use for `target`, most specific first: ``("ns::op.overload", "ns::op")``.
+    The packet a Dynamo graph calls counts as its ``default`` overload; an op the route pass wrapped
+    has the names of the op it wraps."""
     target = getattr(target, "kvpp_routed_op", target)
     if isinstance(target, torch._ops.OpOverload):
         base = target._schema.name  # "ns::op"
-        return {base, f"{base}.{target._overloadname}"}
+        return f"{base}.{target._overloadname}", base
     if isinstance(target, torch._ops.OpOverloadPacket):
-        return {target._qualified_op_name, f"{target._qualified_op_name}.default"}
-    return set()
+        return f"{target._qualified_op_name}.default", target._qualified_op_name
+    return ()
 
 
-_REGISTRY: dict[str, AttentionOpSpec] = {}
+class OpMatcher:
+    """The spec of a node's target, by the one precedence rule that the passes, the verifier and the vLLM
+    integration share: a spec that names the exact overload wins over one that names the op (the order
+    of `op_names`), whatever order the specs come in. Each distinct target is resolved once."""
 
-
-def register_attention_op(spec: AttentionOpSpec, *, replace: bool = False) -> AttentionOpSpec:
-    """Make the KVPP passes recognise `spec.op` (users may register their own)."""
-    if spec.op in _REGISTRY and _REGISTRY[spec.op] != spec and not replace:
-        raise ValueError(f"an AttentionOpSpec for {spec.op!r} is already registered; pass replace=True.")
-    _REGISTRY[spec.op] = spec
-    return spec
-
-
-def unregister_attention_op(op: str) -> None:
-    _REGISTRY.pop(op, None)
-
-
-def registered_specs() -> tuple[AttentionOpSpec, ...]:
-    return tuple(_REGISTRY.values())
-
-
-class SpecLookup:
-    """`find_spec` for a whole graph: the registry is read once and each distinct target matched once."""
-
-    def __init__(self, specs: Iterable[AttentionOpSpec] | None = None) -> None:
-        self.specs = tuple(registered_specs() if specs is None else specs)
+    def __init__(self, specs: Iterable[AttentionOpSpec]) -> None:
+        self.by_name: dict[str, AttentionOpSpec] = {}
+        for spec in specs:
+            if self.by_name.setdefault(spec.op, spec) != spec:
+                raise ValueError(f"two different AttentionOpSpecs for {spec.op!r}: {self.by_name[spec.op]} "
+                                 f"and {spec}.")
         self._by_target: dict[Any, AttentionOpSpec | None] = {}
 
-    def __call__(self, node: torch.fx.Node) -> AttentionOpSpec | None:
-        if node.op != "call_function":
-            return None
-        target = node.target
+    def spec_for(self, target: Any) -> AttentionOpSpec | None:
         try:
             return self._by_target[target]
         except KeyError:
-            names = op_names(target)
-            found = next((spec for spec in self.specs if spec.op in names), None) if names else None
+            found = next((self.by_name[name] for name in op_names(target) if name in self.by_name), None)
             self._by_target[target] = found
             return found
         except TypeError:  # an unhashable target is never a registered op
             return None
 
-
-def find_spec(node: torch.fx.Node, specs: Iterable[AttentionOpSpec] | None = None) -> AttentionOpSpec | None:
-    if node.op != "call_function":
-        return None
-    names = op_names(node.target)
-    if not names:
-        return None
-    for spec in registered_specs() if specs is None else specs:
-        if spec.op in names:
-            return spec
-    return None
+    def __call__(self, node: torch.fx.Node) -> AttentionOpSpec | None:
+        return self.spec_for(node.target) if node.op == "call_function" else None
 
 
 def get_arg(node: torch.fx.Node, where: int | str | tuple[str, int]) -> Any:
@@ -251,6 +224,16 @@ def layer_of(node: torch.fx.Node, spec: AttentionOpSpec,
     return int(match.group(1)), name
 
 
+def run_time_layer_input(node: torch.fx.Node, spec: AttentionOpSpec) -> torch.fx.Node | None:
+    """The graph value a registered op reads its layer index from when that index is a run-time value
+    (a SymInt: Dynamo made the index dynamic and compiled one graph for several layers), else None."""
+    raw = get_arg(node, spec.layer_arg)
+    if spec.layer_kind != "index" or not isinstance(raw, torch.fx.Node):
+        return None
+    value = raw.meta.get("val", raw.meta.get("example_value"))
+    return raw if isinstance(value, torch.SymInt) else None
+
+
 # vLLM's MLA/SFA ops (vllm/model_executor/layers/attention/mla_attention.py, sparse_attn_indexer.py).
 VLLM_SPECS = (
     AttentionOpSpec("vllm::unified_mla_kv_cache_update", ("layer_name", 2), "name"),
@@ -258,5 +241,26 @@ VLLM_SPECS = (
     AttentionOpSpec("vllm::sparse_attn_indexer", ("k_cache_prefix", 1), "name",
                     (CacheOperand(("kv_cache", 2), "indexer"),)),
 )
-for _spec in VLLM_SPECS:
-    register_attention_op(_spec)
+
+# What `kvpp_backend(plan)` recognises when it is given no specs: vLLM's ops, and what
+# `register_attention_op` added before the backend was built (a backend reads it once). No import adds
+# to it: the reference ops' specs are data (`kvpp_fx.reference.ops.REFERENCE_SPECS`) given with specs=.
+_DEFAULT_SPECS: dict[str, AttentionOpSpec] = {spec.op: spec for spec in VLLM_SPECS}
+
+
+def register_attention_op(spec: AttentionOpSpec, *, replace: bool = False) -> AttentionOpSpec:
+    """Add `spec` to the default specs of backends built from now on (a convenience: a backend given
+    ``specs=`` uses those only)."""
+    if spec.op in _DEFAULT_SPECS and _DEFAULT_SPECS[spec.op] != spec and not replace:
+        raise ValueError(f"an AttentionOpSpec for {spec.op!r} is already registered; pass replace=True.")
+    _DEFAULT_SPECS[spec.op] = spec
+    return spec
+
+
+def unregister_attention_op(op: str) -> None:
+    _DEFAULT_SPECS.pop(op, None)
+
+
+def default_specs() -> tuple[AttentionOpSpec, ...]:
+    """The specs a backend built now without ``specs=`` uses."""
+    return tuple(_DEFAULT_SPECS.values())

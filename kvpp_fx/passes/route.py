@@ -1,6 +1,7 @@
 """Route each layer's registered cache ops for owner mode, so one graph serves both modes.
 
-Runs after the insert pass. When every registered cache op of every layer the graph awaits declares an
+Runs after the insert pass, and reads its stamps (each registered op's layer and spec): it resolves
+nothing again. When every registered cache op of every layer the graph awaits declares an
 owner rule (`HeadSeparable` or `OwnerLocal` in its `AttentionOpSpec`), each such node's target becomes
 a `kvpp_fx.ops.RoutedOp` that carries the op, the layer and the resolved head operands, and each wait
 gets ``routed=True``. Otherwise the graph is left as it is and serves broadcast mode only: the runtime
@@ -25,14 +26,13 @@ import torch
 import torch.fx
 
 from kvpp_fx.ops import RoutedOp, is_routed_op
-from kvpp_fx.passes.insert import WAIT, KVPPPassError, collect_layers, node_value
-from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.passes.insert import WAIT, KVPPPassError, node_value
+from kvpp_fx.passes.pass_config import PassConfig, cache_op_stamp
 from kvpp_fx.passes.registry import (
     AttentionOpSpec,
     HeadSeparable,
     LayerResolutionError,
     OwnerLocal,
-    SpecLookup,
     arg_location,
     get_arg,
 )
@@ -97,47 +97,63 @@ def resolve_heads(node: torch.fx.Node, rule: HeadSeparable) -> tuple[tuple[int |
     return tuple(heads)
 
 
-def route_owner_ops(gm: torch.fx.GraphModule, table: LayerTable, *, recompile: bool = True) -> RouteResult:
+def route_owner_ops(gm: torch.fx.GraphModule, config: PassConfig) -> RouteResult:
+    """Route `gm`'s graph in place (see the module docstring); the caller regenerates ``gm.code``."""
     graph = gm.graph
     waits = {n.args[0]: n for n in graph.nodes if n.op == "call_function" and n.target == WAIT}
     if not waits:
         return RouteResult(False, "no kvpp.wait in the graph")
     if any(is_routed_op(n.target) for n in graph.nodes if n.op == "call_function"):
         return RouteResult(True)
-    layers = collect_layers(graph, table, SpecLookup())
-    undeclared = sorted({spec.op for group in layers for spec in group.specs if spec.owner is None})
+    layers = _stamped_layers(graph, config)
+    unstamped = sorted(set(waits) - set(layers))
+    if unstamped:
+        reason = f"layers {unstamped} are awaited but none of their ops carries the insert pass's stamp"
+        logger.info("kvpp route pass: graph left in broadcast-only form (%s)", reason)
+        return RouteResult(False, reason)
+    undeclared = sorted({spec.op for ops in layers.values() for _, spec in ops if spec.owner is None})
     if undeclared:
         reason = f"ops without an owner rule: {undeclared}"
         logger.info("kvpp route pass: graph left in broadcast-only form (%s)", reason)
         return RouteResult(False, reason)
 
     routes: list[tuple[torch.fx.Node, RoutedOp]] = []
-    for group in layers:
-        members = set(group.nodes)
-        head_positions = {node: _head_values(node, spec) for node, spec in zip(group.nodes, group.specs)}
-        for node, spec in zip(group.nodes, group.specs):
+    for layer, ops in layers.items():
+        members = {node for node, _ in ops}
+        head_positions = {node: _head_values(node, spec) for node, spec in ops}
+        for node, spec in ops:
             if isinstance(spec.owner, OwnerLocal):
                 for user in node.users:
                     if user not in members or node in head_positions[user]:
                         raise OwnerLocalOutputError(
-                            f"{node.format_node()} is owner-local (in owner mode it runs on layer {group.layer}'s "
+                            f"{node.format_node()} is owner-local (in owner mode it runs on layer {layer}'s "
                             f"owner only and gives None elsewhere), but {user.format_node()} reads its output"
                             + (" as a head operand" if user in members else
                                ", which is not a routed cache op of the same layer")
                             + ". Declare the op HeadSeparable, or keep its output inside the layer's cache ops.")
-                routes.append((node, RoutedOp(node.target, group.layer)))
+                routes.append((node, RoutedOp(node.target, layer)))
             else:
                 heads = resolve_heads(node, spec.owner)
-                routes.append((node, RoutedOp(node.target, group.layer, heads, spec.owner.output_dim,
+                routes.append((node, RoutedOp(node.target, layer, heads, spec.owner.output_dim,
                                               spec.owner.output_like,
                                               tuple(o.token_dim for o in spec.owner.operands))))
     for node, routed in routes:
         node.target = routed
     for wait in waits.values():
         wait.update_kwarg("routed", True)
-    if recompile:
-        gm.recompile()
     return RouteResult(True)
+
+
+def _stamped_layers(graph: torch.fx.Graph,
+                    config: PassConfig) -> dict[int, list[tuple[torch.fx.Node, AttentionOpSpec]]]:
+    """The target layers' registered ops, as the insert pass stamped them, in graph order."""
+    targets = set(config.table.target_layers)
+    layers: dict[int, list[tuple[torch.fx.Node, AttentionOpSpec]]] = {}
+    for node in graph.nodes:
+        found = cache_op_stamp(node)
+        if found is not None and found.layer in targets:
+            layers.setdefault(found.layer, []).append((node, found.spec))
+    return layers
 
 
 def _head_values(node: torch.fx.Node, spec: AttentionOpSpec) -> set[torch.fx.Node]:

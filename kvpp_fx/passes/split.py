@@ -1,9 +1,10 @@
 """Split a rewritten graph into pieces for PIECEWISE execution (vLLM's ``split_graph`` semantics).
 
-Invariant: every kvpp op and every registered attention/cache op lands in an *eager* piece, and every
-other computation in a *compiled* piece. Consecutive split points share one eager piece; a ``getitem``
-stays in the piece of the value it unpacks; pieces keep the graph's original order. Cache tensors are
-therefore only ever touched by code that runs eagerly, never functionalized or copied by a compiler.
+Invariant: every kvpp op and every registered attention/cache op (a node the insert pass stamped as
+one) lands in an *eager* piece, and every other computation in a *compiled* piece. Consecutive split
+points share one eager piece; a ``getitem`` stays in the piece of the value it unpacks; pieces keep the
+graph's original order. Cache tensors are therefore only ever touched by code that runs eagerly, never
+functionalized or copied by a compiler.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch.fx
 from torch.fx.passes.split_module import split_module
 
 from kvpp_fx.ops import is_kvpp_op
-from kvpp_fx.passes.registry import SpecLookup, find_spec
+from kvpp_fx.passes.pass_config import cache_op_stamp
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,8 @@ class SplitResult:
     timings: dict[str, float] = field(default_factory=dict, compare=False)  # assign_s, split_module_s
 
 
-def is_split_point(node: torch.fx.Node, lookup: SpecLookup | None = None) -> bool:
-    if node.op != "call_function":
-        return False
-    return is_kvpp_op(node.target) or (lookup(node) if lookup is not None else find_spec(node)) is not None
+def is_split_point(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and (is_kvpp_op(node.target) or cache_op_stamp(node) is not None)
 
 
 def assign_pieces(graph: torch.fx.Graph) -> tuple[dict[torch.fx.Node, int], dict[int, bool]]:
@@ -50,7 +49,6 @@ def assign_pieces(graph: torch.fx.Graph) -> tuple[dict[torch.fx.Node, int], dict
     piece_of: dict[torch.fx.Node, int] = {}
     eager: dict[int, bool] = {}
     current, current_eager = -1, None
-    lookup = SpecLookup()
     for node in graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
@@ -58,7 +56,7 @@ def assign_pieces(graph: torch.fx.Graph) -> tuple[dict[torch.fx.Node, int], dict
                 isinstance(node.args[0], torch.fx.Node) and node.args[0] in piece_of:
             piece_of[node] = piece_of[node.args[0]]
             continue
-        split = is_split_point(node, lookup)
+        split = is_split_point(node)
         if split is not current_eager:
             current += 1
             current_eager = split
@@ -68,6 +66,8 @@ def assign_pieces(graph: torch.fx.Graph) -> tuple[dict[torch.fx.Node, int], dict
 
 
 def split_pieces(gm: torch.fx.GraphModule) -> SplitResult:
+    """The pieces of `gm` (left as it is). The split needs no configuration: the stamps say which nodes
+    are registered ops."""
     t0 = time.perf_counter()
     piece_of, eager = assign_pieces(gm.graph)
     t1 = time.perf_counter()

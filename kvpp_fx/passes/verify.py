@@ -1,8 +1,11 @@
 """Verify a rewritten (and optionally split) graph on its own. Run after the other passes.
 
 The verifier does not reuse the insert pass: it finds the kvpp ops by their overloads and the
-registered attention/cache ops by name, and checks the graph as it stands. Each check has a name; a
-failure lists every problem with the check that found it (`KVPPGraphVerificationError.checks`):
+registered attention/cache ops by name, with the configuration's `OpMatcher` (the insert pass's
+precedence rule) but not the insert pass's stamps, resolves their layers itself, and checks the graph
+as it stands. `GraphFacts` reads the graph once; each check is a small function over it, listed with
+its name in `CHECKS`; a failure lists every problem with the check that found it
+(`KVPPGraphVerificationError.checks`):
 
 - ``layers``: every kvpp op names a target layer (never a draft or unknown layer); the layers the
   graph holds are a contiguous run of the plan's target layers;
@@ -25,33 +28,44 @@ failure lists every problem with the check that found it (`KVPPGraphVerification
   that layer whose rule is its spec's declaration (owner-local, or head-separable with the declared
   head operands, dimensions and output dimension), and an owner-local op's output is read only by
   routed ops of its layer, never as a head operand;
-- ``pieces``: no compiled piece contains a kvpp op or a registered op.
+- ``pieces``: no compiled piece contains a kvpp op or a registered op;
+- ``run_time_layer``: in a graph whose registered ops take their layer from a run-time value (a SymInt
+  input), there is exactly one ``kvpp.enter_layer``, no other kvpp op and no op of a constant target
+  layer; the enter takes that value, every such op reads it too, comes after the enter, and reads each
+  cache operand from the enter's output for that component. Which layer the value names, its slot, and
+  that the layers come in plan order with none skipped are checked by the runtime, at the enter
+  (`KVPPRuntime.enter_layer`), as for the kvpp ops of a graph with constant layers.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.fx
 
+from kvpp_fx.cache.placement import ScheduleStep
 from kvpp_fx.ops import is_routed_op
 from kvpp_fx.passes.insert import KVPPPassError, is_kvpp_handle
 from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.passes.pass_config import PassConfig
 from kvpp_fx.passes.registry import (
     AttentionOpSpec,
     HeadSeparable,
     LayerResolutionError,
+    OpMatcher,
     OwnerLocal,
     arg_location,
     get_arg,
     layer_of,
-    registered_specs,
+    run_time_layer_input,
 )
 
 KVPP_KINDS = {torch.ops.kvpp.wait.default: "wait", torch.ops.kvpp.wait: "wait",
-              torch.ops.kvpp.prefetch.default: "prefetch", torch.ops.kvpp.prefetch: "prefetch"}
+              torch.ops.kvpp.prefetch.default: "prefetch", torch.ops.kvpp.prefetch: "prefetch",
+              torch.ops.kvpp.enter_layer.default: "enter", torch.ops.kvpp.enter_layer: "enter"}
 
 
 class KVPPGraphVerificationError(KVPPPassError):
@@ -64,35 +78,6 @@ class KVPPGraphVerificationError(KVPPPassError):
                          + "\n  - ".join(f"[{check}] {message}" for check, message in problems))
 
 
-class _RegisteredOps:
-    """Registered specs matched by qualified name, each distinct target resolved once."""
-
-    def __init__(self, specs: Iterable[AttentionOpSpec]) -> None:
-        self.by_name = {spec.op: spec for spec in specs}
-        self.cache: dict = {}
-
-    def __call__(self, node: torch.fx.Node) -> AttentionOpSpec | None:
-        if node.op != "call_function":
-            return None
-        target = getattr(node.target, "kvpp_routed_op", node.target)
-        if target in self.cache:
-            return self.cache[target]
-        spec = None
-        if isinstance(target, torch._ops.OpOverload):
-            base = target._schema.name
-            names = [f"{base}.{target._overloadname}", base]
-        elif isinstance(target, torch._ops.OpOverloadPacket):
-            names = [f"{target._qualified_op_name}.default", target._qualified_op_name]
-        else:
-            names = []
-        for name in names:
-            if name in self.by_name:
-                spec = self.by_name[name]
-                break
-        self.cache[target] = spec
-        return spec
-
-
 def _kvpp_kind(node: torch.fx.Node) -> str | None:
     if node.op != "call_function":
         return None
@@ -102,239 +87,350 @@ def _kvpp_kind(node: torch.fx.Node) -> str | None:
         return None
 
 
-def verify_graph(graph: torch.fx.Graph, table: LayerTable, pieces: Iterable = ()) -> None:
-    problems: list[tuple[str, str]] = []
-    nodes = list(graph.nodes)
-    position = {node: i for i, node in enumerate(nodes)}
-    specs = registered_specs()
-    match = _RegisteredOps(specs)
-    plan = list(table.target_layers)
-    plan_pos = {layer: k for k, layer in enumerate(plan)}
-    drafts = set(table.draft_layers)
-
-    waits: list[torch.fx.Node] = []
-    prefetches: list[torch.fx.Node] = []
-    kvpp_in_order: list[tuple[str, torch.fx.Node]] = []
-    registered: list[tuple[torch.fx.Node, AttentionOpSpec, int]] = []
-    for node in nodes:
-        if node.op != "call_function":
-            continue
-        kind = _kvpp_kind(node)
-        if kind is not None:
-            (waits if kind == "wait" else prefetches).append(node)
-            kvpp_in_order.append((kind, node))
-        else:
-            spec = match(node)
-            if spec is None:
-                continue
-            try:
-                layer = layer_of(node, spec, table.names or None)[0]
-            except LayerResolutionError as exc:
-                problems.append(("layers", str(exc)))
-                continue
-            if layer not in drafts:
-                registered.append((node, spec, layer))
-
-    # layers: kvpp ops and registered ops name target layers only
-    for node in waits + prefetches:
-        layer = node.args[0] if node.args else None
-        if layer in drafts:
-            problems.append(("layers", f"{node.name} is a kvpp op for draft layer {layer}, which is never broadcast."))
-        elif layer not in plan_pos:
-            problems.append(("layers", f"{node.name} is a kvpp op for layer {layer!r}, which is not a target "
-                                       f"layer of the plan {plan}."))
-    for node, _, layer in registered:
-        if layer not in plan_pos:
-            problems.append(("layers", f"{node.name} touches layer {layer}, which is neither a target nor a draft."))
-    waits = [w for w in waits if w.args[0] in plan_pos]
-    prefetches = [p for p in prefetches if p.args[0] in plan_pos]
-    registered = [r for r in registered if r[2] in plan_pos]
-
-    held = sorted({layer for _, _, layer in registered} | {w.args[0] for w in waits}, key=plan_pos.__getitem__)
-    if held and [plan_pos[l] for l in held] != list(range(plan_pos[held[0]], plan_pos[held[-1]] + 1)):
-        problems.append(("layers", f"the graph holds layers {held}, not a contiguous run of the plan {plan}."))
-
-    # counts
-    wait_of: dict[int, torch.fx.Node] = {}
-    for layer in held:
-        mine = [w for w in waits if w.args[0] == layer]
-        if len(mine) != 1:
-            problems.append(("counts", f"layer {layer} is awaited {len(mine)} times, expected once."))
-        if mine:
-            wait_of[layer] = mine[0]
-    expected_prefetch = ([held[0]] if held and plan_pos[held[0]] == 0 else []) + \
-        [plan[plan_pos[l] + 1] for l in held if plan_pos[l] + 1 < len(plan)]
-    prefetched = [p.args[0] for p in prefetches]
-    for layer in dict.fromkeys(expected_prefetch + prefetched):
-        got, want = prefetched.count(layer), expected_prefetch.count(layer)
-        if got != want:
-            problems.append(("counts", f"layer {layer} is prefetched {got} times, expected {want}."))
-
-    # slots
-    for node in waits + prefetches:
-        layer, slot = node.args[0], node.args[1]
-        if slot != table.slot(layer):
-            problems.append(("slots", f"{node.name} uses slot {slot!r} for layer {layer}; the plan's slot is "
-                                      f"{table.slot(layer)}."))
-
-    # outstanding: one prefetch in flight, each wait completes it
-    pending = held[0] if held and plan_pos[held[0]] > 0 else None
-    for kind, node in kvpp_in_order:
-        if node.args[0] not in plan_pos:
-            continue
-        layer = node.args[0]
-        if kind == "prefetch":
-            if pending is not None:
-                problems.append(("outstanding", f"{node.name} prefetches layer {layer} while layer {pending}'s "
-                                                "prefetch is still outstanding."))
-            pending = layer
-        else:
-            if pending != layer:
-                problems.append(("outstanding", f"{node.name} waits for layer {layer}, but the outstanding "
-                                                f"prefetch is {'none' if pending is None else f'layer {pending}'}."))
-            pending = None
-
-    # order
-    for what, seq in (("prefetches", prefetched), ("waits", [w.args[0] for w in waits])):
-        positions = [plan_pos[l] for l in seq]
-        if positions != sorted(positions):
-            problems.append(("order", f"the graph's {what} run over layers {seq}, not in the plan's order {plan}."))
-
-    # slot_reuse: readers of each held layer's cache, then each prefetch against earlier layers on its slot
-    readers: dict[int, list[torch.fx.Node]] = {layer: [] for layer in held}
-    for layer, wait in wait_of.items():
-        for user in wait.users:
-            readers[layer].append(user)
-            readers[layer].extend(user.users)
-    for node, _, layer in registered:
-        readers[layer].append(node)
-    last_read = {layer: max((position[n] for n in ns), default=-1) for layer, ns in readers.items()}
-    for prefetch in prefetches:
-        layer = prefetch.args[0]
-        slot = table.slot(layer)
-        for earlier in held:
-            if plan_pos[earlier] < plan_pos[layer] and table.slot(earlier) == slot \
-                    and last_read[earlier] > position[prefetch]:
-                late = sorted({n.name for n in readers[earlier] if position[n] > position[prefetch]})
-                problems.append(("slot_reuse", f"{prefetch.name} refills slot {slot} for layer {layer} before the "
-                                               f"last reader of layer {earlier} ({', '.join(late)})."))
-
-    # components
-    declared = {operand.component for spec in specs for operand in spec.cache_operands}
-    for wait in waits:
-        layer, caches, components = wait.args[0], wait.args[2], wait.args[3]
-        valid = table.components.get(layer, declared) if table.components else declared
-        if len(caches) != len(components):
-            problems.append(("components", f"{wait.name} has {len(caches)} caches but {len(components)} names."))
-        bad = [c for c in components if c not in valid]
-        if bad or len(set(components)) != len(components):
-            problems.append(("components", f"{wait.name} names components {list(components)}; layer {layer}'s "
-                                           f"bundle has {sorted(valid)}, each at most once."))
-
-    # binding
-    for node, spec, layer in registered:
-        wait = wait_of.get(layer)
-        if wait is None:  # reported by counts
-            continue
-        if position[wait] > position[node]:
-            problems.append(("binding", f"{node.name} touches layer {layer}'s cache before its wait."))
-            continue
-        names = list(wait.args[3])
-        for operand in spec.cache_operands:
-            value = get_arg(node, operand.arg)
-            ok = (isinstance(value, torch.fx.Node) and value.op == "call_function"
-                  and value.target is operator.getitem and value.args[0] is wait
-                  and isinstance(value.args[1], int) and value.args[1] < len(names)
-                  and names[value.args[1]] == operand.component)
-            if not ok:
-                problems.append(("binding", f"{node.name} reads layer {layer}'s {operand.component!r} cache from "
-                                            f"{getattr(value, 'name', value)}, not from {wait.name}'s "
-                                            f"{operand.component!r} output."))
-
-    # originals
-    originals = {c for wait in waits for c in wait.args[2] if isinstance(c, torch.fx.Node)}
-    originals |= {n for n in nodes if n.op == "placeholder"
-                  and is_kvpp_handle(n.meta.get("val", n.meta.get("example_value")))}
-    for value in sorted(originals, key=position.__getitem__):
-        for user in value.users:
-            if _kvpp_kind(user) != "wait":
-                problems.append(("originals", f"{user.name} reads the original cache value {value.name}; only "
-                                              "kvpp.wait may read it."))
-        layers_of_value = sorted({user.args[0] for user in value.users if _kvpp_kind(user) == "wait"})
-        if len(layers_of_value) > 1:
-            problems.append(("originals", f"the original cache value {value.name} is awaited as the cache of "
-                                          f"layers {layers_of_value}; each layer's cache is its own."))
-
-    # routing
-    problems += [("routing", message) for message in _routing_problems(waits, registered, wait_of)]
-
-    # pieces
-    for piece in pieces:
-        if piece.is_eager:
-            continue
-        bad = [n.name for n in piece.graph_module.graph.nodes if _kvpp_kind(n) or match(n) is not None]
-        if bad:
-            problems.append(("pieces", f"compiled piece {piece.name} contains kvpp or cache ops: {', '.join(bad)}."))
-
-    if problems:
-        raise KVPPGraphVerificationError(problems)
-
-
 def _is_routed_wait(wait: torch.fx.Node) -> bool:
     return bool(wait.kwargs.get("routed", wait.args[4] if len(wait.args) > 4 else False))
 
 
-def _routing_problems(waits: list[torch.fx.Node], registered: list[tuple[torch.fx.Node, AttentionOpSpec, int]],
-                      wait_of: dict[int, torch.fx.Node]) -> list[str]:
-    problems = []
-    routed_waits = [w for w in waits if _is_routed_wait(w)]
-    routed_ops = [node for node, _, _ in registered if is_routed_op(node.target)]
-    if not routed_waits and not routed_ops:
-        return problems
-    if len(routed_waits) != len(waits):
-        plain = [w.name for w in waits if not _is_routed_wait(w)]
-        problems.append(f"waits {plain} are not routed while others are; owner mode is all or nothing per graph.")
-    owner_run = {node: layer for node, _, layer in registered if is_routed_op(node.target)}
-    for node, spec, layer in registered:
-        target = node.target
+@dataclass(frozen=True)
+class RegisteredOp:
+    node: torch.fx.Node
+    spec: AttentionOpSpec
+    layer: int
+
+
+@dataclass(frozen=True)
+class GraphFacts:
+    """What the checks read, gathered in one walk over the graph. ``all_*`` hold every kvpp op and
+    registered op found; the plain lists only those of the plan's target layers (the ``layers`` check
+    reports the others)."""
+
+    table: LayerTable
+    specs: tuple[AttentionOpSpec, ...]
+    match: OpMatcher
+    nodes: list[torch.fx.Node]
+    position: dict[torch.fx.Node, int]
+    plan: list[int]
+    plan_pos: dict[int, int]
+    drafts: set[int]
+    unresolved: list[str]  # registered ops whose layer could not be read
+    all_waits: list[torch.fx.Node]
+    all_prefetches: list[torch.fx.Node]
+    all_registered: list[RegisteredOp]
+    kvpp_in_order: list[tuple[str, torch.fx.Node]]
+    waits: list[torch.fx.Node]
+    prefetches: list[torch.fx.Node]
+    registered: list[RegisteredOp]
+    held: list[int]  # the target layers the graph holds, in plan order
+    wait_of: dict[int, torch.fx.Node]  # each held layer's (first) wait
+    expected: tuple[ScheduleStep, ...]  # the plan's schedule for the held layers
+    pieces: tuple
+    enters: list[torch.fx.Node]
+    run_time_ops: list[tuple[RegisteredOp, torch.fx.Node]]  # registered ops and the value naming their layer
+
+    @classmethod
+    def read(cls, graph: torch.fx.Graph, config: PassConfig, pieces: Iterable = ()) -> GraphFacts:
+        table = config.table
+        nodes = list(graph.nodes)
+        plan = list(table.target_layers)
+        plan_pos = {layer: k for k, layer in enumerate(plan)}
+        drafts = set(table.draft_layers)
+        unresolved: list[str] = []
+        waits: list[torch.fx.Node] = []
+        prefetches: list[torch.fx.Node] = []
+        kvpp_in_order: list[tuple[str, torch.fx.Node]] = []
+        registered: list[RegisteredOp] = []
+        enters: list[torch.fx.Node] = []
+        run_time_ops: list[tuple[RegisteredOp, torch.fx.Node]] = []
+        for node in nodes:
+            if node.op != "call_function":
+                continue
+            kind = _kvpp_kind(node)
+            if kind == "enter":
+                enters.append(node)
+                continue
+            if kind is not None:
+                (waits if kind == "wait" else prefetches).append(node)
+                kvpp_in_order.append((kind, node))
+                continue
+            spec = config.matcher(node)
+            if spec is None:
+                continue
+            source = run_time_layer_input(node, spec)
+            if source is not None:
+                run_time_ops.append((RegisteredOp(node, spec, -1), source))
+                continue
+            try:
+                layer = layer_of(node, spec, table.names or None)[0]
+            except LayerResolutionError as exc:
+                unresolved.append(str(exc))
+                continue
+            if layer not in drafts:
+                registered.append(RegisteredOp(node, spec, layer))
+        targeted = [w for w in waits if w.args[0] in plan_pos]
+        targeted_prefetches = [p for p in prefetches if p.args[0] in plan_pos]
+        targeted_ops = [op for op in registered if op.layer in plan_pos]
+        held = sorted({op.layer for op in targeted_ops} | {w.args[0] for w in targeted}, key=plan_pos.__getitem__)
+        wait_of: dict[int, torch.fx.Node] = {}
+        for wait in targeted:
+            wait_of.setdefault(wait.args[0], wait)
+        schedule = table.schedule()
+        expected = ((schedule.first(),) if held and plan_pos[held[0]] == 0 else ()) + \
+            tuple(step for layer in held for step in schedule.at_layer(layer))
+        return cls(table, config.specs, config.matcher, nodes, {node: i for i, node in enumerate(nodes)}, plan,
+                   plan_pos, drafts, unresolved, waits, prefetches, registered, kvpp_in_order, targeted,
+                   targeted_prefetches, targeted_ops, held, wait_of, expected, tuple(pieces), enters, run_time_ops)
+
+
+def check_layers(g: GraphFacts) -> Iterator[str]:
+    yield from g.unresolved
+    for node in g.all_waits + g.all_prefetches:
+        layer = node.args[0] if node.args else None
+        if layer in g.drafts:
+            yield f"{node.name} is a kvpp op for draft layer {layer}, which is never broadcast."
+        elif layer not in g.plan_pos:
+            yield f"{node.name} is a kvpp op for layer {layer!r}, which is not a target layer of the plan {g.plan}."
+    for op in g.all_registered:
+        if op.layer not in g.plan_pos:
+            yield f"{op.node.name} touches layer {op.layer}, which is neither a target nor a draft."
+    held = g.held
+    if held and [g.plan_pos[l] for l in held] != list(range(g.plan_pos[held[0]], g.plan_pos[held[-1]] + 1)):
+        yield f"the graph holds layers {held}, not a contiguous run of the plan {g.plan}."
+
+
+def check_counts(g: GraphFacts) -> Iterator[str]:
+    for layer in g.held:
+        awaited = sum(w.args[0] == layer for w in g.waits)
+        if awaited != 1:
+            yield f"layer {layer} is awaited {awaited} times, expected once."
+    expected = [step.layer for step in g.expected if step.kind == "prefetch"]
+    prefetched = [p.args[0] for p in g.prefetches]
+    for layer in dict.fromkeys(expected + prefetched):
+        got, want = prefetched.count(layer), expected.count(layer)
+        if got != want:
+            yield f"layer {layer} is prefetched {got} times, expected {want}."
+
+
+def check_slots(g: GraphFacts) -> Iterator[str]:
+    for node in g.waits + g.prefetches:
+        layer, slot = node.args[0], node.args[1]
+        if slot != g.table.slot(layer):
+            yield f"{node.name} uses slot {slot!r} for layer {layer}; the plan's slot is {g.table.slot(layer)}."
+
+
+def check_outstanding(g: GraphFacts) -> Iterator[str]:
+    """One prefetch in flight, and each wait completes it."""
+    pending = g.held[0] if g.held and g.plan_pos[g.held[0]] > 0 else None
+    for kind, node in g.kvpp_in_order:
+        layer = node.args[0]
+        if layer not in g.plan_pos:
+            continue
+        if kind == "prefetch":
+            if pending is not None:
+                yield f"{node.name} prefetches layer {layer} while layer {pending}'s prefetch is still outstanding."
+            pending = layer
+        else:
+            if pending != layer:
+                yield (f"{node.name} waits for layer {layer}, but the outstanding prefetch is "
+                       f"{'none' if pending is None else f'layer {pending}'}.")
+            pending = None
+
+
+def check_order(g: GraphFacts) -> Iterator[str]:
+    for what, seq in (("prefetches", [p.args[0] for p in g.prefetches]), ("waits", [w.args[0] for w in g.waits])):
+        positions = [g.plan_pos[l] for l in seq]
+        if positions != sorted(positions):
+            yield f"the graph's {what} run over layers {seq}, not in the plan's order {g.plan}."
+
+
+def check_slot_reuse(g: GraphFacts) -> Iterator[str]:
+    """Each prefetch against the readers of earlier layers on its slot: the layer's views, their
+    readers and its registered ops."""
+    readers: dict[int, list[torch.fx.Node]] = {layer: [] for layer in g.held}
+    for layer, wait in g.wait_of.items():
+        for user in wait.users:
+            readers[layer].append(user)
+            readers[layer].extend(user.users)
+    for op in g.registered:
+        readers[op.layer].append(op.node)
+    last_read = {layer: max((g.position[n] for n in ns), default=-1) for layer, ns in readers.items()}
+    for prefetch in g.prefetches:
+        layer = prefetch.args[0]
+        slot = g.table.slot(layer)
+        for earlier in g.held:
+            if g.plan_pos[earlier] < g.plan_pos[layer] and g.table.slot(earlier) == slot \
+                    and last_read[earlier] > g.position[prefetch]:
+                late = sorted({n.name for n in readers[earlier] if g.position[n] > g.position[prefetch]})
+                yield (f"{prefetch.name} refills slot {slot} for layer {layer} before the last reader of layer "
+                       f"{earlier} ({', '.join(late)}).")
+
+
+def check_components(g: GraphFacts) -> Iterator[str]:
+    declared = {operand.component for spec in g.specs for operand in spec.cache_operands}
+    for wait in g.waits:
+        layer, caches, components = wait.args[0], wait.args[2], wait.args[3]
+        valid = g.table.components.get(layer, declared) if g.table.components else declared
+        if len(caches) != len(components):
+            yield f"{wait.name} has {len(caches)} caches but {len(components)} names."
+        bad = [c for c in components if c not in valid]
+        if bad or len(set(components)) != len(components):
+            yield (f"{wait.name} names components {list(components)}; layer {layer}'s bundle has {sorted(valid)}, "
+                   "each at most once.")
+
+
+def check_binding(g: GraphFacts) -> Iterator[str]:
+    for op in g.registered:
+        node, layer = op.node, op.layer
+        wait = g.wait_of.get(layer)
+        if wait is None:  # reported by counts
+            continue
+        if g.position[wait] > g.position[node]:
+            yield f"{node.name} touches layer {layer}'s cache before its wait."
+            continue
+        names = list(wait.args[3])
+        for operand in op.spec.cache_operands:
+            value = get_arg(node, operand.arg)
+            if not _is_output_for(value, wait, names, operand.component):
+                yield (f"{node.name} reads layer {layer}'s {operand.component!r} cache from "
+                       f"{getattr(value, 'name', value)}, not from {wait.name}'s {operand.component!r} output.")
+
+
+def check_originals(g: GraphFacts) -> Iterator[str]:
+    originals = {c for wait in g.waits for c in wait.args[2] if isinstance(c, torch.fx.Node)}
+    originals |= {c for enter in g.enters for c in enter.args[1] if isinstance(c, torch.fx.Node)}
+    originals |= {n for n in g.nodes if n.op == "placeholder"
+                  and is_kvpp_handle(n.meta.get("val", n.meta.get("example_value")))}
+    for value in sorted(originals, key=g.position.__getitem__):
+        for user in value.users:
+            if _kvpp_kind(user) not in ("wait", "enter"):
+                yield (f"{user.name} reads the original cache value {value.name}; only kvpp.wait (or "
+                       "kvpp.enter_layer) may read it.")
+        layers_of_value = sorted({user.args[0] for user in value.users if _kvpp_kind(user) == "wait"})
+        if len(layers_of_value) > 1:
+            yield (f"the original cache value {value.name} is awaited as the cache of layers {layers_of_value}; "
+                   "each layer's cache is its own.")
+
+
+def check_routing(g: GraphFacts) -> Iterator[str]:
+    routed_waits = [w for w in g.waits if _is_routed_wait(w)]
+    if not routed_waits and not any(is_routed_op(op.node.target) for op in g.registered):
+        return
+    if len(routed_waits) != len(g.waits):
+        plain = [w.name for w in g.waits if not _is_routed_wait(w)]
+        yield f"waits {plain} are not routed while others are; owner mode is all or nothing per graph."
+    owner_run = {op.node: op.layer for op in g.registered if is_routed_op(op.node.target)}
+    for op in g.registered:
+        node, spec, layer, target = op.node, op.spec, op.layer, op.node.target
         if not is_routed_op(target):
-            problems.append(f"{node.name} touches layer {layer}'s cache without routing in a routed graph; in owner "
-                            "mode it would read a scratch slot that is not filled.")
+            yield (f"{node.name} touches layer {layer}'s cache without routing in a routed graph; in owner mode it "
+                   "would read a scratch slot that is not filled.")
             continue
         if target.layer != layer:
-            problems.append(f"{node.name} is routed for layer {target.layer} but touches layer {layer}.")
-        wait = wait_of.get(layer)
+            yield f"{node.name} is routed for layer {target.layer} but touches layer {layer}."
+        wait = g.wait_of.get(layer)
         if wait is not None and not _is_routed_wait(wait):
-            problems.append(f"{node.name} is routed but its layer's wait {wait.name} is not.")
+            yield f"{node.name} is routed but its layer's wait {wait.name} is not."
         rule = spec.owner
         if isinstance(rule, OwnerLocal):
             if target.heads:
-                problems.append(f"{node.name} is routed as head-separable, but {spec.op} is declared OwnerLocal.")
+                yield f"{node.name} is routed as head-separable, but {spec.op} is declared OwnerLocal."
             for user in node.users:
                 if owner_run.get(user) != layer:
-                    problems.append(f"{user.name} reads the owner-local output of {node.name}, which is None on the "
-                                    f"ranks that do not own layer {layer}.")
+                    yield (f"{user.name} reads the owner-local output of {node.name}, which is None on the ranks "
+                           f"that do not own layer {layer}.")
                 elif any(_arg_at(user, where) is node for where, _ in user.target.heads):
-                    problems.append(f"{user.name} takes the owner-local output of {node.name} as a head operand.")
+                    yield f"{user.name} takes the owner-local output of {node.name} as a head operand."
         elif isinstance(rule, HeadSeparable):
             try:
                 declared = tuple((arg_location(node, o.arg), o.dim) for o in rule.operands)
             except LayerResolutionError as exc:
-                problems.append(f"{node.name}: {exc}")
+                yield f"{node.name}: {exc}"
                 continue
             tokens = tuple(o.token_dim for o in rule.operands)
             if (target.heads, target.output_dim, target.output_like, target.token_dims) != \
                     (declared, rule.output_dim, rule.output_like, tokens):
-                problems.append(f"{node.name} is routed with heads {target.heads}, output dimension "
-                                f"{target.output_dim}, output like {target.output_like}, token dimensions "
-                                f"{target.token_dims}; {spec.op} declares {declared}, {rule.output_dim}, "
-                                f"{rule.output_like}, {tokens}.")
+                yield (f"{node.name} is routed with heads {target.heads}, output dimension {target.output_dim}, "
+                       f"output like {target.output_like}, token dimensions {target.token_dims}; {spec.op} "
+                       f"declares {declared}, {rule.output_dim}, {rule.output_like}, {tokens}.")
         else:
-            problems.append(f"{node.name} is routed, but {spec.op} declares no owner rule.")
-    return problems
+            yield f"{node.name} is routed, but {spec.op} declares no owner rule."
+
+
+def check_pieces(g: GraphFacts) -> Iterator[str]:
+    for piece in g.pieces:
+        if piece.is_eager:
+            continue
+        bad = [n.name for n in piece.graph_module.graph.nodes if _kvpp_kind(n) or g.match(n) is not None]
+        if bad:
+            yield f"compiled piece {piece.name} contains kvpp or cache ops: {', '.join(bad)}."
+
+
+def check_run_time_layer(g: GraphFacts) -> Iterator[str]:
+    if not g.enters and not g.run_time_ops:
+        return
+    if len(g.enters) != 1:
+        yield (f"the graph's layer is a run-time value and it has {len(g.enters)} kvpp.enter_layer ops "
+               f"({', '.join(n.name for n in g.enters) or 'none'}); expected exactly one.")
+    others = [n.name for n in g.all_waits + g.all_prefetches] + [op.node.name for op in g.registered]
+    if others:
+        yield (f"the graph's layer is a run-time value, but it also holds kvpp ops or cache ops of constant layers: "
+               f"{', '.join(others)}.")
+    if not g.enters:
+        return
+    enter = g.enters[0]
+    source, names = enter.args[0], list(enter.args[2])
+    value = source.meta.get("val", source.meta.get("example_value")) if isinstance(source, torch.fx.Node) else None
+    if not isinstance(value, torch.SymInt):
+        yield f"{enter.name} names layer {getattr(source, 'name', source)!r}, which is not a run-time value."
+    declared = {operand.component for spec in g.specs for operand in spec.cache_operands}
+    if len(enter.args[1]) != len(names) or any(c not in declared for c in names) or len(set(names)) != len(names):
+        yield f"{enter.name} names components {names} for {len(enter.args[1])} caches; declared: {sorted(declared)}."
+    for op, op_source in g.run_time_ops:
+        node = op.node
+        if op_source is not source:
+            yield f"{node.name} reads its layer from {op_source.name}, but {enter.name} enters the layer {source}."
+        if g.position[enter] > g.position[node]:
+            yield f"{node.name} touches the layer's cache before {enter.name}."
+            continue
+        for operand in op.spec.cache_operands:
+            read = get_arg(node, operand.arg)
+            if not _is_output_for(read, enter, names, operand.component):
+                yield (f"{node.name} reads its {operand.component!r} cache from {getattr(read, 'name', read)}, not "
+                       f"from {enter.name}'s {operand.component!r} output.")
+
+
+def _is_output_for(value: object, op: torch.fx.Node, names: list[str], component: str) -> bool:
+    """Whether `value` is the output of a wait or enter `op` for `component` (a ``getitem`` of it)."""
+    return (isinstance(value, torch.fx.Node) and value.op == "call_function" and value.target is operator.getitem
+            and value.args[0] is op and isinstance(value.args[1], int) and value.args[1] < len(names)
+            and names[value.args[1]] == component)
 
 
 def _arg_at(node: torch.fx.Node, where: int | str):
     if isinstance(where, str):
         return node.kwargs.get(where)
     return node.args[where] if where < len(node.args) else None
+
+
+CHECKS: tuple[tuple[str, Callable[[GraphFacts], Iterator[str]]], ...] = (
+    ("layers", check_layers),
+    ("counts", check_counts),
+    ("slots", check_slots),
+    ("outstanding", check_outstanding),
+    ("order", check_order),
+    ("slot_reuse", check_slot_reuse),
+    ("components", check_components),
+    ("binding", check_binding),
+    ("originals", check_originals),
+    ("routing", check_routing),
+    ("pieces", check_pieces),
+    ("run_time_layer", check_run_time_layer),
+)
+
+
+def verify_graph(gm: torch.fx.GraphModule, config: PassConfig, pieces: Iterable = ()) -> None:
+    """Raise `KVPPGraphVerificationError` with every problem of `gm`'s graph (and of the compiled
+    `pieces` of its split), each under the name of the check that found it."""
+    facts = GraphFacts.read(gm.graph, config, pieces)
+    problems = [(name, message) for name, check in CHECKS for message in check(facts)]
+    if problems:
+        raise KVPPGraphVerificationError(problems)

@@ -8,7 +8,9 @@ speculative output equals plain greedy output.
 The same driver runs with KVPP on or off: the only difference is the plan's group size (N or 1).
 Either way the model's caches are owned by a `KVPPRuntime`, and each step with a compiled model runs
 under ``runtime.forward(has_history)`` with ``has_history = any(num_computed_tokens > 0)`` over the
-scheduled requests, as the reference implementation computes it.
+scheduled requests, as the reference implementation computes it. The engine owns both the backend and
+the runtime, so it is what tells the runtime, after each step, which layers the graphs compiled in it
+hold and whether they were routed for owner mode (`KVPPRuntime.note_routing`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from kvpp_fx.cache.cost import LinkModel, StepLoad
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.reference.config import RefConfig
 from kvpp_fx.reference.model import ReferenceModel
+from kvpp_fx.reference.ops import REFERENCE_SPECS
+from kvpp_fx.runtime.device import resolve_device_api
 from kvpp_fx.runtime.runtime import KVPPRuntime
 
 logger = logging.getLogger(__name__)
@@ -50,6 +54,9 @@ class EngineConfig:
     active_blocks: bool = True     # pass each step's blocks with history to the runtime (else whole layers)
     kvpp_mode: str = "broadcast"   # "broadcast", "owner" or "auto" (chosen per step by the cost model)
     kvpp_link: LinkModel | None = None  # the cost model's link and owner throughput (default: gloo on one host)
+    # "module:callable" building the runtime's DeviceAPI from the cache's device (the tests' fault seam;
+    # a string, so that it reaches spawned ranks); None: the default DeviceAPI
+    device_api: str | None = None
 
     def __post_init__(self) -> None:
         if self.graph_mode not in GRAPH_MODES:
@@ -191,6 +198,7 @@ class Engine:
         self.steps: list[dict[str, Any]] = []
         self.last_logits: torch.Tensor | None = None
         self.backend = None
+        self._routing_reported = 0  # compile records whose routing the runtime has been told
         components = [c.name for c in self.plan.spec.layer(self.plan.target_layers[0]).components]
         layers = model.layer_ids
         if config.graph_mode == "none":
@@ -199,7 +207,7 @@ class Engine:
         else:
             self.caches = [tuple(runtime.handles(i)[c] for c in components) for i in layers]
             self.backend = kvpp_backend(self.plan, mode=config.graph_mode, inner=config.inner,
-                                        dump_dir=config.dump_dir)
+                                        dump_dir=config.dump_dir, specs=REFERENCE_SPECS)
             self.forward_fn = torch.compile(model, backend=self.backend, fullgraph=True)
         self.draft_cache = [(runtime.typed_views(i)["kv"],) for i in self.cfg.draft_layers if config.speculative]
 
@@ -311,11 +319,23 @@ class Engine:
         if self.config.graph_mode == "none":
             logits, hidden = self.forward_fn(*args)
         else:
-            with self.runtime.forward(has_history, blocks=blocks, mode=self.kvpp_mode, load=load):
-                logits, hidden = self.forward_fn(*args)
+            try:
+                with self.runtime.forward(has_history, blocks=blocks, mode=self.kvpp_mode, load=load):
+                    logits, hidden = self.forward_fn(*args)
+            finally:  # a step that raised may still have compiled
+                self._report_routing()
         if self.link is not None and self.link.next_rank is not None:
             torch.distributed.send(hidden.contiguous(), dst=self.link.next_rank)
         return logits, hidden
+
+    def _report_routing(self) -> None:
+        """Tell the runtime which layers the graphs compiled since the last step hold and whether they
+        were routed for owner mode: ``"auto"`` chooses owner mode only once every layer is known to be
+        routed, and owner mode is refused up front for a layer known not to be."""
+        records = self.backend.records
+        for record in records[self._routing_reported:]:
+            self.runtime.note_routing(record.layers, record.owner_routed)
+        self._routing_reported = len(records)
 
     def _sample(self, logits: torch.Tensor | None, count: int) -> list[int]:
         """Greedy token ids; under pipeline parallelism the last stage's are broadcast to every rank."""
@@ -460,7 +480,8 @@ def build_engine(config: RefConfig, *, engine_config: EngineConfig, num_blocks: 
     group = kvpp_group if plan.enabled else None
     rank = torch.distributed.get_rank(group) if group is not None else 0
     storage = allocate_cache(plan, rank, num_blocks if num_blocks is not None else plan.num_blocks(kv_memory))
-    runtime = KVPPRuntime.create(plan, storage, group, timeline=timeline,
+    device_api = resolve_device_api(engine_config.device_api, storage.device) if engine_config.device_api else None
+    runtime = KVPPRuntime.create(plan, storage, group, timeline=timeline, device_api=device_api,
                                  attention=config.attention_shape() if plan.enabled else None,
                                  link=engine_config.kvpp_link)
     return Engine(model, runtime, engine_config, link)

@@ -1,7 +1,12 @@
 """Paged latent-cache ops of the reference model, in the ``kvpp_ref`` namespace.
 
 Each op takes its layer's cache tensor as an operand plus the layer index, so the KVPP pass can
-rebind the operand to ``kvpp.wait``'s output. Their `AttentionOpSpec`s are registered on import.
+rebind the operand to ``kvpp.wait``'s output. Their `AttentionOpSpec`s are `REFERENCE_SPECS`, data that
+a caller gives its backend (``kvpp_backend(plan, specs=REFERENCE_SPECS)``, as the reference engine
+does); importing this module defines the ops and registers nothing, so what a compile recognises never
+depends on what was imported. A backend built without them refuses the model's graph
+(`StrayCacheReadError` or `NoGraphLayersError`, naming the op), and an op that still gets a KVPP handle
+raises `UnboundCacheError`.
 
 Cache layout: ``[num_blocks, block_size, kv_lora_rank + rope]``; token t of a request lives in block
 ``block_table[t // block_size]`` at offset ``t % block_size``. ``slot_mapping`` gives each new token's
@@ -9,6 +14,9 @@ flat slot (``block * block_size + offset``, or -1 for padding).
 """
 
 from __future__ import annotations
+
+import inspect
+import os
 
 import torch
 
@@ -18,7 +26,6 @@ from kvpp_fx.passes.registry import (
     HeadOperand,
     HeadSeparable,
     OwnerLocal,
-    register_attention_op,
 )
 
 
@@ -29,9 +36,27 @@ class UnboundCacheError(RuntimeError):
 def require_storage(cache: torch.Tensor, layer: int) -> None:
     if cache.numel() > 1 and 0 in cache.stride():
         raise UnboundCacheError(
-            f"layer {layer}: the cache operand is a KVPP handle without storage; only kvpp.wait's output "
-            "may reach a cache op (is the layer missing from the plan, or the model not compiled with "
-            "kvpp_backend?)")
+            f"layer {layer}: the cache operand is a KVPP cache handle, which holds no bytes: this op ran "
+            f"outside every graph that kvpp_backend rewrote, called from {_calling_frame()}, a frame that ran "
+            "uncompiled. Dynamo runs a frame as plain Python when it skips it (torch.compiler.disable, a "
+            "skipped file) and when it has compiled the frame torch._dynamo.config.recompile_limit "
+            f"({torch._dynamo.config.recompile_limit}) times: a graph break inside the layer loop makes Dynamo "
+            "compile each layer's frame on its own, once per layer while it treats the layer index as a "
+            "constant. Pass the layer index to the layer's forward as an argument (or set "
+            "torch._dynamo.config.allow_unspec_int_on_nn_module = True), so that one compiled graph serves "
+            "every layer (docs/graph-contract.md), and compile the model with kvpp_backend.")
+
+
+def _calling_frame() -> str:
+    """The innermost frame outside torch and this module: the model code that called the op."""
+    torch_dir = os.path.dirname(torch.__file__)
+    frame = inspect.currentframe()
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith(torch_dir) and path != __file__:
+            return f"{frame.f_code.co_qualname} ({path}:{frame.f_lineno})"
+        frame = frame.f_back
+    return "an unknown frame"
 
 
 @torch.library.custom_op("kvpp_ref::write_kv", mutates_args=("cache",))
@@ -169,5 +194,3 @@ REFERENCE_SPECS = (
                     (CacheOperand(("data", 2), "indexer"), CacheOperand(("scale", 3), "indexer_scale")),
                     owner=OwnerLocal()),
 )
-for _spec in REFERENCE_SPECS:
-    register_attention_op(_spec)

@@ -5,7 +5,10 @@ CUDA (NCCL) and Ascend NPU (HCCL). On CPU, torch's own stream and event classes 
 gloo work runs on gloo's own threads. torch_npu is imported only on demand, inside a guard.
 
 `DeviceAPI` is the runtime's only door to device ordering: every stream, event and collective call goes
-through it, so a recording subclass can log them and prove the ordering on a CPU host.
+through it, so a recording subclass can log them and prove the ordering on a CPU host. It is also the
+runtime's only seam: the tests' faults are `DeviceAPI` subclasses, passed to
+``KVPPRuntime.create(device_api=...)`` or, across process boundaries, named as ``"module:callable"``
+(`resolve_device_api`).
 """
 
 from __future__ import annotations
@@ -60,6 +63,25 @@ class DeviceAPI:
     def is_cpu(self) -> bool:
         return self.device.type == "cpu"
 
+    @property
+    def orders_streams(self) -> bool:
+        """Whether the runtime must make its stream, event and stream-context calls.
+
+        On CPU torch's streams and events do nothing, so the runtime skips them, which is most of its
+        host cost per layer. A CPU subclass that observes them (the tests' recording API) says True.
+        """
+        return not self.is_cpu
+
+    @property
+    def immediate_checks(self) -> bool:
+        """Whether a check computed on the device is read on the host at once, or once at forward end.
+
+        On CPU the value is there as soon as the kernel returns, so the runtime reads it where it is
+        computed and raises at that op. On a device reading it would synchronise the host with the
+        stream, so the runtime accumulates such checks and reads them once when the forward ends.
+        """
+        return self.is_cpu
+
     def new_stream(self) -> Any:
         return self.module.Stream() if self.is_cpu else self.module.Stream(device=self.device)
 
@@ -108,7 +130,7 @@ class DeviceAPI:
         host, so the bound there comes from the communicator's watchdog and the runtime's per-forward
         check (`host_wait_work`).
         """
-        if self.is_cpu:
+        if self.device.type == "cpu":
             work.wait(timeout)
         else:
             work.wait()
@@ -116,3 +138,18 @@ class DeviceAPI:
     def host_wait_work(self, work: Any, timeout: timedelta) -> None:
         """Block the host until `work` completes or `timeout` expires (raises on expiry)."""
         work.wait(timeout)
+
+
+def resolve_device_api(factory: str, device: torch.device | str) -> DeviceAPI:
+    """``"package.module:callable"`` called with the cache's device: a `DeviceAPI` named by a string, so
+    that it crosses process boundaries (spawned ranks, vLLM workers). Tests name their faults this way."""
+    module_name, sep, name = factory.partition(":")
+    if not sep or not module_name or not name:
+        raise ValueError(f"a device API factory is 'module:callable', got {factory!r}.")
+    target: Any = importlib.import_module(module_name)
+    for part in name.split("."):
+        target = getattr(target, part)
+    api = target(torch.device(device))
+    if not isinstance(api, DeviceAPI):
+        raise TypeError(f"{factory} returned {type(api).__name__}, not a DeviceAPI.")
+    return api

@@ -1,23 +1,27 @@
 """Bounded transfer statistics: totals, per-layer totals and the last forward only.
 
-Memory and the cost of `snapshot` are O(layers), whatever the number of forwards served.
+Memory and the cost of `snapshot` are O(layers), whatever the number of forwards served. Layers are
+counted by their position in the plan's order, as the runtime's ops know them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass
 class ForwardRecord:
-    has_history: bool
-    mode: str = "broadcast"
-    broadcasts: int = 0
-    bytes: int = 0
-    layers: list[int] = field(default_factory=list)  # broadcast layers, in completion order
-    exchanges: int = 0  # owner-mode query/output exchanges
-    choice: dict[str, Any] | None = None  # the "auto" cost comparison, when the mode was chosen
+    """What one forward moved."""
+
+    __slots__ = ("has_history", "mode", "broadcasts", "bytes", "layers", "exchanges", "choice")
+
+    def __init__(self, has_history: bool, mode: str = "broadcast", choice: dict[str, Any] | None = None) -> None:
+        self.has_history = has_history
+        self.mode = mode
+        self.broadcasts = 0
+        self.bytes = 0
+        self.layers: list[int] = []  # broadcast layers, in completion order
+        self.exchanges = 0  # owner-mode query/output exchanges
+        self.choice = choice  # the "auto" cost comparison, when the mode was chosen
 
     def as_dict(self) -> dict[str, Any]:
         return {"has_history": self.has_history, "mode": self.mode, "broadcasts": self.broadcasts,
@@ -28,7 +32,6 @@ class ForwardRecord:
 class TransferStats:
     def __init__(self, layers: tuple[int, ...]) -> None:
         self._layers = layers
-        self._position = {layer: k for k, layer in enumerate(layers)}
         self._broadcasts = [0] * len(layers)
         self._bytes = [0] * len(layers)
         self._exchanges = [0] * len(layers)
@@ -42,37 +45,40 @@ class TransferStats:
 
     def begin_forward(self, has_history: bool, mode: str = "broadcast",
                       choice: dict[str, Any] | None = None) -> None:
-        self.current = ForwardRecord(has_history, mode, choice=choice)
+        self.current = ForwardRecord(has_history, mode, choice)
 
     def end_forward(self) -> None:
-        if self.current is not None:
+        current = self.current
+        if current is not None:
             self.forwards += 1
-            self.modes[self.current.mode] += 1
-            self.last, self.current = self.current, None
+            self.modes[current.mode] += 1
+            self.last, self.current = current, None
 
-    def record_exchange(self, layer: int, nbytes: int) -> None:
-        """One owner-mode exchange (queries in, outputs out) of `layer`, `nbytes` over this rank's link."""
-        k = self._position[layer]
-        self._bytes[k] += nbytes
-        self._exchanges[k] += 1
-        self.bytes += nbytes
-        self.exchanges += 1
-        if self.current is not None:
-            self.current.bytes += nbytes
-            self.current.exchanges += 1
-
-    def record(self, layer: int, nbytes: int) -> None:
-        k = self._position[layer]
-        self._broadcasts[k] += 1
-        self._bytes[k] += nbytes
+    def record(self, position: int, nbytes: int) -> None:
+        """One completed broadcast of the layer at `position`, `nbytes` over this rank's link."""
+        self._broadcasts[position] += 1
+        self._bytes[position] += nbytes
         self.broadcasts += 1
         self.bytes += nbytes
-        if self.current is not None:
-            self.current.broadcasts += 1
-            self.current.bytes += nbytes
-            self.current.layers.append(layer)
+        current = self.current
+        if current is not None:
+            current.broadcasts += 1
+            current.bytes += nbytes
+            current.layers.append(self._layers[position])
 
-    def snapshot(self) -> dict[str, Any]:
+    def record_exchange(self, position: int, nbytes: int) -> None:
+        """One owner-mode exchange (queries in, outputs out) of the layer at `position`."""
+        self._bytes[position] += nbytes
+        self._exchanges[position] += 1
+        self.bytes += nbytes
+        self.exchanges += 1
+        current = self.current
+        if current is not None:
+            current.bytes += nbytes
+            current.exchanges += 1
+
+    def snapshot(self, **extra: Any) -> dict[str, Any]:
+        """Everything above as one new dict, plus `extra` keys (the runtime's allocation and state)."""
         return {
             "forwards": self.forwards,
             "broadcasts": self.broadcasts,
@@ -82,4 +88,5 @@ class TransferStats:
             "per_layer": {layer: {"broadcasts": self._broadcasts[k], "exchanges": self._exchanges[k],
                                   "bytes": self._bytes[k]} for k, layer in enumerate(self._layers)},
             "last_forward": self.last.as_dict() if self.last is not None else None,
+            **extra,
         }

@@ -9,14 +9,17 @@ cache, 16 greedy tokens each.
 import functools
 
 import pytest
+import torch
 
-from kvpp_fx.launch import run_ranks
-from kvpp_fx.reference.config import PRESETS
+from kvpp_fx.reference.config import PRESETS, load_config
+from kvpp_fx.reference.generate import run_generation
 from kvpp_fx.reference.weights import build_model
-from tests.e2e import workers
 from tests.reference.helpers import recompute_greedy, shared_prefix_prompts
+from tests.support.launch import launch
 
 pytestmark = pytest.mark.multirank
+
+NEW_TOKENS = 16
 
 # Owners by the placement rule (contiguous ranges, lower ranks take the extra layer), written out by hand,
 # by (tp, pp). With PP 2 stage 0 has layers 0-1 and stage 1 layers 2-3.
@@ -40,13 +43,24 @@ def recomputed(preset: str) -> list[list[int]]:
     """Greedy tokens by full recomputation: every token recomputes the whole sequence, no cache reuse."""
     model = build_model(PRESETS[preset])
     prompts = shared_prefix_prompts(PRESETS[preset].vocab_size)
-    return [recompute_greedy(model, p, workers.NEW_TOKENS) for p in prompts]
+    return [recompute_greedy(model, p, NEW_TOKENS) for p in prompts]
+
+
+def on_off(rank: int, world: int, preset: str, options: dict, with_off: bool = True):
+    """Rank function: the workload through the step driver with KVPP on (and first off)."""
+    prompts = shared_prefix_prompts(load_config(preset).vocab_size)
+    out = {"prompts": prompts}
+    for kvpp in (False, True) if with_off else (True,):
+        torch._dynamo.reset()
+        out["on" if kvpp else "off"] = run_generation(rank, world, preset, prompts, NEW_TOKENS,
+                                                      dict(options, kvpp=kvpp))
+    return out
 
 
 @pytest.mark.parametrize("preset,world,options,with_off", CASES)
 def test_kvpp_matches_full_recomputation(preset, world, options, with_off, tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    results = run_ranks(workers.on_off, world, preset, options, with_off, timeout_s=400)
+    results = launch(on_off, world, preset, options, with_off, timeout_s=400)
     pp = options.get("pp", 1)
     key = (world // pp, pp)
     for rank, res in enumerate(results):
@@ -79,6 +93,7 @@ def test_kvpp_matches_full_recomputation(preset, world, options, with_off, tmp_p
 
 
 def test_a_dropped_broadcast_changes_the_tokens():
-    """Negative control: rank 0 hands layer 2's attention zeros instead of the broadcast (rank 1 owns it)."""
-    results = run_ranks(workers.on_off, 2, "tiny", {"graph_mode": "eager"}, False, 2, timeout_s=400)
+    """Negative control: rank 1 sends zeros for layer 2 (it owns it), so rank 0's attention reads zeros."""
+    options = {"graph_mode": "eager", "device_api": "tests.support.faults:dropped_broadcast_of_layer_2"}
+    results = launch(on_off, 2, "tiny", options, False, timeout_s=400)
     assert results[0]["on"]["outputs"] != recomputed("tiny")

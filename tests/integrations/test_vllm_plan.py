@@ -1,21 +1,23 @@
 """The integration's pure parts, without vLLM: layer tables for vLLM's graphs and worker class names."""
 
 import pytest
+import torch
 
 from kvpp_fx.cache.placement import KVPPPlan
-from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
-from kvpp_fx.integrations.vllm.compilation import KVPPCompileError, layer_table_for
+from kvpp_fx.cache.spec import ComponentSpec
+from kvpp_fx.integrations.vllm.compilation import KVPPCompileError, graph_layers, layer_table_for
 from kvpp_fx.integrations.vllm.state import (
     KVPPHookError,
     hooked_worker_qualname,
     wrapped_worker_qualname,
 )
+from kvpp_fx.passes.registry import AttentionOpSpec, LayerResolutionError
+from tests.support.specs import TOY_VLLM_SPEC, toy_spec
 
 
 def plan_with_mtp() -> KVPPPlan:
-    kv = (ComponentSpec("kv", "bfloat16", (576,)),)
-    layers = tuple(LayerCacheSpec(i, kv) for i in range(4)) + (LayerCacheSpec(4, kv, is_draft=True),)
-    return KVPPPlan(ModelCacheSpec("m", 16, layers), group_size=2)
+    spec = toy_spec(4, drafts=1, block_size=16, components=(ComponentSpec("kv", "bfloat16", (576,)),))
+    return KVPPPlan(spec, group_size=2)
 
 
 def names(*layers):
@@ -39,6 +41,31 @@ def test_kvpp_off_graph_gets_no_kvpp_ops():
     table = layer_table_for(names(0, 1), None)
     assert table.target_layers == () and table.draft_layers == (0, 1)
     assert dict(table.names) == names(0, 1)
+
+
+def vllm_style_graph(*layers) -> torch.fx.GraphModule:
+    import tests.passes.toy  # noqa: F401  (defines toy_vllm::unified_attention)
+
+    graph = torch.fx.Graph()
+    q = graph.placeholder("q")
+    for i in layers:
+        q = graph.call_function(torch.ops.toy_vllm.unified_attention, (q, f"model.layers.{i}.self_attn.attn"))
+    graph.output(q)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_graph_layers_match_as_the_passes_do():
+    gm = vllm_style_graph(0, 3)
+    assert graph_layers(gm) == {}  # vLLM's own ops only, by default
+    assert graph_layers(gm, specs=(TOY_VLLM_SPEC,)) == names(0, 3)
+    # The op and its default overload both named: the overload's spec wins, as in the insert pass and the
+    # verifier (the op's spec here reads the layer from the wrong argument, and would fail).
+    wrong = AttentionOpSpec("toy_vllm::unified_attention", ("q", 0), "name")
+    default = AttentionOpSpec("toy_vllm::unified_attention.default", TOY_VLLM_SPEC.layer_arg, "name")
+    for specs in ((wrong, default), (default, wrong)):
+        assert graph_layers(gm, specs=specs) == names(0, 3)
+    with pytest.raises(LayerResolutionError, match="cannot read a constant from node 'q'"):
+        graph_layers(gm, specs=(wrong,))  # control
 
 
 def test_a_graph_layer_outside_the_plan_is_refused():

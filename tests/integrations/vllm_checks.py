@@ -196,6 +196,7 @@ def split(_: str = "") -> dict:
     from kvpp_fx.passes.layer_table import LayerTable
     from kvpp_fx.runtime.runtime import KVPPRuntime
     from tests.passes import toy
+    from tests.support.specs import TOY_SPECS
 
     plan = toy.toy_plan(4)
     storage = toy.allocate(plan)
@@ -204,7 +205,8 @@ def split(_: str = "") -> dict:
     ops = ["toy_vllm::unified_attention", *KVPP_SPLITTING_OPS]
     out = {"splitting_ops": ops}
     for first_prefetch in ("at_first_wait", "entry"):
-        backend = kvpp_backend(LayerTable(target_layers=(0, 1, 2, 3)), mode="eager", first_prefetch=first_prefetch)
+        backend = kvpp_backend(LayerTable(target_layers=(0, 1, 2, 3)), mode="eager", first_prefetch=first_prefetch,
+                               specs=TOY_SPECS)
         graphs = []
 
         def capture(gm, example_inputs):

@@ -8,6 +8,7 @@ from kvpp_fx.passes.render import normalize_code
 from kvpp_fx.passes.layer_table import LayerTable
 from kvpp_fx.runtime.runtime import KVPPRuntime
 from tests.passes import toy
+from tests.support.specs import TOY_SPECS
 
 
 def compile_and_run(model, backend, plan, num_layers, with_drafts=()):
@@ -24,7 +25,7 @@ def compile_and_run(model, backend, plan, num_layers, with_drafts=()):
 class TestGoldenGraphs(expecttest.TestCase):
     def test_insert_pass_eager(self):
         plan = toy.toy_plan(4)
-        backend = kvpp_backend(plan, mode="eager")
+        backend = kvpp_backend(plan, mode="eager", specs=TOY_SPECS)
         record = compile_and_run(toy.ToyMLA(4), backend, plan, 4)
         self.assertExpectedInline(normalize_code(record.graph_after), """\
 def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_caches_0_, L_slot_mapping_, L_block_table_, L_seq_lens_, L_query_lens_, self.layers.0.o.weight, self.layers.1.kv_a.weight, self.layers.1.q.weight, L_caches_1_, self.layers.1.o.weight, self.layers.2.kv_a.weight, self.layers.2.q.weight, L_caches_2_, self.layers.2.o.weight, self.layers.3.kv_a.weight, self.layers.3.q.weight, L_caches_3_, self.layers.3.o.weight):
@@ -104,7 +105,7 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
 
     def test_piecewise_pieces(self):
         plan = toy.toy_plan(4)
-        backend = kvpp_backend(plan, mode="piecewise", inner="eager")
+        backend = kvpp_backend(plan, mode="piecewise", inner="eager", specs=TOY_SPECS)
         record = compile_and_run(toy.ToyMLA(4), backend, plan, 4)
         self.assertExpectedInline(record.piece_summary, """\
 submod_0 [eager]: kvpp.prefetch(0, 0)
@@ -120,7 +121,7 @@ submod_9 [compiled]: .flatten, linear, add""")
 
     def test_draft_layer_gets_no_nodes(self):
         plan = toy.toy_plan(2, drafts=1)
-        backend = kvpp_backend(plan, mode="eager")
+        backend = kvpp_backend(plan, mode="eager", specs=TOY_SPECS)
         record = compile_and_run(toy.ToyMLA(3), backend, plan, 2, with_drafts=(2,))
         self.assertExpectedInline(normalize_code(record.graph_after), """\
 def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_caches_0_, L_slot_mapping_, L_block_table_, L_seq_lens_, L_query_lens_, self.layers.0.o.weight, self.layers.1.kv_a.weight, self.layers.1.q.weight, L_caches_1_, self.layers.1.o.weight, self.layers.2.kv_a.weight, self.layers.2.q.weight, L_caches_2_, self.layers.2.o.weight):
@@ -180,7 +181,7 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
     def test_vllm_style_layer_name(self):
         names = {f"model.layers.{i}.self_attn.attn": i for i in range(4)}
         table = LayerTable(target_layers=(0, 1, 2, 3), names=names)
-        backend = kvpp_backend(table, mode="eager")
+        backend = kvpp_backend(table, mode="eager", specs=TOY_SPECS)
         plan = toy.toy_plan(4)
         storage = toy.allocate(plan)
         for name, i in names.items():

@@ -2,12 +2,15 @@
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from kvpp_fx.backend import kvpp_backend
-from kvpp_fx.launch import run_ranks
 from kvpp_fx.passes.insert import LayerOrderError
 from kvpp_fx.runtime.runtime import KVPPRuntime
-from tests.passes import toy, workers
+from tests.passes import toy
+from tests.support.faults import DroppedBroadcast
+from tests.support.launch import kvpp_group, launch
+from tests.support.specs import TOY_SPECS
 
 # Layers per Dynamo graph, in compile order, for each break (4 layers, plan order 0..3). A graph that
 # does not start at layer 0 does not prefetch its first layer: the previous graph did.
@@ -20,11 +23,40 @@ GRAPH_LAYERS = {
 }
 
 
+def graph_break_run(rank: int, world: int, cases: list[tuple[str, str, bool]]) -> list[dict]:
+    """Rank function: for each (where, mode, fault), ToyMLAWithBreak compiled by kvpp_backend (Dynamo splits
+    it at the break), on `world` ranks, against the uncompiled model over replicated caches."""
+    group = kvpp_group(world)
+    num_layers = 4
+    # A break inside a layer makes Dynamo compile each layer's frame on its own: one graph per layer and
+    # shape, more than the default limit of 8 (past it Dynamo would run a layer uncompiled, which the
+    # cache ops refuse: they get a handle).
+    torch._dynamo.config.recompile_limit = 32
+    results = []
+    for where, mode, fault in cases:
+        torch._dynamo.reset()
+        plan = toy.toy_plan(num_layers, group_size=world)
+        storage = toy.allocate(plan, dist.get_rank(group))
+        backend = kvpp_backend(plan, mode=mode, inner="aot_eager" if mode == "piecewise" else "eager",
+                               specs=TOY_SPECS)
+        model = torch.compile(toy.ToyMLAWithBreak(where), backend=backend)
+        faulty = DroppedBroadcast("cpu", position=3) if fault else None  # layer 3's owner sends zeros
+        outs, broadcasts = toy.kvpp_run(model, plan, storage, group, faulty)
+        reference = toy.replicated_run(toy.ToyMLAWithBreak(where), num_layers)
+        results.append({
+            "case": (where, mode, fault),
+            "identical": [torch.equal(a, b) for a, b in zip(outs, reference)],
+            "graph_layers": [list(r.layers) for r in backend.records],
+            "broadcasts": broadcasts,
+        })
+    return results
+
+
 @pytest.mark.multirank
 def test_graph_breaks_on_two_ranks_equal_the_uncompiled_model():
     cases = [(where, mode, False) for where in toy.BREAKS for mode in ("eager", "piecewise")]
     cases.append(("between_layers", "eager", True))  # negative control: a suppressed broadcast of layer 3
-    results = run_ranks(workers.graph_break_run, 2, cases, timeout_s=300)
+    results = launch(graph_break_run, 2, cases, timeout_s=300)
     for rank, per_case in enumerate(results):
         for res in per_case:
             where, mode, fault = res["case"]
@@ -36,7 +68,7 @@ def test_graph_breaks_on_two_ranks_equal_the_uncompiled_model():
             assert first_forward == GRAPH_LAYERS[where], (rank, res["case"], res["graph_layers"])
             for run in res["graph_layers"]:  # later steps recompile for new shapes, in the same runs
                 assert run in GRAPH_LAYERS[where], (rank, res["case"], res["graph_layers"])
-            assert res["broadcasts"] == [0] + [4] * (len(workers.STEPS) - 1), (rank, res["case"])
+            assert res["broadcasts"] == [0] + [4] * (len(toy.STEPS) - 1), (rank, res["case"])
 
 
 class Reordered(toy.ToyMLA):
@@ -53,7 +85,7 @@ class Reordered(toy.ToyMLA):
 def test_a_graph_whose_run_is_out_of_plan_order_is_refused():
     plan = toy.toy_plan(4)
     storage = toy.allocate(plan)
-    compiled = torch.compile(Reordered(4), backend=kvpp_backend(plan))
+    compiled = torch.compile(Reordered(4), backend=kvpp_backend(plan, specs=TOY_SPECS))
     x, *meta = toy.step_inputs(0, 5, 5)
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="graph breaks") as err:

@@ -1,6 +1,10 @@
 """Insert pass, split pass and verifier on graphs captured by Dynamo from the toy model."""
 
 import operator
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,46 +20,45 @@ from kvpp_fx.passes.insert import (
     insert_kvpp_ops,
 )
 from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.passes.pass_config import PassConfig, cache_op_stamp, stamp_of
 from kvpp_fx.passes.registry import (
     AttentionOpSpec,
     CacheOperand,
     LayerResolutionError,
-    find_spec,
+    OpMatcher,
+    OwnerLocal,
+    default_specs,
     get_arg,
     layer_of,
     op_names,
     register_attention_op,
-    registered_specs,
+    unregister_attention_op,
 )
 from kvpp_fx.passes.render import describe_pieces
 from kvpp_fx.passes.route import route_owner_ops
 from kvpp_fx.passes.split import Piece, split_pieces
-from kvpp_fx.passes.verify import KVPPGraphVerificationError, verify_graph
+from kvpp_fx.passes.verify import CHECKS, KVPPGraphVerificationError, verify_graph
+from kvpp_fx.reference.ops import REFERENCE_SPECS
 from tests.passes import toy
+from tests.support.capture import capture_graph
+from tests.support.specs import TOY_SPECS, pass_config
 
 TABLE = LayerTable(target_layers=(0, 1, 2, 3), components={i: {"kv"} for i in range(4)})
+CONFIG = pass_config(TABLE)
 
 
 def capture(model=None, num_layers=4, handles=False) -> torch.fx.GraphModule:
-    graphs = []
-
-    def grab(gm, example_inputs):
-        graphs.append(gm)
-        return gm
-
-    torch._dynamo.reset()
     model = model or toy.ToyMLA(num_layers)
     caches = toy.replicated_caches(num_layers)
     if handles:
         caches = toy.runtime_caches(toy.allocate(toy.toy_plan(num_layers)), range(num_layers))
-    compiled = torch.compile(model, backend=grab, fullgraph=True)
     x, *meta = toy.step_inputs(0, 3, 3)
-    try:
-        compiled(x, caches, *meta)
-    except Exception:  # running a captured graph over handles fails; the capture is what we want
-        if not graphs:
-            raise
-    return graphs[0]
+    return capture_graph(model, x, caches, *meta)
+
+
+def code_of(gm) -> str:
+    """The Python code of the graph as it stands (the passes leave ``gm.code`` to their caller)."""
+    return gm.graph.python_code(root_module="self").src
 
 
 def kvpp_nodes(gm, kind):
@@ -66,19 +69,19 @@ def node_named(gm, name):
     return next(n for n in gm.graph.nodes if n.name == name)
 
 
-def rewritten(table=TABLE, **kwargs):
+def rewritten(config=CONFIG, **kwargs):
     gm = capture(**kwargs)
-    insert_kvpp_ops(gm, table, graph_breaks=len(table.target_layers) != 4)
+    insert_kvpp_ops(gm, config, graph_breaks=len(config.table.target_layers) != 4)
     return gm
 
 
 def test_rewritten_graph_verifies():
     gm = rewritten()
-    verify_graph(gm.graph, TABLE)
+    verify_graph(gm, CONFIG)
     assert [n.args[:2] for n in kvpp_nodes(gm, "prefetch")] == [(0, 0), (1, 1), (2, 0), (3, 1)]
     assert [n.args[:2] for n in kvpp_nodes(gm, "wait")] == [(0, 0), (1, 1), (2, 0), (3, 1)]
     for wait in kvpp_nodes(gm, "wait"):
-        assert wait.meta["kvpp"]["role"] == "wait" and wait.meta["kvpp"]["layer"] == wait.args[0]
+        assert stamp_of(wait).role == "wait" and stamp_of(wait).layer == wait.args[0]
         assert [tuple(v.shape) for v in wait.meta["val"]] == [(toy.BLOCKS, toy.BLOCK, toy.RANK + toy.ROPE)]
 
 
@@ -95,10 +98,10 @@ def test_wait_meta_is_contiguous_even_for_zero_stride_handles():
 
 def test_pass_is_idempotent():
     gm = rewritten()
-    code = gm.code
-    again = insert_kvpp_ops(gm, TABLE)
+    code = code_of(gm)
+    again = insert_kvpp_ops(gm, CONFIG)
     assert not again.changed
-    assert gm.code == code
+    assert code_of(gm) == code
 
 
 def test_original_cache_values_feed_only_the_waits():
@@ -112,48 +115,48 @@ def test_original_cache_values_feed_only_the_waits():
 def test_out_of_order_layers_raise_and_mention_graph_breaks():
     with pytest.raises(LayerOrderError, match=r"order \[0, 1, 2, 3\], but the plan's execution order is "
                                               r"\[1, 0, 2, 3\].*graph breaks"):
-        insert_kvpp_ops(capture(), LayerTable(target_layers=(1, 0, 2, 3)))
+        insert_kvpp_ops(capture(), pass_config(LayerTable(target_layers=(1, 0, 2, 3))))
     with pytest.raises(LayerOrderError, match="graph breaks"):  # not contiguous in the plan
-        insert_kvpp_ops(capture(), LayerTable(target_layers=(0, 1, 9, 2, 3)), graph_breaks=True)
+        insert_kvpp_ops(capture(), pass_config(LayerTable(target_layers=(0, 1, 9, 2, 3))), graph_breaks=True)
 
 
 def test_part_of_the_plan_needs_a_graph_break():
     with pytest.raises(LayerOrderError, match="whole compiled function"):
-        insert_kvpp_ops(capture(), LayerTable(target_layers=(0, 1, 2, 3, 4)))
+        insert_kvpp_ops(capture(), pass_config(LayerTable(target_layers=(0, 1, 2, 3, 4))))
 
 
 def test_a_run_that_ends_before_the_plan_prefetches_the_next_layer():
-    table = LayerTable(target_layers=(0, 1, 2, 3, 4))
-    gm = rewritten(table)
+    config = pass_config(LayerTable(target_layers=(0, 1, 2, 3, 4)))
+    gm = rewritten(config)
     assert [n.args[:2] for n in kvpp_nodes(gm, "prefetch")] == [(0, 0), (1, 1), (2, 0), (3, 1), (4, 0)]
     last_wait = kvpp_nodes(gm, "wait")[-1]
     assert kvpp_nodes(gm, "prefetch")[-1].prev is last_wait.next  # right after layer 3's wait and view
-    verify_graph(gm.graph, table)
+    verify_graph(gm, config)
 
 
 def test_a_run_that_starts_after_the_plan_does_not_prefetch_its_first_layer():
-    table = LayerTable(target_layers=(7, 0, 1, 2, 3))  # layer 7 ran in an earlier graph
-    gm = rewritten(table)
+    config = pass_config(LayerTable(target_layers=(7, 0, 1, 2, 3)))  # layer 7 ran in an earlier graph
+    gm = rewritten(config)
     assert [n.args[:2] for n in kvpp_nodes(gm, "prefetch")] == [(1, 0), (2, 1), (3, 0)]
     assert [n.args[:2] for n in kvpp_nodes(gm, "wait")] == [(0, 1), (1, 0), (2, 1), (3, 0)]
-    verify_graph(gm.graph, table)
+    verify_graph(gm, config)
 
 
 def test_unknown_layer_raises_and_leaves_graph_untouched():
     gm = capture()
-    code = gm.code
+    code = code_of(gm)
     with pytest.raises(UnknownGraphLayerError, match="touches layer 3"):
-        insert_kvpp_ops(gm, LayerTable(target_layers=(0, 1, 2)))
-    assert gm.code == code
+        insert_kvpp_ops(gm, pass_config(LayerTable(target_layers=(0, 1, 2))))
+    assert code_of(gm) == code
 
 
 @pytest.mark.parametrize("handles", [False, True])
 def test_a_stray_cache_read_is_refused_and_nothing_changes(handles):
     gm = capture(toy.ToyMLAStrayRead(4), handles=handles)
-    code = gm.code
-    with pytest.raises(StrayCacheReadError, match=r"mean.*reads the cache value 'l_caches_1_'.*register_attention_op"):
-        insert_kvpp_ops(gm, TABLE)
-    assert gm.code == code
+    code = code_of(gm)
+    with pytest.raises(StrayCacheReadError, match=r"mean.*reads the cache value 'l_caches_1_'.*specs="):
+        insert_kvpp_ops(gm, CONFIG)
+    assert code_of(gm) == code
 
 
 def test_a_cache_shared_by_two_layers_is_refused_and_nothing_changes():
@@ -162,10 +165,10 @@ def test_a_cache_shared_by_two_layers_is_refused_and_nothing_changes():
             return super().forward(x, [caches[0], caches[1], caches[1], caches[3]], *meta)
 
     gm = capture(Shared(4))
-    code = gm.code
+    code = code_of(gm)
     with pytest.raises(CacheOperandError, match="l_caches_1_ is read as the cache of layers 1 and 2"):
-        insert_kvpp_ops(gm, TABLE)
-    assert gm.code == code
+        insert_kvpp_ops(gm, CONFIG)
+    assert code_of(gm) == code
 
 
 def test_a_view_of_a_cache_is_a_stray_read():
@@ -174,17 +177,17 @@ def test_a_view_of_a_cache_is_a_stray_read():
             return super().forward(x, caches, *meta), caches[2].view(-1)
 
     with pytest.raises(StrayCacheReadError, match="view.*l_caches_2_"):
-        insert_kvpp_ops(capture(Returns(4)), TABLE)
+        insert_kvpp_ops(capture(Returns(4)), CONFIG)
 
 
 def test_an_unregistered_attention_op_is_never_a_silent_no_op():
     with pytest.raises(StrayCacheReadError, match="toy_unregistered.attention.*l_caches_0_"):
-        insert_kvpp_ops(capture(toy.ToyUnregistered(4), handles=True), TABLE)  # handles: the cache is known
+        insert_kvpp_ops(capture(toy.ToyUnregistered(4), handles=True), CONFIG)  # handles: the cache is known
     gm = capture(toy.ToyUnregistered(4))  # real tensors: nothing marks them as caches
     with pytest.raises(NoGraphLayersError, match=r"registered ops: \[.*'kvpp_ref::mla_attention'"):
-        insert_kvpp_ops(gm, TABLE)
-    assert not insert_kvpp_ops(gm, TABLE, graph_breaks=True).changed  # a graph break may leave a graph empty
-    assert not insert_kvpp_ops(gm, LayerTable(target_layers=())).changed  # KVPP off
+        insert_kvpp_ops(gm, CONFIG)
+    assert not insert_kvpp_ops(gm, CONFIG, graph_breaks=True).changed  # a graph break may leave a graph empty
+    assert not insert_kvpp_ops(gm, pass_config(LayerTable(target_layers=()))).changed  # KVPP off
 
 
 def test_a_layer_taken_from_an_unguarded_input_needs_a_name_table():
@@ -202,13 +205,13 @@ def test_a_layer_taken_from_an_unguarded_input_needs_a_name_table():
         return torch.fx.GraphModule(torch.nn.Module(), graph)
 
     with pytest.raises(UnguardedLayerError, match="'layer_name'.*does not guard"):
-        insert_kvpp_ops(graph_with_input_layer(), LayerTable(target_layers=(0,)))
+        insert_kvpp_ops(graph_with_input_layer(), pass_config(LayerTable(target_layers=(0,))))
     with pytest.raises(UnguardedLayerError, match="not in the name->index map"):
-        insert_kvpp_ops(graph_with_input_layer(), LayerTable(target_layers=(0,), names={"other": 0}))
+        insert_kvpp_ops(graph_with_input_layer(), pass_config(LayerTable(target_layers=(0,), names={"other": 0})))
     gm = graph_with_input_layer()
-    table = LayerTable(target_layers=(0,), names={"model.layers.0.self_attn.attn": 0})
-    assert insert_kvpp_ops(gm, table).layers == (0,)
-    verify_graph(gm.graph, table)
+    config = pass_config(LayerTable(target_layers=(0,), names={"model.layers.0.self_attn.attn": 0}))
+    assert insert_kvpp_ops(gm, config).layers == (0,)
+    verify_graph(gm, config)
 
 
 # --- the verifier: each check rejects a graph broken in its own way, and only that check --------------
@@ -223,57 +226,57 @@ def _set_layer(node, layer, table):
 
 
 def mutate_drop_final_prefetch():
-    table = LayerTable(target_layers=(0, 1, 2, 3, 4))
-    gm = rewritten(table)
+    config = pass_config(LayerTable(target_layers=(0, 1, 2, 3, 4)))
+    gm = rewritten(config)
     gm.graph.erase_node(kvpp_nodes(gm, "prefetch")[-1])
-    return gm, table
+    return gm, config
 
 
 def mutate_drop_a_layer_whose_ops_have_no_cache_operand():
     model = toy.ToyVLLMStyle(4)
     gm = capture(lambda x, caches, *meta: model(x))
-    insert_kvpp_ops(gm, TABLE)
+    insert_kvpp_ops(gm, CONFIG)
     gm.graph.erase_node(next(n for n in kvpp_nodes(gm, "prefetch") if n.args[0] == 3))
     gm.graph.erase_node(next(n for n in kvpp_nodes(gm, "wait") if n.args[0] == 3))
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_wait_slot():
     gm = rewritten()
     kvpp_nodes(gm, "wait")[2].update_arg(1, 1)
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_prefetch_slot():
     gm = rewritten()
     kvpp_nodes(gm, "prefetch")[3].update_arg(1, 0)
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_two_prefetches_in_flight():
     gm = rewritten()
     kvpp_nodes(gm, "wait")[0].prepend(kvpp_nodes(gm, "prefetch")[1])  # prefetch L1 above wait L0
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_prefetch_after_its_wait():
     gm = rewritten()
     kvpp_nodes(gm, "wait")[2].append(kvpp_nodes(gm, "prefetch")[2])
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_layers_run_out_of_plan_order():
-    table = LayerTable(target_layers=(0, 1, 2, 3), depth=4)  # a slot per layer: no slot is reused
-    gm = rewritten(table)
+    config = pass_config(LayerTable(target_layers=(0, 1, 2, 3), depth=4))  # a slot per layer: none is reused
+    gm = rewritten(config)
     swap = {2: 3, 3: 2}
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
         if is_kvpp_op(node.target) and node.args[0] in swap:
-            _set_layer(node, swap[node.args[0]], table)
-        elif find_spec(node) is not None and node.args[-1] in swap:
-            _set_layer(node, swap[node.args[-1]], table)
-    return gm, table
+            _set_layer(node, swap[node.args[0]], config.table)
+        elif config.matcher(node) is not None and node.args[-1] in swap:
+            _set_layer(node, swap[node.args[-1]], config.table)
+    return gm, config
 
 
 def mutate_late_reader_of_a_reused_slot():
@@ -282,7 +285,7 @@ def mutate_late_reader_of_a_reused_slot():
     output = next(n for n in gm.graph.nodes if n.op == "output")
     with gm.graph.inserting_before(output):  # layer 0's cache read again after slot 0 is refilled for layer 2
         gm.graph.call_function(attn0.target, attn0.args)
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_prefetch_for_an_unknown_layer():
@@ -290,16 +293,16 @@ def mutate_prefetch_for_an_unknown_layer():
     output = next(n for n in gm.graph.nodes if n.op == "output")
     with gm.graph.inserting_before(output):
         gm.graph.call_function(torch.ops.kvpp.prefetch.default, (9, 1))
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_wait_for_a_draft_layer():
-    table = LayerTable(target_layers=(0, 1, 2, 3), draft_layers=(4,), components=TABLE.components)
-    gm = rewritten(table)
+    config = pass_config(LayerTable(target_layers=(0, 1, 2, 3), draft_layers=(4,), components=TABLE.components))
+    gm = rewritten(config)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     with gm.graph.inserting_before(output):
         gm.graph.call_function(torch.ops.kvpp.wait.default, (4, 0, [], []))
-    return gm, table
+    return gm, config
 
 
 def mutate_component_name():
@@ -308,7 +311,7 @@ def mutate_component_name():
     (cache,) = wait.args[2]
     wait.update_arg(2, [cache, cache])
     wait.update_arg(3, ["kv", "kv_scale"])  # the toy bundle has only "kv"
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_cache_operand_through_a_copy():
@@ -318,14 +321,14 @@ def mutate_cache_operand_through_a_copy():
     with gm.graph.inserting_before(attn2):
         copy = gm.graph.call_function(torch.ops.aten.clone.default, (view,))
     attn2.update_arg(2, copy)
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_one_original_awaited_for_two_layers():
     gm = rewritten()
     waits = kvpp_nodes(gm, "wait")
     waits[2].update_arg(2, [waits[1].args[2][0]])
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_extra_reader_of_an_original_cache():
@@ -333,40 +336,40 @@ def mutate_extra_reader_of_an_original_cache():
     cache = kvpp_nodes(gm, "wait")[1].args[2][0]
     with gm.graph.inserting_after(cache):
         gm.graph.call_function(torch.ops.aten.mean.default, (cache,))
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def routed_graph():
     gm = rewritten()
-    assert route_owner_ops(gm, TABLE).routed
+    assert route_owner_ops(gm, CONFIG).routed
     return gm
 
 
 def mutate_one_wait_not_routed():
     gm = routed_graph()
     kvpp_nodes(gm, "wait")[1].update_kwarg("routed", False)
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_cache_op_unrouted_in_a_routed_graph():
     gm = routed_graph()
     write = node_named(gm, "write_kv_2")
     write.target = write.target.kvpp_routed_op
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_head_dimension_of_a_routed_op():
     gm = routed_graph()
     attn = node_named(gm, "attn_1")
     attn.target = RoutedOp(attn.target.kvpp_routed_op, 1, ((0, 2), (1, 1)), 1)
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_routed_op_for_another_layer():
     gm = routed_graph()
     attn = node_named(gm, "attn_3")
     attn.target = RoutedOp(attn.target.kvpp_routed_op, 2, attn.target.heads, 1)
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_owner_local_output_read_outside_its_layer():
@@ -374,13 +377,13 @@ def mutate_owner_local_output_read_outside_its_layer():
     write = node_named(gm, "write_kv_1")
     with gm.graph.inserting_after(write):
         gm.graph.call_function(operator.is_, (write, None))
-    return gm, TABLE
+    return gm, CONFIG
 
 
 def mutate_owner_local_output_as_a_head_operand():
     gm = routed_graph()
     node_named(gm, "attn_2").update_arg(1, node_named(gm, "write_kv_2"))
-    return gm, TABLE
+    return gm, CONFIG
 
 
 MUTATIONS = [
@@ -414,28 +417,30 @@ MUTATIONS = [
 
 @pytest.mark.parametrize("check,mutate,message", MUTATIONS, ids=[m[1].__name__.removeprefix("mutate_") for m in MUTATIONS])
 def test_verifier_mutation(check, mutate, message):
-    gm, table = mutate()
+    gm, config = mutate()
     with pytest.raises(KVPPGraphVerificationError, match=message) as err:
-        verify_graph(gm.graph, table)
+        verify_graph(gm, config)
     assert err.value.checks == {check}, str(err.value)
     assert len(err.value.problems) == len(set(err.value.problems))
 
 
-def test_every_check_has_a_mutation():
+def test_every_check_is_documented_and_has_a_mutation():
     import kvpp_fx.passes.verify as verify
 
-    documented = {line.split("``")[1] for line in verify.__doc__.splitlines() if line.startswith("- ``")}
-    assert documented - {check for check, _, _ in MUTATIONS} == {"pieces"}  # tested below
+    documented = [line.split("``")[1] for line in verify.__doc__.splitlines() if line.startswith("- ``")]
+    assert documented == [name for name, _ in CHECKS]
+    # pieces: tested below; run_time_layer: in tests/passes/test_run_time_layer.py, on a run-time-layer graph
+    assert set(documented) - {check for check, _, _ in MUTATIONS} == {"pieces", "run_time_layer"}
 
 
 def test_verifier_rejects_cache_ops_in_a_compiled_piece():
     gm = rewritten()
     split = split_pieces(gm)
-    verify_graph(gm.graph, TABLE, split.pieces)
+    verify_graph(gm, CONFIG, split.pieces)
     eager = next(p for p in split.pieces if p.is_eager)
     disguised = Piece(eager.name, eager.index, False, eager.graph_module)
     with pytest.raises(KVPPGraphVerificationError, match=f"compiled piece {eager.name} contains kvpp or cache ops") as err:
-        verify_graph(gm.graph, TABLE, [disguised])
+        verify_graph(gm, CONFIG, [disguised])
     assert err.value.checks == {"pieces"}
 
 
@@ -458,22 +463,118 @@ def test_split_keeps_order_and_isolates_split_points():
 
 
 def test_registry_matching_and_user_specs():
-    assert op_names(torch.ops.kvpp_ref.write_kv) == {"kvpp_ref::write_kv", "kvpp_ref::write_kv.default"}
-    assert op_names(torch.ops.kvpp_ref.write_kv.default) == {"kvpp_ref::write_kv", "kvpp_ref::write_kv.default"}
-    assert {s.op for s in registered_specs()} >= {
-        "vllm::unified_mla_attention_with_output", "vllm::unified_mla_kv_cache_update",
-        "vllm::sparse_attn_indexer", "kvpp_ref::write_kv", "kvpp_ref::mla_attention"}
+    assert op_names(torch.ops.kvpp_ref.write_kv) == ("kvpp_ref::write_kv.default", "kvpp_ref::write_kv")
+    assert op_names(torch.ops.kvpp_ref.write_kv.default) == ("kvpp_ref::write_kv.default", "kvpp_ref::write_kv")
+    defaults = {s.op for s in default_specs()}
+    assert defaults >= {"vllm::unified_mla_attention_with_output", "vllm::unified_mla_kv_cache_update",
+                        "vllm::sparse_attn_indexer"}
+    assert not {s.op for s in REFERENCE_SPECS} & defaults  # kvpp_fx.reference.ops is imported: it registers nothing
     with pytest.raises(ValueError, match="already registered"):
-        register_attention_op(AttentionOpSpec("kvpp_ref::write_kv", 0))
+        register_attention_op(AttentionOpSpec("vllm::unified_mla_kv_cache_update", 0))
     with pytest.raises(ValueError, match="namespace::name"):
         AttentionOpSpec("write_kv", 0)
+
+
+# --- one layer resolution per compile, one matcher, one configuration ----------------------------------
+
+WRITE_KV = next(s for s in REFERENCE_SPECS if s.op == "kvpp_ref::write_kv")
+# The same op named twice: as the op, without an owner rule, and as its default overload, owner-local.
+WRITE_KV_AS_OP = AttentionOpSpec("kvpp_ref::write_kv", WRITE_KV.layer_arg, WRITE_KV.layer_kind,
+                                 WRITE_KV.cache_operands, owner=None)
+WRITE_KV_AS_DEFAULT = AttentionOpSpec("kvpp_ref::write_kv.default", WRITE_KV.layer_arg, WRITE_KV.layer_kind,
+                                      WRITE_KV.cache_operands, owner=OwnerLocal())
+
+
+def specs_with(*write_kv_specs):
+    return tuple(s for s in TOY_SPECS if s.op != "kvpp_ref::write_kv") + write_kv_specs
+
+
+@pytest.mark.parametrize("order", ["op first", "overload first"])
+def test_op_and_default_overload_specs_resolve_to_one_spec_everywhere(order):
+    both = (WRITE_KV_AS_OP, WRITE_KV_AS_DEFAULT)
+    config = pass_config(TABLE, specs=specs_with(*(both if order == "op first" else both[::-1])))
+    for target in (torch.ops.kvpp_ref.write_kv, torch.ops.kvpp_ref.write_kv.default):  # Dynamo's, AOT's
+        assert config.matcher.spec_for(target) is WRITE_KV_AS_DEFAULT
+        assert OpMatcher(reversed(config.specs)).spec_for(target) is WRITE_KV_AS_DEFAULT
+    gm = rewritten(config)
+    writes = [n for n in gm.graph.nodes if n.name.startswith("write_kv")]
+    assert len(writes) == 4 and all(cache_op_stamp(n).spec is WRITE_KV_AS_DEFAULT for n in writes)  # insert
+    assert route_owner_ops(gm, config).routed  # route read the owner-local spec from the stamps
+    verify_graph(gm, config)  # the verifier, matching on its own, found the same spec
+    # Controls: with the op's spec alone the graph is not routed, and a verifier that took that spec for
+    # the routed graph rejects it: a disagreement between the passes and the verifier cannot pass.
+    only_op = pass_config(TABLE, specs=specs_with(WRITE_KV_AS_OP))
+    assert not route_owner_ops(rewritten(only_op), only_op).routed
+    with pytest.raises(KVPPGraphVerificationError, match="declares no owner rule") as err:
+        verify_graph(gm, only_op)
+    assert err.value.checks == {"routing"}
+
+
+def test_the_split_reads_the_stamps_and_the_verifier_does_not():
+    gm = rewritten()
+    assert {cache_op_stamp(n).layer for n in gm.graph.nodes if cache_op_stamp(n) is not None} == {0, 1, 2, 3}
+    verify_graph(gm, CONFIG, split_pieces(gm).pieces)
+    for node in gm.graph.nodes:  # fault: stamps lost, so the split sees no cache op
+        if cache_op_stamp(node) is not None:
+            del node.meta["kvpp"]
+    with pytest.raises(KVPPGraphVerificationError, match=r"compiled piece submod_\d+ contains kvpp or cache ops: "
+                                                         r"write_kv") as err:
+        verify_graph(gm, CONFIG, split_pieces(gm).pieces)
+    assert err.value.checks == {"pieces"}
+
+
+def test_route_refuses_to_route_ops_the_insert_pass_did_not_stamp():
+    gm = rewritten()
+    for node in gm.graph.nodes:
+        if cache_op_stamp(node) is not None and cache_op_stamp(node).layer == 2:
+            del node.meta["kvpp"]
+    result = route_owner_ops(gm, CONFIG)
+    assert not result.routed and "layers [2]" in result.reason
+    assert not any(isinstance(n.target, RoutedOp) for n in gm.graph.nodes)
+
+
+def test_pass_config_is_frozen_and_refuses_two_specs_for_one_op():
+    with pytest.raises(ValueError, match="two different AttentionOpSpecs for 'kvpp_ref::write_kv'"):
+        pass_config(TABLE, specs=specs_with(WRITE_KV, WRITE_KV_AS_OP))
+    with pytest.raises(ValueError, match="first_prefetch must be one of"):
+        pass_config(TABLE, first_prefetch="later")
+    with pytest.raises(AttributeError):
+        CONFIG.specs = ()  # type: ignore[misc]
+
+
+def test_pass_config_uuid_names_its_content():
+    assert pass_config(TABLE).uuid() == pass_config(TABLE, specs=tuple(reversed(TOY_SPECS))).uuid()
+    variants = [pass_config(TABLE, specs=specs_with(WRITE_KV_AS_OP)),
+                pass_config(TABLE, first_prefetch="at_first_wait"),
+                pass_config(LayerTable(target_layers=(0, 1, 2, 3), depth=3, components=TABLE.components)),
+                pass_config(TABLE.with_names({"model.layers.0.self_attn.attn": 0}))]
+    uuids = [CONFIG.uuid()] + [v.uuid() for v in variants]
+    assert len(set(uuids)) == len(uuids)
+
+
+def test_pass_config_uuid_is_the_same_in_another_process():
+    script = "from tests.passes.test_passes import CONFIG; print(CONFIG.uuid())"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300,
+                         env={**os.environ, "PYTHONHASHSEED": "12345"}, cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.split()[-1] == CONFIG.uuid()
+
+
+def test_a_pass_config_from_the_defaults_reads_them_once():
+    config = PassConfig.build(TABLE)
+    extra = AttentionOpSpec("toy_unregistered::attention", 1, "index", (CacheOperand(1, "kv"),))
+    register_attention_op(extra)
+    try:
+        assert config.matcher.spec_for(torch.ops.toy_unregistered.attention) is None
+        assert PassConfig.build(TABLE).matcher.spec_for(torch.ops.toy_unregistered.attention) is extra  # control
+    finally:
+        unregister_attention_op(extra.op)
 
 
 def test_layer_names_resolve_through_table_pattern_or_fail():
     graph = torch.fx.Graph()
     q = graph.placeholder("q")
     node = graph.call_function(torch.ops.toy_vllm.unified_attention, (q, "model.layers.7.self_attn.attn"))
-    spec = find_spec(node)
+    spec = CONFIG.matcher(node)
     assert layer_of(node, spec) == (7, "model.layers.7.self_attn.attn")
     assert layer_of(node, spec, {"model.layers.7.self_attn.attn": 3})[0] == 3
     odd = graph.call_function(torch.ops.toy_vllm.unified_attention, (q, "decoder.block_seven"))
@@ -491,7 +592,7 @@ def test_layer_name_from_a_placeholder_example_value():
     name = graph.placeholder("layer_name")
     name.meta["example_value"] = LayerName("model.layers.5.self_attn.attn")
     node = graph.call_function(torch.ops.toy_vllm.unified_attention, (q, name))
-    assert layer_of(node, find_spec(node))[0] == 5
+    assert layer_of(node, CONFIG.matcher(node))[0] == 5
 
 
 def test_cache_operand_by_keyword():

@@ -1,41 +1,31 @@
 """The route pass on graphs captured by Dynamo from the toy model: what it routes, what it refuses."""
 
-import contextlib
-
 import pytest
 import torch
 
 from kvpp_fx.ops import RoutedOp, is_routed_op
 from kvpp_fx.runtime.runtime import KVPPRuntime
-from kvpp_fx.passes.registry import (
-    AttentionOpSpec,
-    HeadOperand,
-    HeadSeparable,
-    OwnerLocal,
-    register_attention_op,
-    registered_specs,
-)
+from kvpp_fx.passes.pass_config import PassConfig
+from kvpp_fx.passes.registry import AttentionOpSpec, HeadOperand, HeadSeparable, OwnerLocal
 from kvpp_fx.passes.route import HeadOperandError, OwnerLocalOutputError, route_owner_ops
 from kvpp_fx.passes.split import split_pieces
 from kvpp_fx.passes.verify import verify_graph
 from kvpp_fx.backend import kvpp_backend
 from tests.passes import toy
-from tests.passes.test_golden import compile_and_run
-from tests.passes.test_passes import TABLE, kvpp_nodes, node_named, rewritten
+from tests.passes.test_passes import CONFIG, TABLE, code_of, kvpp_nodes, node_named, rewritten
+from tests.support.specs import TOY_SPECS, pass_config
 
 ATTENTION = "kvpp_ref::mla_attention"
 
 
-@contextlib.contextmanager
-def declared(op: str, owner):
-    """Register `op` with another owner rule for the duration of a test."""
-    spec = next(s for s in registered_specs() if s.op == op)
-    register_attention_op(AttentionOpSpec(spec.op, spec.layer_arg, spec.layer_kind, spec.cache_operands, owner),
-                          replace=True)
-    try:
-        yield
-    finally:
-        register_attention_op(spec, replace=True)
+def declared_specs(op: str, owner) -> tuple[AttentionOpSpec, ...]:
+    """The toy specs with `op` declared by another owner rule."""
+    return tuple(AttentionOpSpec(s.op, s.layer_arg, s.layer_kind, s.cache_operands, owner) if s.op == op else s
+                 for s in TOY_SPECS)
+
+
+def declared(op: str, owner) -> PassConfig:
+    return pass_config(TABLE, specs=declared_specs(op, owner))
 
 
 def registered_nodes(gm):
@@ -45,8 +35,8 @@ def registered_nodes(gm):
 
 def test_every_cache_op_is_routed_with_its_declared_rule():
     gm = rewritten()
-    assert route_owner_ops(gm, TABLE).routed
-    verify_graph(gm.graph, TABLE, split_pieces(gm).pieces)
+    assert route_owner_ops(gm, CONFIG).routed
+    verify_graph(gm, CONFIG, split_pieces(gm).pieces)
     assert all(w.kwargs["routed"] is True for w in kvpp_nodes(gm, "wait"))
     for node in registered_nodes(gm):
         target = node.target
@@ -60,52 +50,50 @@ def test_every_cache_op_is_routed_with_its_declared_rule():
 
 def test_routing_twice_changes_nothing():
     gm = rewritten()
-    route_owner_ops(gm, TABLE)
-    code = gm.code
-    assert route_owner_ops(gm, TABLE).routed
-    assert gm.code == code
+    route_owner_ops(gm, CONFIG)
+    code = code_of(gm)
+    assert "routed_heads" in code
+    assert route_owner_ops(gm, CONFIG).routed
+    assert code_of(gm) == code
 
 
 def test_a_graph_with_an_undeclared_cache_op_stays_broadcast_only():
-    with declared(ATTENTION, None):
-        gm = rewritten()
-        code = gm.code
-        result = route_owner_ops(gm, TABLE)
-        assert not result.routed and ATTENTION in result.reason
-        assert gm.code == code and not any(w.kwargs.get("routed") for w in kvpp_nodes(gm, "wait"))
-        verify_graph(gm.graph, TABLE)
+    config = declared(ATTENTION, None)
+    gm = rewritten(config)
+    code = code_of(gm)
+    result = route_owner_ops(gm, config)
+    assert not result.routed and ATTENTION in result.reason
+    assert code_of(gm) == code and not any(w.kwargs.get("routed") for w in kvpp_nodes(gm, "wait"))
+    verify_graph(gm, config)
 
 
 def test_an_owner_local_output_read_outside_the_layer_is_refused_and_nothing_changes():
-    with declared(ATTENTION, OwnerLocal()):
-        gm = rewritten()
-        code = gm.code
-        with pytest.raises(OwnerLocalOutputError, match="flatten"):
-            route_owner_ops(gm, TABLE)
-        assert gm.code == code and not any(is_routed_op(n.target) for n in gm.graph.nodes)
+    config = declared(ATTENTION, OwnerLocal())
+    gm = rewritten(config)
+    code = code_of(gm)
+    with pytest.raises(OwnerLocalOutputError, match="flatten"):
+        route_owner_ops(gm, config)
+    assert code_of(gm) == code and not any(is_routed_op(n.target) for n in gm.graph.nodes)
 
 
 def test_head_operands_that_disagree_on_the_head_count_are_refused():
     # q_latent [T, 2, 8] carries the heads on dim 1, but dim 2 of q_pe [T, 2, 4] holds 4 values
-    rule = HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 2)), output_dim=1)
-    with declared(ATTENTION, rule):
-        gm = rewritten()
-        with pytest.raises(HeadOperandError, match=r"disagree on the number of heads \(\[2, 4\]\)"):
-            route_owner_ops(gm, TABLE)
+    config = declared(ATTENTION, HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 2)),
+                                               output_dim=1))
+    with pytest.raises(HeadOperandError, match=r"disagree on the number of heads \(\[2, 4\]\)"):
+        route_owner_ops(rewritten(config), config)
 
 
 def test_an_output_that_is_not_shaped_like_its_declared_operand_is_refused():
     # the attention output [T, 2, 8] has q_latent's shape, not q_pe's [T, 2, 4]
-    rule = HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 1)), output_dim=1, output_like=1)
-    with declared(ATTENTION, rule):
-        gm = rewritten()
-        with pytest.raises(HeadOperandError, match="shaped like head operand 1"):
-            route_owner_ops(gm, TABLE)
-    rule = HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 1)), output_dim=0)
-    with declared(ATTENTION, rule):
-        gm = rewritten()
-        with pytest.raises(HeadOperandError, match="head dimension 0 is not that of head operand 0"):
-            route_owner_ops(gm, TABLE)
+    config = declared(ATTENTION, HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 1)),
+                                               output_dim=1, output_like=1))
+    with pytest.raises(HeadOperandError, match="shaped like head operand 1"):
+        route_owner_ops(rewritten(config), config)
+    config = declared(ATTENTION, HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 1)),
+                                               output_dim=0))
+    with pytest.raises(HeadOperandError, match="head dimension 0 is not that of head operand 0"):
+        route_owner_ops(rewritten(config), config)
 
 
 def test_declarations_are_validated():
@@ -119,7 +107,7 @@ def test_declarations_are_validated():
 
 def test_routed_ops_land_in_eager_pieces():
     gm = rewritten()
-    route_owner_ops(gm, TABLE)
+    route_owner_ops(gm, CONFIG)
     placed = []
     for piece in split_pieces(gm).pieces:
         routed = [n for n in piece.graph_module.graph.nodes if is_routed_op(n.target)]
@@ -130,14 +118,15 @@ def test_routed_ops_land_in_eager_pieces():
 
 
 @pytest.mark.parametrize("declare", [True, False], ids=["declared", "undeclared"])
-def test_the_backend_tells_the_runtime_which_layers_are_routed(declare, monkeypatch):
-    seen = {}
-    real = KVPPRuntime.note_routing
-    monkeypatch.setattr(KVPPRuntime, "note_routing",
-                        lambda self, layers, routed: (seen.update(dict.fromkeys(layers, routed)),
-                                                      real(self, layers, routed))[1])
+def test_the_compile_record_says_which_layers_are_routed_and_the_runtime_is_not_told(declare):
     plan = toy.toy_plan(4)
-    with contextlib.nullcontext() if declare else declared(ATTENTION, None):
-        record = compile_and_run(toy.ToyMLA(4), kvpp_backend(plan, mode="eager"), plan, 4)
-    assert record.owner_routed is declare
-    assert seen == dict.fromkeys(range(4), declare)
+    specs = TOY_SPECS if declare else declared_specs(ATTENTION, None)
+    storage = toy.allocate(plan)
+    backend = kvpp_backend(plan, mode="eager", specs=specs)
+    compiled = torch.compile(toy.ToyMLA(4), backend=backend, fullgraph=True)
+    x, *meta = toy.step_inputs(0, 3, 3)
+    with KVPPRuntime.create(plan, storage) as rt, rt.forward(has_history=False):
+        compiled(x, toy.runtime_caches(storage, range(4)), *meta)
+        assert rt.routing() == {}  # what owns both the backend and the runtime tells it (the engine)
+    (record,) = backend.records
+    assert record.layers == (0, 1, 2, 3) and record.owner_routed is declare

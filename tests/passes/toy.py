@@ -1,15 +1,18 @@
-"""A 4-layer toy MLA-style model over the reference model's paged-cache ops (and a vLLM-style variant)."""
+"""A 4-layer toy MLA-style model over the reference model's paged-cache ops (and a vLLM-style variant).
+
+It registers no op spec: a backend or pass configuration over these models is given
+`tests.support.specs.TOY_SPECS`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-import kvpp_fx.reference.ops  # noqa: F401  (registers kvpp_ref ops and their specs)
+import kvpp_fx.reference.ops  # noqa: F401  (defines the kvpp_ref ops)
 from kvpp_fx.cache.allocate import allocate_cache
 from kvpp_fx.cache.placement import KVPPPlan
-from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
-from kvpp_fx.passes.registry import AttentionOpSpec, register_attention_op
+from kvpp_fx.cache.spec import ModelCacheSpec
+from tests.support import specs
 
 HIDDEN, RANK, ROPE, HEADS, BLOCK, BLOCKS = 16, 8, 4, 2, 4, 8
 
@@ -45,14 +48,13 @@ class ToyMLA(nn.Module):
 
 
 def toy_spec(num_layers: int = 4, drafts: int = 0) -> ModelCacheSpec:
-    comps = (ComponentSpec("kv", "float32", (RANK + ROPE,)),)
-    layers = [LayerCacheSpec(i, comps) for i in range(num_layers)]
-    layers += [LayerCacheSpec(num_layers + j, comps, is_draft=True) for j in range(drafts)]
-    return ModelCacheSpec("toy", BLOCK, tuple(layers))
+    """The shared toy cache spec at this model's latent width and block size."""
+    return specs.toy_spec(num_layers, drafts, width=RANK + ROPE, block_size=BLOCK)
 
 
-def toy_plan(num_layers: int = 4, drafts: int = 0, group_size: int = 1) -> KVPPPlan:
-    return KVPPPlan(toy_spec(num_layers, drafts), group_size=group_size)
+def toy_plan(num_layers: int = 4, drafts: int = 0, group_size: int = 1, **plan_options) -> KVPPPlan:
+    return specs.toy_plan(num_layers, drafts, group_size=group_size, width=RANK + ROPE, block_size=BLOCK,
+                          **plan_options)
 
 
 def step_inputs(step: int, seq_len: int, new_tokens: int):
@@ -63,6 +65,37 @@ def step_inputs(step: int, seq_len: int, new_tokens: int):
     slot_mapping = positions.clone()
     block_table = torch.arange(BLOCKS, dtype=torch.int32)[None]
     return x, slot_mapping, block_table, torch.tensor([seq_len]), torch.tensor([new_tokens])
+
+
+# (seq_len after the step, new tokens): a 6-token prefill, then decode steps that read the cache.
+STEPS = [(6, 6), (7, 1), (8, 1), (9, 1), (12, 3), (13, 1)]
+
+
+def replicated_run(model: nn.Module, num_layers: int) -> list[torch.Tensor]:
+    """The uncompiled model over real replicated caches, through `STEPS`: the reference."""
+    caches = replicated_caches(num_layers)
+    outs = []
+    with torch.no_grad():
+        for step, (seq_len, new) in enumerate(STEPS):
+            x, *meta = step_inputs(step, seq_len, new)
+            outs.append(model(x, caches, *meta))
+    return outs
+
+
+def kvpp_run(model: nn.Module, plan: KVPPPlan, storage, group, device_api=None) -> tuple[list[torch.Tensor], list[int]]:
+    """`model` (compiled with kvpp_backend) through `STEPS` over the runtime's handles, on a runtime over
+    `storage` and `group` with `device_api`: its outputs and the broadcasts of each step."""
+    from kvpp_fx.runtime.runtime import KVPPRuntime
+
+    caches = runtime_caches(storage, plan.target_layers)
+    outs, broadcasts = [], []
+    with KVPPRuntime.create(plan, storage, group, device_api=device_api) as rt, torch.no_grad():
+        for step, (seq_len, new) in enumerate(STEPS):
+            x, *meta = step_inputs(step, seq_len, new)
+            with rt.forward(has_history=step > 0):
+                outs.append(model(x, caches, *meta))
+            broadcasts.append(rt.last_forward()["broadcasts"])
+    return outs, broadcasts
 
 
 def replicated_caches(num_layers: int) -> list[torch.Tensor]:
@@ -92,9 +125,6 @@ def unified_attention(q: torch.Tensor, layer_name: str) -> torch.Tensor:
 @unified_attention.register_fake
 def _(q, layer_name):
     return torch.empty_like(q)
-
-
-register_attention_op(AttentionOpSpec("toy_vllm::unified_attention", ("layer_name", 1), "name"), replace=True)
 
 
 class ToyVLLMStyle(nn.Module):

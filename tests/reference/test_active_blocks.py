@@ -2,7 +2,7 @@
 
 Every case compares KVPP with active blocks against an independent reference (greedy decoding by full
 recomputation, no cache at all), checks that the active path really ran (bytes per step equal the read
-blocks' share, not whole layers), and the negative control drops one block from every set.
+blocks' share, not whole layers), and the negative control leaves one block of every set out at the receivers.
 """
 
 import functools
@@ -10,11 +10,11 @@ import functools
 import pytest
 
 from kvpp_fx.cache.placement import BLOCK_ID_BYTES
-from kvpp_fx.launch import run_ranks
 from kvpp_fx.reference.config import PRESETS
 from kvpp_fx.reference.generate import run_generation
 from kvpp_fx.reference.weights import build_model
 from tests.reference.helpers import recompute_greedy, shared_prefix_prompts
+from tests.support.launch import launch
 
 pytestmark = pytest.mark.multirank
 
@@ -37,12 +37,12 @@ def bundle_bytes_per_block(preset, block_size=16):
     return spec.bytes_per_block(0)
 
 
-def run(preset, world, graph_mode, *, speculative=False, env=None):
+def run(preset, world, graph_mode, *, speculative=False, device_api=None):
     prompts = shared_prefix_prompts(PRESETS[preset].vocab_size)
     # A 24-token budget puts the first prompt's chunk boundary in the middle of its second block.
     options = {"kvpp": True, "graph_mode": graph_mode, "token_budget": 24, "num_blocks": POOL,
-               "speculative": speculative}
-    results = run_ranks(run_generation, world, preset, prompts, NEW_TOKENS, options, timeout_s=240, env=env)
+               "speculative": speculative, "device_api": device_api}
+    results = launch(run_generation, world, preset, prompts, NEW_TOKENS, options, timeout_s=240)
     return prompts, results
 
 
@@ -78,5 +78,5 @@ def test_negative_control_a_dropped_block_changes_the_tokens():
     # 8 layers on 2 ranks: each receiver's scratch slot is shared by two layers, so a block left out of
     # the broadcast holds the other layer's bytes. (Where a slot serves one layer only, a receiver's own
     # writes of earlier steps would still be there, and only the scratch bytes would tell.)
-    prompts, results = run("small", 2, "eager", env={"KVPP_TEST_FAULT": "drop-block"})
+    prompts, results = run("small", 2, "eager", device_api="tests.support.faults:DroppedBlock")
     assert results[0]["outputs"] != expected("small", prompts)

@@ -6,7 +6,7 @@ import torch
 from kvpp_fx.launch import run_ranks
 from kvpp_fx.reference.config import PRESETS
 from kvpp_fx.reference.engine import BlockPool, EngineConfig, OutOfBlocksError, build_engine
-from kvpp_fx.reference.generate import run_generation
+from kvpp_fx.reference.generate import rank_groups, run_engine, run_generation
 from kvpp_fx.reference.weights import build_model
 from tests.reference.helpers import recompute_greedy, shared_prefix_prompts
 
@@ -43,20 +43,18 @@ def test_cache_reuse_matches_recomputation(preset):
 
 
 def generate_with(config, prompts, **options):
-    engine = build_engine(config, engine_config=EngineConfig(graph_mode="none", token_budget=32, **options),
-                          num_blocks=32)
-    for prompt in prompts:
-        engine.add_request(prompt, NEW_TOKENS)
+    engine_config = EngineConfig(graph_mode="none", token_budget=32, **options)
     with torch.no_grad():
-        return engine, engine.run()
+        return run_engine(config, prompts, NEW_TOKENS, engine_config=engine_config, groups=rank_groups(0, 1),
+                          kvpp=False, num_blocks=32)["outputs"]
 
 
 def test_sfa_top_k_really_selects():
     cfg = PRESETS["tiny-sfa"]
     prompts = shared_prefix_prompts(cfg.vocab_size)
     assert cfg.index_topk < len(prompts[0])
-    _, sparse = generate_with(cfg, prompts)
-    _, dense = generate_with(cfg.replace(index_topk=4096), prompts)  # same weights, every token selected
+    sparse = generate_with(cfg, prompts)
+    dense = generate_with(cfg.replace(index_topk=4096), prompts)  # same weights, every token selected
     assert sparse != dense
 
 
@@ -142,3 +140,26 @@ def test_engine_rejects_bad_requests_and_modes():
 
     with pytest.raises(ValueError, match="kvpp_mode must be one of"):  # refused before any rank starts
         generate("tiny", [[1, 2]], 2, tp=2, kvpp=True, kvpp_mode="fast")
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["declared", "undeclared"])
+def test_the_engine_tells_its_runtime_how_each_compiled_graph_is_routed(declared, monkeypatch):
+    if not declared:  # the attention op without its owner rule: the graphs stay broadcast-only
+        import dataclasses
+
+        import kvpp_fx.reference.engine as engine_module
+
+        specs = tuple(dataclasses.replace(spec, owner=None) if spec.op == "kvpp_ref::mla_attention" else spec
+                      for spec in engine_module.REFERENCE_SPECS)
+        monkeypatch.setattr(engine_module, "REFERENCE_SPECS", specs)
+    engine = build_engine(PRESETS["tiny"], engine_config=EngineConfig(graph_mode="eager"), num_blocks=16)
+    assert engine.runtime.routing() == {}  # nothing compiled yet: "auto" would broadcast
+    engine.add_request([1, 2, 3], 2)
+    with torch.no_grad():
+        engine.step()
+    records = engine.backend.records
+    assert records and all(record.owner_routed is declared for record in records)
+    reported = {layer: record.owner_routed for record in records for layer in record.layers}
+    assert engine.runtime.routing() == reported == dict.fromkeys(engine.plan.target_layers, declared)
+    if not declared:
+        assert engine.runtime.unrouted_layers() == list(engine.plan.target_layers)  # owner mode refused up front

@@ -4,11 +4,24 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from kvpp_fx.launch import run_ranks
 from kvpp_fx.reference.config import RefConfig, UnsupportedModelConfigError
-from tests.reference import workers
+from kvpp_fx.reference.engine import EngineConfig
+from kvpp_fx.reference.generate import rank_groups, run_engine
+from tests.support.launch import launch
 
 DECODE_STEPS = 8
+
+
+def step_logits(rank: int, world: int, checkpoint: str, prompt: list[int], decode_steps: int):
+    """Rank function: logits of the prompt's last token, then of each greedy decode step (reads the paged
+    cache)."""
+    config = RefConfig.from_pretrained(checkpoint)
+    engine_config = EngineConfig(graph_mode="none", token_budget=256)
+    with torch.no_grad():
+        run = run_engine(config, [prompt], decode_steps + 1, engine_config=engine_config,
+                         groups=rank_groups(rank, world), kvpp=False, num_blocks=16, checkpoint=checkpoint,
+                         keep_logits=True)
+    return {"logits": torch.stack([torch.from_numpy(step[0]) for step in run["logits"]]), "tokens": run["outputs"][0]}
 
 
 def hf_config(q_lora_rank):
@@ -50,9 +63,9 @@ PROMPT = list(range(3, 43))
 def test_logits_match_huggingface(checkpoint, tp):
     path, hf = checkpoint
     if tp == 1:
-        results = [workers.step_logits(0, 1, path, PROMPT, DECODE_STEPS)]
+        results = [step_logits(0, 1, path, PROMPT, DECODE_STEPS)]
     else:
-        results = run_ranks(workers.step_logits, tp, path, PROMPT, DECODE_STEPS, timeout_s=120)
+        results = launch(step_logits, tp, path, PROMPT, DECODE_STEPS)
     for res in results:
         assert len(res["logits"]) == DECODE_STEPS + 1
         expected = hf_step_logits(hf, PROMPT, res["tokens"])

@@ -11,20 +11,44 @@ chunk's queries cost more than the blocks it reads: both choices appear in one r
 
 import numpy as np
 import pytest
+import torch
 
 from kvpp_fx.cache.cost import LinkModel
-from kvpp_fx.launch import run_ranks
 from kvpp_fx.reference.config import PRESETS
-from tests.reference.workers import modes_worker
+from kvpp_fx.reference.engine import EngineConfig
+from kvpp_fx.reference.generate import default_num_blocks, rank_groups, run_engine
+from kvpp_fx.reference.workload import shared_prefix_prompts
+from tests.support.launch import launch
 
 pytestmark = pytest.mark.multirank
 
 SLOW_LINK = LinkModel(bytes_per_s=1e9, latency_s=5e-6)
 MODES = ("broadcast", "owner", "auto")
+FAULTS = {"swap-heads": "tests.support.faults:SwappedHeads", "skip-gather": "tests.support.faults:SkippedGather"}
 
 
-def run(preset, world, options, modes=MODES, env=None):
-    return run_ranks(modes_worker, world, preset, dict(options, kvpp_link=SLOW_LINK), modes, timeout_s=300, env=env)
+def modes_ranks(rank: int, world: int, preset: str, options: dict, modes: tuple[str, ...], token_budget: int = 24,
+                new_tokens: int = 10):
+    """The shared-prefix workload with KVPP off, then with KVPP on in each of `modes`; per step: logits,
+    mode and bytes. One KVPP group of all ranks (TP = world). A mode "owner:<fault>" runs owner mode
+    over the device API `FAULTS[<fault>]` (a negative control)."""
+    config = PRESETS[preset]
+    prompts = shared_prefix_prompts(config.vocab_size)
+    groups = rank_groups(rank, world)
+    num_blocks = max(64, default_num_blocks(prompts, new_tokens, 16))
+    out = {}
+    for mode in ("off",) + tuple(modes):
+        torch._dynamo.reset()
+        kvpp_mode, _, fault = mode.partition(":")
+        engine_config = EngineConfig(token_budget=token_budget, kvpp_mode="broadcast" if mode == "off" else kvpp_mode,
+                                     device_api=FAULTS[fault] if fault else None, **options)
+        out[mode] = run_engine(config, prompts, new_tokens, engine_config=engine_config, groups=groups,
+                               kvpp=mode != "off", num_blocks=num_blocks, keep_logits=True)
+    return out
+
+
+def run(preset, world, options, modes=MODES):
+    return launch(modes_ranks, world, preset, dict(options, kvpp_link=SLOW_LINK), modes, timeout_s=300)
 
 
 def same_logits(a, b):
@@ -36,7 +60,11 @@ def same_logits(a, b):
     ("tiny", 4, {"graph_mode": "eager"}, ("owner",)),
     ("tiny-sfa", 2, {"graph_mode": "piecewise", "inner": "eager"}, ("owner", "auto")),
     ("tiny-mtp", 2, {"graph_mode": "piecewise", "inner": "aot_eager", "speculative": True}, ("owner",)),
-], ids=["mla-tp2-eager", "mla-tp4-eager", "sfa-tp2-piecewise", "mtp-tp2-piecewise-aot_eager"])
+    # inductor checks the strides of every custom op's output against its fake: the owner's part of the
+    # output must have the strides the op itself returns
+    ("tiny", 2, {"graph_mode": "piecewise", "inner": "inductor"}, ("owner",)),
+], ids=["mla-tp2-eager", "mla-tp4-eager", "sfa-tp2-piecewise", "mtp-tp2-piecewise-aot_eager",
+        "mla-tp2-piecewise-inductor"])
 def test_every_mode_is_bit_identical_to_kvpp_off(preset, world, options, modes):
     results = run(preset, world, options, modes)
     layers = PRESETS[preset].num_hidden_layers

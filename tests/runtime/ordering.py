@@ -45,6 +45,8 @@ class RecordingEvent:
 class RecordingDeviceAPI(DeviceAPI):
     """The real API's interface over CPU; ``drop_waits_on`` names streams whose event waits are lost."""
 
+    orders_streams = True  # CPU, but every stream and event call is what the checker reads
+
     def __init__(self, drop_waits_on: tuple[str, ...] = ()) -> None:
         super().__init__("cpu")
         self.drop_waits_on = set(drop_waits_on)

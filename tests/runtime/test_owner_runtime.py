@@ -1,18 +1,147 @@
-"""Owner mode in the runtime on real gloo ranks, without a model: results, refusals and failures."""
+"""Owner mode in the runtime on real gloo ranks, without a model: results, refusals and failures.
+
+The rank functions call the runtime's ops as a routed graph calls them: the schedule's waits with
+``routed=True``, and `RoutedOp`s of the reference attention and cache-write ops in each layer's turn.
+"""
+
+from __future__ import annotations
+
+import os
+import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from kvpp_fx.launch import run_ranks
-from tests.runtime import owner_workers
+import kvpp_fx.reference.ops  # noqa: F401  (defines the kvpp_ref ops)
+from kvpp_fx.cache.cost import AttentionShape, StepLoad
+from kvpp_fx.ops import RoutedOp
+from kvpp_fx.runtime import errors as E
+from tests.support.launch import fresh_group, launch
+from tests.support.specs import TOY_WIDTH
+from tests.support.toy_runtime import pattern, run_layers, toy_runtime, write_owned
 
 pytestmark = pytest.mark.multirank
+
+HEADS_PER_RANK, ROPE = 2, 2
+RANK_WIDTH = TOY_WIDTH - ROPE
+SCALE = 0.3
+ATTENTION = torch.ops.kvpp_ref.mla_attention.default
+
+
+def routed_attention(layer: int) -> RoutedOp:
+    return RoutedOp(ATTENTION, layer, ((0, 1), (1, 1)), 1)
+
+
+def queries(rank: int, layer: int, tokens: int = 3):
+    gen = torch.Generator().manual_seed(1000 * rank + layer)
+    return (torch.randn(tokens, HEADS_PER_RANK, RANK_WIDTH, generator=gen),
+            torch.randn(tokens, HEADS_PER_RANK, ROPE, generator=gen))
+
+
+def metadata():
+    """Two requests over the toy pool: 9 context tokens (2 new) and 5 (1 new)."""
+    table = torch.tensor([[3, 7, 1, 0], [5, 2, 0, 0]], dtype=torch.int32)
+    return table, torch.tensor([9, 5]), torch.tensor([2, 1])
+
+
+def attention_shape(world: int) -> AttentionShape:
+    return AttentionShape(HEADS_PER_RANK * world, TOY_WIDTH, RANK_WIDTH, 4)
+
+
+def owner_runtime(world: int, timeout_s: float = 20.0, **create):
+    return toy_runtime(fresh_group(world, timeout_s), 4, **create)
+
+
+def owner_forward(rt, *, attend, mode="owner", routed=True, tokens: int = 3):
+    with rt.forward(True, mode=mode, load=StepLoad(tokens, 14 * tokens)):
+        run_layers(rt, attend, routed=routed)
+
+
+# --- results and refusals -------------------------------------------------------------------------------
+
+def owner_protocol_ranks(rank: int, world: int):
+    """Owner-mode results against local attention over the owner's bytes, and the named refusals."""
+    out = {}
+    shape = attention_shape(world)
+    rt = owner_runtime(world, attention=shape)
+    table, seq_lens, query_lens = metadata()
+
+    # 1. each rank gets exactly the attention of its own heads over the owner's cache
+    write_owned(rt, 1)
+    results = {}
+
+    def attend(layer, view):
+        q_latent, q_pe = queries(rank, layer)
+        results[layer] = routed_attention(layer)(q_latent, q_pe, rt.typed_views(layer)["kv"], table, seq_lens,
+                                                 query_lens, SCALE, layer)
+
+    owner_forward(rt, attend=attend)
+    out["exact"] = all(torch.equal(results[layer], ATTENTION(*queries(rank, layer), pattern(1, layer), table,
+                                                             seq_lens, query_lens, SCALE, layer))
+                       for layer in rt.plan.target_layers)
+    last = rt.last_forward()
+    out["last"] = {k: last[k] for k in ("mode", "broadcasts", "exchanges", "bytes")}
+
+    # 2. a graph that is not routed is refused at its first wait, before any byte moves
+    try:
+        owner_forward(rt, attend=lambda layer, view: None, routed=False)
+        out["unrouted"] = None
+    except E.OwnerModeUnsupportedError as exc:
+        out["unrouted"] = str(exc)
+    out["broken_after_unrouted"] = rt.broken is not None
+    owner_forward(rt, attend=lambda layer, view: None, mode="broadcast", routed=True)  # still usable
+
+    # 3. a routed op outside its layer's turn
+    def early(layer, view):
+        if layer == rt.plan.target_layers[0]:
+            routed_attention(layer + 1)(*queries(rank, layer), rt.typed_views(layer)["kv"], table, seq_lens,
+                                        query_lens, SCALE, layer + 1)
+
+    try:
+        owner_forward(rt, attend=early)
+        out["outside_turn"] = None
+    except E.OwnerRoutingError as exc:
+        out["outside_turn"] = str(exc)
+
+    # 4. "auto" and "owner" need the step's load; a runtime without an attention shape cannot choose
+    for mode in ("auto", "owner"):
+        try:
+            with rt.forward(True, mode=mode):
+                pass
+            out[f"{mode}_without_load"] = None
+        except E.OwnerModeUnsupportedError as exc:
+            out[f"{mode}_without_load"] = str(exc)
+    bare = owner_runtime(world)
+    try:
+        with bare.forward(True, mode="auto", load=StepLoad(1, 10)):
+            pass
+        out["auto_without_shape"] = None
+    except E.OwnerModeUnsupportedError as exc:
+        out["auto_without_shape"] = str(exc)
+
+    # 5. ranks that disagree on the mode fail together before anything moves
+    other = owner_runtime(world, attention=shape)
+    try:
+        with other.forward(True, mode="owner" if rank == 0 else "broadcast", load=StepLoad(3, 30)):
+            pass
+        out["mismatch"] = None
+    except E.BlockSetMismatchError as exc:
+        out["mismatch"] = str(exc)
+    try:  # owner mode gathers each rank's query tokens: ranks that disagree on them fail before any gather
+        with other.forward(True, mode="owner", load=StepLoad(3 + rank, 10)):
+            pass
+        out["load_mismatch"] = None
+    except E.BlockSetMismatchError as exc:
+        out["load_mismatch"] = str(exc)
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_owner_mode_results_and_refusals(world):
-    results = run_ranks(owner_workers.owner_protocol_worker, world, timeout_s=120)
-    heads, tokens = owner_workers.HEADS_PER_RANK, 3
-    part = tokens * heads * (owner_workers.WIDTH + owner_workers.RANK_WIDTH) * 4  # q in + output back, fp32
+    results = launch(owner_protocol_ranks, world)
+    heads, tokens = HEADS_PER_RANK, 3
+    part = tokens * heads * (TOY_WIDTH + RANK_WIDTH) * 4  # q in + output back, fp32
     layers = 4
     for rank, res in enumerate(results):
         assert res["exact"], f"rank {rank}: owner-mode attention differs from local attention over the owner's bytes"
@@ -27,17 +156,113 @@ def test_owner_mode_results_and_refusals(world):
         assert "query tokens" in res["load_mismatch"] and "active-block" not in res["load_mismatch"]
 
 
+# --- failures ---------------------------------------------------------------------------------------------
+
+def owner_stall_ranks(rank: int, world: int, timeout_s: float):
+    """Rank 1 stops issuing collectives inside an owner-mode forward; rank 0 must get a timeout."""
+    rt = owner_runtime(world, 60.0, timeout=timeout_s, attention=attention_shape(world))
+    table, seq_lens, query_lens = metadata()
+
+    def attend(layer, view):
+        if rank == 1 and layer == 2:
+            time.sleep(timeout_s + 10.0)
+            os._exit(0)
+        routed_attention(layer)(*queries(rank, layer), rt.typed_views(layer)["kv"], table, seq_lens, query_lens,
+                                SCALE, layer)
+
+    start = time.monotonic()
+    try:
+        owner_forward(rt, attend=attend)
+    except E.TransferFailedError as exc:
+        elapsed = time.monotonic() - start
+        try:
+            with rt.forward(True, mode="owner"):
+                pass
+        except E.RuntimeBrokenError as later:
+            return {"error": type(exc).__name__, "elapsed": elapsed, "later": type(later).__name__}
+        return {"error": type(exc).__name__, "elapsed": elapsed, "later": None}
+    dist.barrier()
+    return {"error": None}
+
+
 def test_a_stalled_peer_in_owner_mode_times_out_and_breaks_the_runtime():
     timeout = 3.0
-    results = run_ranks(owner_workers.owner_stall_worker, 2, timeout, timeout_s=90, may_die={1})
+    results = launch(owner_stall_ranks, 2, timeout, timeout_s=90, may_die={1})
     res = results[0]
     assert res["error"] == "TransferTimeoutError", res
     assert res["elapsed"] < timeout + 5.0
     assert res["later"] == "RuntimeBrokenError"
 
 
+def owner_failures_ranks(rank: int, world: int):
+    """Non-owners skip cache writes; an owner that fails tells the others at once; a rank whose queries
+    disagree with the load refuses before its gather (its peers time out)."""
+    out = {}
+    shape = attention_shape(world)
+    table, seq_lens, query_lens = metadata()
+
+    # 1. the cache writes of a layer run on its owner only
+    rt = owner_runtime(world, attention=shape)
+    before = {layer: rt.typed_views(layer)["kv"].clone() for layer in rt.plan.target_layers}
+    write = torch.ops.kvpp_ref.write_kv.default
+
+    def writes(layer, view):
+        kv = torch.full((3, RANK_WIDTH), 1.0 + layer)
+        RoutedOp(write, layer)(rt.typed_views(layer)["kv"], kv, torch.ones(3, ROPE), torch.tensor([0, 1, 2]), layer)
+
+    owner_forward(rt, attend=writes)
+    out["written"] = {layer: not torch.equal(before[layer], rt.typed_views(layer)["kv"])
+                      for layer in rt.plan.target_layers}
+    out["owned"] = list(rt.plan.owned_layers(rt.rank))
+
+    # 2. the owner of layer 0 fails inside the op: the other ranks learn it from the scatter
+    rt = owner_runtime(world, attention=shape)
+    bad_table = torch.full_like(table, 99) if rank == 0 else table  # rank 0 owns layer 0
+
+    def failing(layer, view):
+        routed_attention(layer)(*queries(rank, layer), rt.typed_views(layer)["kv"], bad_table, seq_lens, query_lens,
+                                SCALE, layer)
+
+    start = time.monotonic()
+    try:
+        owner_forward(rt, attend=failing)
+        out["owner_failure"] = None
+    except Exception as exc:  # the owner: the op's own error; the others: OwnerRoutingError
+        out["owner_failure"] = (type(exc).__name__, time.monotonic() - start, rt.broken is not None)
+
+    # 3. layers whose compiled graph is not routed: owner mode is refused up front, auto broadcasts
+    rt = owner_runtime(world, attention=shape)
+    rt.note_routing((0, 1), True)
+    rt.note_routing((2, 3), False)
+    try:
+        with rt.forward(True, mode="owner", load=StepLoad(3, 30)):
+            pass
+        out["unrouted_owner"] = None
+    except E.OwnerModeUnsupportedError as exc:
+        out["unrouted_owner"] = (str(exc), rt.broken is not None)
+    owner_forward(rt, attend=lambda layer, view: None, mode="auto", tokens=1)
+    out["unrouted_auto"] = rt.last_forward()["choice"]
+
+    # 4. rank 1's queries hold one token more than the agreed load
+    rt = owner_runtime(world, 3.0, attention=shape)
+
+    def mismatched(layer, view):
+        q_latent, q_pe = queries(rank, layer, tokens=4 if rank == 1 else 3)
+        routed_attention(layer)(q_latent, q_pe, rt.typed_views(layer)["kv"], table, seq_lens, query_lens, SCALE,
+                                layer)
+
+    try:
+        owner_forward(rt, attend=mismatched)
+        out["token_mismatch"] = None
+    except (E.OwnerRoutingError, E.TransferFailedError) as exc:
+        out["token_mismatch"] = (type(exc).__name__, str(exc))
+    if rank == 1:
+        time.sleep(5.0)  # stay connected, so the owner sees its own timeout rather than a closed peer
+    return out
+
+
 def test_owner_mode_failures_are_named_and_prompt():
-    results = run_ranks(owner_workers.owner_failures_worker, 2, timeout_s=120)
+    results = launch(owner_failures_ranks, 2)
     for rank, res in enumerate(results):
         # a non-owner's scratch slot is not written in owner mode; the owner's persistent cache is
         assert res["written"] == {layer: layer in res["owned"] for layer in range(4)}, res["written"]

@@ -4,26 +4,21 @@ import pytest
 import torch
 
 from kvpp_fx.cache.allocate import allocate_cache
-from kvpp_fx.cache.placement import KVPPPlan
-from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
+from kvpp_fx.cache.placement import BroadcastSchedule, KVPPPlan
 from kvpp_fx.runtime import errors as E
+from kvpp_fx.runtime.device import resolve_device_api
 from kvpp_fx.runtime.runtime import KVPPRuntime, current_runtime
+from tests.support.specs import toy_spec
+from tests.support.toy_runtime import toy_runtime
 
 
 def make_runtime(num_layers=4, drafts=0):
-    comps = (ComponentSpec("kv", "float32", (8,)),)
-    layers = [LayerCacheSpec(i, comps) for i in range(num_layers)]
-    layers += [LayerCacheSpec(num_layers + j, comps, is_draft=True) for j in range(drafts)]
-    plan = KVPPPlan(ModelCacheSpec("toy", 4, tuple(layers)), group_size=1)
-    return KVPPRuntime.create(plan, allocate_cache(plan, 0, 4))
+    return toy_runtime(None, spec=toy_spec(num_layers, drafts), num_blocks=4)
 
 
 def run_all(rt, layers):
-    rt.prefetch(layers[0], 0)
-    for k, layer in enumerate(layers):
-        rt.wait(layer, k % 2)
-        if k + 1 < len(layers):
-            rt.prefetch(layers[k + 1], (k + 1) % 2)
+    """The plan's schedule for its first layers `layers` (a prefix of the targets)."""
+    BroadcastSchedule(tuple(layers), rt.plan.depth).run(rt)
 
 
 def test_a_correct_forward_passes_and_returns_the_views():
@@ -159,8 +154,7 @@ def test_nested_forward_and_closed_runtime():
 
 
 def test_create_checks_group_and_storage():
-    comps = (ComponentSpec("kv", "float32", (8,)),)
-    spec = ModelCacheSpec("toy", 4, tuple(LayerCacheSpec(i, comps) for i in range(4)))
+    spec = toy_spec(4)
     plan2 = KVPPPlan(spec, group_size=2)
     with pytest.raises(ValueError, match="needs a process group"):
         KVPPRuntime.create(plan2, allocate_cache(plan2, 0, 4), None)
@@ -171,16 +165,21 @@ def test_create_checks_group_and_storage():
 
 
 def test_sharded_draft_layers_are_refused_at_creation():
-    comps = (ComponentSpec("kv", "float32", (8,)),)
-    layers = (LayerCacheSpec(0, comps), LayerCacheSpec(1, comps), LayerCacheSpec(2, comps, is_draft=True))
-    plan = KVPPPlan(ModelCacheSpec("toy", 4, layers), group_size=1, shard_draft_layers=True)
+    plan = KVPPPlan(toy_spec(2, drafts=1), group_size=1, shard_draft_layers=True)
     with pytest.raises(E.UnsupportedPlanError, match="shard_draft_layers=True is a planning what-if"):
         KVPPRuntime.create(plan, allocate_cache(plan, 0, 4))
 
 
 def test_a_group_of_one_ignores_the_block_set():
-    comps = (ComponentSpec("kv", "float32", (8,)),)
-    plan = KVPPPlan(ModelCacheSpec("toy", 4, tuple(LayerCacheSpec(i, comps) for i in range(2))), group_size=1)
-    with KVPPRuntime.create(plan, allocate_cache(plan, 0, 4)) as rt:
+    with make_runtime(2) as rt:
         with rt.forward(has_history=True, blocks=[0, 99]):  # a group of one moves nothing: ids unused
             run_all(rt, [0, 1])
+
+
+def test_a_device_api_named_by_a_string_is_built_on_the_cache_device():
+    api = resolve_device_api("tests.support.faults:SkippedScatter", "cpu")
+    assert type(api).__name__ == "SkippedScatter" and api.device == torch.device("cpu")
+    with pytest.raises(ValueError, match="'module:callable'"):
+        resolve_device_api("tests.support.faults.SkippedScatter", "cpu")
+    with pytest.raises(TypeError, match="returned str, not a DeviceAPI"):
+        resolve_device_api("builtins:str", "cpu")

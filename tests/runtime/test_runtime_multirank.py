@@ -1,21 +1,78 @@
 """The runtime on real ranks: gloo on 127.0.0.1, spawned processes, timeouts everywhere.
 
-Every correctness test here has a negative control: the same test with a deliberate fault fails.
+Every correctness test here has a negative control: the same test with a deliberate fault fails. Each
+case is a rank function (module level, so the spawned ranks import it from here) and a test.
 """
 
-import pytest
+from __future__ import annotations
 
-from kvpp_fx.launch import run_ranks
-from tests.runtime import workers
+import contextlib
+import os
+import random
+import resource
+import time
+import tracemalloc
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kvpp_fx.cache.spec import ComponentSpec
+from kvpp_fx.runtime import errors as E
+from kvpp_fx.runtime.device import DeviceAPI
+from kvpp_fx.runtime.runtime import KVPPRuntime
+from kvpp_fx.topology import create_kvpp_process_groups
+from tests.runtime.ordering import RecordingDeviceAPI, check_happens_before
+from tests.support.faults import DroppedBlock, FailingWait, SkewedBroadcasts, UnwaitedBroadcasts
+from tests.support.launch import fresh_group, kvpp_group, launch
+from tests.support.specs import TOY_BLOCK, TOY_WIDTH, toy_spec
+from tests.support.toy_runtime import TOY_BLOCKS, pattern, run_layers, toy_runtime, write_owned
 
 pytestmark = pytest.mark.multirank
+
+
+def stage_runtime(world: int, tp: int, pp: int, num_layers: int, *, pg_timeout_s: float = 20.0,
+                  **create) -> KVPPRuntime:
+    """This rank's runtime over its pipeline stage's layers and its stage's KVPP group."""
+    group = kvpp_group(world, tp=tp, pp=pp, timeout_s=pg_timeout_s)
+    per_stage = num_layers // pp
+    stage = dist.get_rank() // tp
+    return toy_runtime(group, num_layers, layers=tuple(range(stage * per_stage, (stage + 1) * per_stage)), **create)
+
+
+# --- every rank reads the owner's bytes -----------------------------------------------------------------
+
+def correctness_ranks(rank: int, world: int, tp: int, pp: int, num_layers: int, forwards: int):
+    rt = stage_runtime(world, tp, pp, num_layers)
+    me = rt.rank
+    mismatches, records = [], []
+    for f in range(forwards):
+        has_history = f % 3 != 0
+        write_owned(rt, f)
+
+        def check(layer, view):
+            typed = rt.typed_views(layer)["kv"]
+            assert typed.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+            if has_history or rt.plan.owner(layer) == me:
+                if not torch.equal(typed, pattern(f, layer)):
+                    mismatches.append((f, layer))
+
+        with rt.forward(has_history):
+            run_layers(rt, check)
+        records.append(rt.stats()["last_forward"])
+    stats = rt.stats()
+    rt.close()
+    return {"mismatches": mismatches, "stats": stats, "records": records, "layers": list(rt.plan.target_layers),
+            "owned": list(rt.plan.owned_layers(me))}
 
 
 @pytest.mark.parametrize("world,tp,pp", [(2, 2, 1), (4, 4, 1), (4, 2, 2)], ids=["tp2", "tp4", "tp2xpp2"])
 def test_every_rank_reads_the_owners_bytes(world, tp, pp):
     forwards = 6
-    results = run_ranks(workers.correctness_worker, world, tp, pp, 8, forwards, timeout_s=120)
-    bytes_per_layer = workers.BLOCKS * workers.BLOCK * workers.WIDTH * 4
+    results = launch(correctness_ranks, world, tp, pp, 8, forwards)
+    bytes_per_layer = TOY_BLOCKS * TOY_BLOCK * TOY_WIDTH * 4
     for rank, res in enumerate(results):
         assert res["mismatches"] == [], f"rank {rank}"
         stage_layers = res["layers"]
@@ -38,10 +95,48 @@ def test_every_rank_reads_the_owners_bytes(world, tp, pp):
     assert owned == list(range(8))
 
 
+# --- races under random skews -----------------------------------------------------------------------------
+
+class UnwaitedSkewedBroadcasts(UnwaitedBroadcasts, SkewedBroadcasts):
+    """The race's negative control: skewed broadcasts that are never waited for."""
+
+
+def race_ranks(rank: int, world: int, forwards: int, fault: str | None = None):
+    """Decode-like steps under random 0-20 ms issue skews; each wait's view is checked, written, re-checked."""
+    rng = torch.Generator().manual_seed(1234)  # same on every rank: all ranks compute identical KV
+    api = (UnwaitedSkewedBroadcasts if fault == "no-wait" else SkewedBroadcasts)("cpu", max_s=0.020, seed=rank)
+    rt = stage_runtime(world, world, 1, 6, device_api=api)
+    me = rt.rank
+    reference = {layer: torch.zeros(TOY_BLOCKS, TOY_BLOCK, TOY_WIDTH) for layer in rt.plan.target_layers}
+    early = []
+    for step in range(forwards):
+        new_tokens = {layer: torch.randn(TOY_WIDTH, generator=rng) for layer in rt.plan.target_layers}
+        block, offset = divmod(step, TOY_BLOCK)
+
+        def attend(layer, view):
+            kv = rt.typed_views(layer)["kv"]
+            if step > 0 and not torch.equal(kv, reference[layer]):
+                early.append(("before-write", step, layer))
+            kv[block, offset] = new_tokens[layer]         # the cache write of this step's token
+            reference[layer][block, offset] = new_tokens[layer]
+            time.sleep(0.001)                             # attention reads while the next layer streams in
+            if not torch.equal(kv, reference[layer]):
+                early.append(("after-write", step, layer))
+
+        with rt.forward(has_history=step > 0):
+            run_layers(rt, attend)
+    if fault is not None:
+        time.sleep(0.2)  # let stray broadcasts land before the group goes away
+    final_ok = all(torch.equal(rt.typed_views(layer)["kv"], reference[layer]) for layer in rt.plan.owned_layers(me))
+    stats = rt.stats()
+    rt.close()
+    return {"early": early, "final_ok": final_ok, "broadcasts": stats["broadcasts"]}
+
+
 @pytest.mark.parametrize("fault", [None, "no-wait"], ids=["runtime", "negative-control-no-wait"])
 def test_race_random_skews_never_read_a_view_early(fault):
     forwards = 40
-    results = run_ranks(workers.race_worker, 2, forwards, fault, timeout_s=180)
+    results = launch(race_ranks, 2, forwards, fault, timeout_s=180)
     if fault is None:
         for res in results:
             assert res["early"] == []
@@ -51,10 +146,43 @@ def test_race_random_skews_never_read_a_view_early(fault):
         assert any(res["early"] for res in results)
 
 
+# --- failures -----------------------------------------------------------------------------------------------
+
+def dying_ranks(rank: int, world: int, victim: int, how: str, timeout_s: float):
+    """`victim` dies (``how="kill"``) or stalls alive (``"stall"``) in the middle of a forward."""
+    # "kill" passes the runtime a timeout; "stall" leaves it to the process group's own
+    kwargs = {"pg_timeout_s": 60.0, "timeout": timeout_s} if how == "kill" else {"pg_timeout_s": timeout_s}
+    rt = stage_runtime(world, world, 1, 8, **kwargs)
+    with rt.forward(has_history=True):
+        run_layers(rt)
+    start = time.monotonic()
+
+    def maybe_die(layer, view):
+        if rank == victim and layer == 2:
+            if how == "kill":
+                os._exit(17)
+            time.sleep(timeout_s + 15.0)  # alive, but issuing no collective
+            os._exit(0)
+
+    try:
+        with rt.forward(has_history=True):
+            run_layers(rt, maybe_die)
+    except E.TransferFailedError as exc:
+        elapsed = time.monotonic() - start
+        try:
+            with rt.forward(has_history=True):
+                pass
+        except E.RuntimeBrokenError as later:
+            return {"error": type(exc).__name__, "elapsed": elapsed, "later": type(later).__name__,
+                    "message": str(exc)}
+        return {"error": type(exc).__name__, "elapsed": elapsed, "later": None}
+    return {"error": None, "elapsed": time.monotonic() - start}
+
+
 @pytest.mark.parametrize("how", ["kill", "stall"])
 def test_a_dead_or_stalled_peer_becomes_an_error_within_the_timeout(how):
     timeout = 3.0
-    results = run_ranks(workers.dying_worker, 3, 1, how, timeout, timeout_s=90, may_die={1})
+    results = launch(dying_ranks, 3, 1, how, timeout, timeout_s=90, may_die={1})
     assert results[1] is None or how == "stall"
     for rank in (0, 2):
         res = results[rank]
@@ -65,8 +193,39 @@ def test_a_dead_or_stalled_peer_becomes_an_error_within_the_timeout(how):
         assert {results[r]["error"] for r in (0, 2)} == {"TransferTimeoutError"}
 
 
+def failing_transfer_ranks(rank: int, world: int):
+    rt = stage_runtime(world, world, 1, 4, device_api=FailingWait("cpu", fail_at=3))
+    seen = []
+    try:
+        with rt.forward(has_history=True):
+            rt.prefetch(0, 0)
+            rt.wait(0, 0)
+            rt.prefetch(1, 1)
+            rt.wait(1, 1)
+            rt.prefetch(2, 0)
+            try:
+                rt.wait(2, 0)
+            except E.TransferFailedError as exc:
+                seen.append(("wait", type(exc).__name__, str(exc), type(exc.__cause__).__name__))
+            try:
+                rt.prefetch(3, 1)
+            except E.RuntimeBrokenError as exc:
+                seen.append(("prefetch", type(exc).__name__, str(exc)))
+    except Exception as exc:  # the forward must not mask anything at exit
+        seen.append(("exit", type(exc).__name__, str(exc)))
+    for has_history in (False, True):  # broken for good, with or without history
+        try:
+            with rt.forward(has_history=has_history):
+                seen.append(("entered", has_history))
+        except E.RuntimeBrokenError as exc:
+            seen.append(("later", type(exc).__name__, str(exc)))
+    seen.append(("stats-broken", rt.stats()["broken"]))
+    rt.close()
+    return seen
+
+
 def test_a_failed_transfer_breaks_the_runtime_for_good():
-    for seen in run_ranks(workers.failing_transfer_worker, 2, timeout_s=60):
+    for seen in launch(failing_transfer_ranks, 2, timeout_s=60):
         assert seen[0][:2] == ("wait", "TransferFailedError")
         assert "broadcast of layer 2 failed: injected transfer failure" in seen[0][2]
         assert seen[0][3] == "OSError"
@@ -78,9 +237,73 @@ def test_a_failed_transfer_breaks_the_runtime_for_good():
         assert len(seen) == 6, seen
 
 
+# --- aborted forwards ---------------------------------------------------------------------------------
+
+class Abort(Exception):
+    """The stand-in for any exception a model raises mid-forward."""
+
+
+def abort_ranks(rank: int, world: int, trials: int, later_forwards: int, mode: str, recovery: str):
+    """Each trial: a fresh group; forward 0 runs clean, forward 1 aborts, then `later_forwards` forwards.
+
+    ``mode="after-first"``: every rank raises right after ``prefetch(first)``, with a random 0-20 ms skew.
+    ``mode="mixed"``: rank 0 raises before its first prefetch, the others right after it.
+    ``recovery="none"`` keeps the runtime; ``"new-runtime"`` (the negative control) replaces it before
+    each later forward by a new runtime over the same group and cache: that forgets the group may be
+    out of step, as a runtime that never broke would (recovery needs a new group too).
+    Returns, per trial, what each later forward did: "exact", "broken", "failed:<Error>" or "wrong".
+    """
+    skew = random.Random(rank * 7919 + 17)
+    outcomes, wrong = [], []
+    for trial in range(trials):
+        group = fresh_group(world, timeout_s=4.0)
+        rt = toy_runtime(group, 4, timeout=3.0)
+        forward = 0
+        write_owned(rt, forward)
+        with rt.forward(has_history=True):
+            run_layers(rt)
+        forward += 1
+        write_owned(rt, forward)
+        first = rt.plan.target_layers[0]
+        try:
+            with rt.forward(has_history=True):
+                if mode == "mixed" and rank == 0:
+                    raise Abort("before the first prefetch")
+                rt.prefetch(first, rt.plan.slot(first))
+                time.sleep(skew.uniform(0.0, 0.020))
+                raise Abort("after the first prefetch")
+        except Abort:
+            pass
+        trial_outcomes = []
+        for _ in range(later_forwards):
+            if recovery == "new-runtime":
+                rt = KVPPRuntime.create(rt.plan, rt.storage, group, timeout=3.0)
+            forward += 1
+            write_owned(rt, forward)
+            f = forward
+
+            def check(layer, view, f=f):
+                if not torch.equal(rt.typed_views(layer)["kv"], pattern(f, layer)):
+                    wrong.append((trial, f, layer))
+                    raise E.KVPPRuntimeError(f"wrong bytes for layer {layer}")
+
+            try:
+                with rt.forward(has_history=True):
+                    run_layers(rt, check)
+                trial_outcomes.append("exact")
+            except E.RuntimeBrokenError:
+                trial_outcomes.append("broken")
+            except E.KVPPRuntimeError as exc:
+                trial_outcomes.append("wrong" if "wrong bytes" in str(exc) else f"failed:{type(exc).__name__}")
+        outcomes.append(trial_outcomes)
+        rt.close()
+        time.sleep(0.05)
+    return {"outcomes": outcomes, "wrong": wrong}
+
+
 @pytest.mark.parametrize("mode", ["after-first", "mixed"])
 def test_an_aborted_forward_never_yields_wrong_bytes_later(mode):
-    results = run_ranks(workers.abort_worker, 2, 4, 3, mode, None, timeout_s=150)
+    results = launch(abort_ranks, 2, 4, 3, mode, "none", timeout_s=150)
     for rank, res in enumerate(results):
         assert res["wrong"] == [], res
         for outcomes in res["outcomes"]:
@@ -91,13 +314,35 @@ def test_an_aborted_forward_never_yields_wrong_bytes_later(mode):
 
 
 def test_negative_control_without_breaking_an_abort_yields_wrong_bytes():
-    results = run_ranks(workers.abort_worker, 2, 1, 3, "mixed", "no-break", timeout_s=150)
+    results = launch(abort_ranks, 2, 1, 3, "mixed", "new-runtime", timeout_s=150)
     assert any(res["wrong"] for res in results), results
+
+
+# --- protocol errors on real ranks --------------------------------------------------------------------
+
+def one_rank_errs_ranks(rank: int, world: int, timeout_s: float):
+    """Rank 0 makes a protocol error mid-forward; rank 1 carries on. Neither may hang."""
+    rt = stage_runtime(world, world, 1, 4, timeout=timeout_s)
+    start = time.monotonic()
+    try:
+        with rt.forward(has_history=True):
+            rt.prefetch(0, 0)
+            rt.wait(0, 0)
+            if rank == 0:
+                rt.wait(1, 1)  # nothing pending: WaitMismatchError
+            rt.prefetch(1, 1)
+            rt.wait(1, 1)
+            rt.prefetch(2, 0)
+            rt.wait(2, 0)
+    except E.KVPPRuntimeError as exc:
+        return {"error": type(exc).__name__, "elapsed": time.monotonic() - start,
+                "broken": rt.broken is not None}
+    return {"error": None, "elapsed": time.monotonic() - start}
 
 
 def test_one_rank_raising_a_protocol_error_does_not_hang_its_peer():
     timeout = 3.0
-    results = run_ranks(workers.one_rank_errs_worker, 2, timeout, timeout_s=60)
+    results = launch(one_rank_errs_ranks, 2, timeout, timeout_s=60)
     assert results[0]["error"] == "WaitMismatchError" and results[0]["broken"]
     # rank 1 waits for a broadcast rank 0 never issues: a timeout, or a closed connection once rank 0 exits
     assert results[1]["error"] in ("TransferTimeoutError", "TransferFailedError") and results[1]["broken"]
@@ -105,9 +350,60 @@ def test_one_rank_raising_a_protocol_error_does_not_hang_its_peer():
         assert res["elapsed"] < timeout + 5.0
 
 
+# --- overlap ------------------------------------------------------------------------------------------
+
+class OwnerWaitsForPeer(DeviceAPI):
+    """The owner issues each broadcast only once its peer has *returned* from the same prefetch.
+
+    Both ranks issue every broadcast in the same order, so the n-th broadcast of one rank is the n-th of
+    the other: the receiver leaves a flag file named by n when its prefetch returns, and the owner's
+    broadcast n waits for that flag (at most `deadline_s`)."""
+
+    def __init__(self, device, folder: Path, deadline_s: float) -> None:
+        super().__init__(device)
+        self.folder, self.deadline_s = folder, deadline_s
+        self.issued = 0
+
+    def flag(self, n: int) -> Path:
+        return self.folder / f"returned-{n}"
+
+    def broadcast(self, tensor, src, group):
+        n, self.issued = self.issued, self.issued + 1
+        if src == dist.get_rank():
+            end = time.monotonic() + self.deadline_s
+            while not self.flag(n).exists():
+                if time.monotonic() > end:
+                    raise TimeoutError(f"the peer never returned from prefetch (broadcast {n})")
+                time.sleep(0.002)
+        return super().broadcast(tensor, src, group)
+
+
+def overlap_handshake_ranks(rank: int, world: int, signal_dir: str, overlap: bool, deadline_s: float):
+    """If a prefetch completed its broadcast before returning, the receiver would never return, the
+    owner's broadcast would give up after `deadline_s`, and the forward would fail."""
+    api = OwnerWaitsForPeer("cpu", Path(signal_dir), deadline_s)
+    rt = stage_runtime(world, world, 1, 4, timeout=deadline_s + 2, device_api=api, overlap=overlap)
+
+    def returned_from_prefetch(layer: int) -> None:
+        if rt.plan.owner(layer) != rank:
+            api.flag(api.issued - 1).touch()
+
+    try:
+        for f in range(3):
+            write_owned(rt, f)
+            wrong = []
+            with rt.forward(has_history=True):
+                run_layers(rt, lambda layer, view: wrong.append(layer) if not torch.equal(
+                    rt.typed_views(layer)["kv"], pattern(f, layer)) else None, after_prefetch=returned_from_prefetch)
+            assert not wrong, wrong
+    except Exception as exc:
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    return {"ok": True}
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "negative-control-serial"])
 def test_prefetch_returns_before_its_broadcast_completes(tmp_path, overlap):
-    results = run_ranks(workers.overlap_handshake_worker, 2, str(tmp_path), overlap, 3.0, timeout_s=60)
+    results = launch(overlap_handshake_ranks, 2, str(tmp_path), overlap, 3.0, timeout_s=60)
     if overlap:
         assert all(res["ok"] for res in results), results
     else:  # a prefetch that completes its broadcast before returning cannot pass the handshake
@@ -115,11 +411,43 @@ def test_prefetch_returns_before_its_broadcast_completes(tmp_path, overlap):
         assert any("never returned from prefetch" in (res["error"] or "") for res in results)
 
 
+# --- device ordering ------------------------------------------------------------------------------------
+
+def ordering_ranks(rank: int, world: int, drop_waits_on: tuple[str, ...], forwards: int, side_stream: bool = False,
+                   blocks: tuple[int, ...] | None = None):
+    """Decode-like forwards over a recording device API; the happens-before relation is then checked.
+
+    With ``side_stream`` the later forwards run under another current stream (as under a CUDA-graph
+    capture or a user's stream context): the runtime must order against that stream, not the default.
+    With ``blocks`` forward f sends the first f + 1 of them as active blocks: the staging buffer is
+    shared by every layer's gather, broadcast and scatter.
+    """
+    api = RecordingDeviceAPI(drop_waits_on)
+    rt = toy_runtime(kvpp_group(world), 5, device_api=api, staging_fraction=0.5 if blocks is not None else None)
+    side = api.new_stream()
+    for f in range(forwards):
+        def attend(layer, view):
+            api.access(view, "read", f"forward {f} attention reads L{layer}")
+            api.access(view, "write", f"forward {f} attention writes L{layer}'s new token")
+
+        on_side = side_stream and f >= forwards // 2
+        if on_side and f == forwards // 2:  # switching streams: the new one first waits for the old (wait_stream)
+            switch = api.new_event()
+            switch.record(api.current_stream())
+            side.wait_event(switch)
+        with api.stream(side) if on_side else contextlib.nullcontext():
+            with rt.forward(has_history=f > 0, blocks=list(blocks[: f + 1]) if blocks is not None else None):
+                run_layers(rt, attend)
+    rt.close()
+    report = check_happens_before(api.log)
+    return {"races": report.races, "accesses": report.accesses, "collectives": report.collectives}
+
+
 @pytest.mark.parametrize("drop,side_stream", [((), False), ((), True), (("transfer",), False), (("compute",), False)],
                          ids=["runtime", "runtime-on-a-side-stream", "negative-control-no-ready-wait",
                               "negative-control-no-done-wait"])
 def test_device_ordering_happens_before(drop, side_stream):
-    results = run_ranks(workers.ordering_worker, 2, drop, 4, side_stream, timeout_s=60)
+    results = launch(ordering_ranks, 2, drop, 4, side_stream, timeout_s=60)
     for res in results:
         # 3 forwards with history x 5 broadcasts, and each of the 4 forwards' agreement all-reduce
         assert res["collectives"] == 3 * 5 + 4 and res["accesses"] == 2 * 5 * 4
@@ -131,8 +459,45 @@ def test_device_ordering_happens_before(drop, side_stream):
         assert any("broadcast" in race.split(" is not")[0] for res in results for race in res["races"])
 
 
+# --- bounded memory -------------------------------------------------------------------------------------
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def leaf_count(value) -> int:
+    """How many numbers and strings a nested structure holds (its size, whatever the magnitudes)."""
+    if isinstance(value, dict):
+        return sum(1 + leaf_count(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(leaf_count(v) for v in value)
+    return 1
+
+
+def memory_ranks(rank: int, world: int, forwards: int, warmup: int):
+    rt = stage_runtime(world, world, 1, 4)
+    sizes, rss = {}, {}
+    for f in range(forwards):
+        if f == warmup:
+            tracemalloc.start()
+            base_traced = tracemalloc.get_traced_memory()[0]
+            rss["warm"] = _rss_bytes()
+            sizes["warm"] = leaf_count(rt.stats())
+        with rt.forward(has_history=True):
+            run_layers(rt)
+    traced = tracemalloc.get_traced_memory()[0] - base_traced
+    tracemalloc.stop()
+    rss["end"] = _rss_bytes()
+    sizes["end"] = leaf_count(rt.stats())
+    stats = rt.stats()
+    rt.close()
+    return {"sizes": sizes, "rss": rss, "traced_growth": traced, "forwards": stats["forwards"],
+            "broadcasts": stats["broadcasts"]}
+
+
 def test_memory_and_stats_stay_flat_over_3000_forwards():
-    results = run_ranks(workers.memory_worker, 2, 3000, 300, timeout_s=300)
+    results = launch(memory_ranks, 2, 3000, 300, timeout_s=300)
     for res in results:
         assert res["forwards"] == 3000 and res["broadcasts"] == 3000 * 4
         assert res["sizes"]["end"] == res["sizes"]["warm"]
@@ -140,11 +505,65 @@ def test_memory_and_stats_stay_flat_over_3000_forwards():
         assert res["rss"]["end"] - res["rss"]["warm"] < 8 * 2**20, res
 
 
-
 # --- active blocks ----------------------------------------------------------------------------------------
 
+SFA_LIKE = (ComponentSpec("kv", "bfloat16", (576,)), ComponentSpec("indexer", "int8", (128,)),
+            ComponentSpec("indexer_scale", "float32", (1,)))
+
+
+def fill_layer(rt: KVPPRuntime, layer: int, seed: int) -> None:
+    """Deterministic bytes for one layer's whole bundle (every component, every block)."""
+    view = rt.view(layer)
+    gen = torch.Generator().manual_seed(seed * 1000 + layer)
+    view.copy_(torch.randint(0, 256, view.shape, dtype=torch.uint8, generator=gen))
+
+
+def expected_layer(rt: KVPPRuntime, layer: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1000 + layer)
+    return torch.randint(0, 256, rt.view(layer).shape, dtype=torch.uint8, generator=gen)
+
+
+def active_fuzz_ranks(rank: int, world: int, rounds: int, fault: str | None):
+    """Random active sets over a bundle of three dtypes; check every listed block, and nothing else, moved."""
+    num_blocks = 40
+    rt = toy_runtime(kvpp_group(world), spec=toy_spec(4, components=SFA_LIKE, name="sfa-like"), num_blocks=num_blocks,
+                     staging_fraction=0.5, crossover=0.5, device_api=DroppedBlock("cpu") if fault == "drop-block" else None)
+    plan = rt.plan
+    rng = random.Random(99)  # the same sets on every rank
+    bpb = plan.bundle_bytes_per_block(0)
+    problems, records = [], []
+    for r in range(rounds):
+        count = rng.randint(0, num_blocks if r % 4 == 3 else plan.staging_blocks(num_blocks))
+        blocks = rng.sample(range(num_blocks), count)
+        for layer in rt.plan.owned_layers(rt.rank):
+            fill_layer(rt, layer, r)
+        for slot in rt.storage.scratch:  # a sentinel, so a block sent by mistake shows
+            slot.fill_(0xA5)
+
+        def check(layer, view):
+            if rt.plan.owner(layer) == rt.rank:
+                return
+            got = rt.storage.block_views(layer)
+            want_bytes = expected_layer(rt, layer, r)
+            for where, got_c in zip(rt.plan.layout(layer, num_blocks), got):
+                want_c = want_bytes[where.offset: where.offset + where.size].view(num_blocks, -1)
+                whole = len(blocks) > plan.staging_blocks(num_blocks)  # sent as the whole layer
+                for b in range(num_blocks):
+                    expected = want_c[b] if whole or b in blocks else torch.full_like(got_c[b], 0xA5)
+                    if not torch.equal(got_c[b], expected):
+                        problems.append((r, layer, where.name, b, b in blocks))
+
+        with rt.forward(has_history=True, blocks=blocks):
+            run_layers(rt, check)
+        records.append((count, rt.last_forward()["bytes"]))
+    rt.close()
+    return {"problems": problems[:20], "n_problems": len(problems), "records": records, "bpb": bpb,
+            "staging_blocks": plan.staging_blocks(num_blocks), "num_blocks": num_blocks,
+            "layer_bytes": rt.view(0).numel()}
+
+
 def test_active_block_fuzz_every_listed_block_arrives_and_nothing_else():
-    results = run_ranks(workers.active_fuzz_worker, 2, 25, None, timeout_s=120)
+    results = launch(active_fuzz_ranks, 2, 25, None)
     for res in results:
         assert res["n_problems"] == 0, res["problems"]
         whole_forwards = 0
@@ -160,26 +579,84 @@ def test_active_block_fuzz_every_listed_block_arrives_and_nothing_else():
 
 
 def test_negative_control_a_dropped_block_is_missing_at_the_receiver():
-    results = run_ranks(workers.active_fuzz_worker, 2, 6, "drop-block", timeout_s=120)
+    results = launch(active_fuzz_ranks, 2, 6, "drop-block")
     assert any(res["n_problems"] for res in results)
     assert all(listed for res in results for (_, _, _, _, listed) in res["problems"])  # only listed blocks
 
 
+class AgreementRecordingAPI(DeviceAPI):
+    """Records the group each agreement all-reduce runs on."""
+
+    def __init__(self, device) -> None:
+        super().__init__(device)
+        self.groups = []
+
+    def all_reduce_max(self, tensor, group):
+        self.groups.append(group)
+        return super().all_reduce_max(tensor, group)
+
+
+MISMATCHES = {  # rank 0's and rank 1's (has_history, blocks)
+    "same-size": ((True, [1, 2, 3]), (True, [1, 2, 4])),
+    "other-size": ((True, [1, 2, 3]), (True, [1, 2])),
+    "set-and-whole": ((True, [1, 2]), (True, None)),
+    "empty-and-set": ((True, []), (True, [5])),
+    "history": ((True, None), (False, None)),
+}
+
+
+def mismatched_sets_ranks(rank: int, world: int, cases: list[str], host_agreement: bool = False):
+    """Ranks disagree on what a forward moves: every rank must raise BlockSetMismatchError before any byte
+    moves, and the runtime stays usable (the agreement itself kept the group in step).
+
+    ``host_agreement`` runs the agreement on a host-side group of its own, as on a device.
+    """
+    group = kvpp_group(world)
+    agreement = kvpp_group(world, backend="gloo") if host_agreement else None
+    api = AgreementRecordingAPI("cpu")
+    rt = toy_runtime(group, 4, staging_fraction=0.5, timeout=5.0, agreement_group=agreement, device_api=api)
+    outcome = {}
+    try:  # validated on each rank before the agreement: every rank refuses, nothing is issued
+        with rt.forward(has_history=True, blocks=[0, TOY_BLOCKS]):
+            pass
+    except E.InvalidBlocksError as exc:
+        outcome["out-of-range"] = str(exc)
+    for case in cases:
+        has_history, blocks = MISMATCHES[case][rank]
+        try:
+            with rt.forward(has_history=has_history, blocks=blocks):
+                run_layers(rt)
+            outcome[case] = "ok"
+        except E.KVPPRuntimeError as exc:
+            outcome[case] = type(exc).__name__
+    write_owned(rt, 7)
+    wrong = []
+    with rt.forward(has_history=True, blocks=[0, 9]):  # an agreed forward afterwards moves exact bytes
+        run_layers(rt, lambda layer, view: wrong.append(layer) if not torch.equal(
+            rt.typed_views(layer)["kv"][[0, 9]], pattern(7, layer)[[0, 9]]) else None)
+    outcome["after"] = "exact" if not wrong else f"wrong {wrong}"
+    outcome["bytes"] = rt.last_forward()["bytes"]
+    outcome["agreement_groups"] = {"agreement" if g is agreement else "kvpp" if g is group else "other"
+                                   for g in api.groups}
+    rt.close()
+    return outcome
+
+
 @pytest.mark.parametrize("host_agreement", [False, True], ids=["on-the-kvpp-group", "on-a-host-group"])
 def test_ranks_that_disagree_on_the_set_get_a_named_error(host_agreement):
-    cases = list(workers.MISMATCHES)
-    for outcome in run_ranks(workers.mismatched_sets_worker, 2, cases, host_agreement, timeout_s=60):
+    cases = list(MISMATCHES)
+    for outcome in launch(mismatched_sets_ranks, 2, cases, host_agreement, timeout_s=60):
         assert {case: outcome[case] for case in cases} == dict.fromkeys(cases, "BlockSetMismatchError")
-        assert outcome["out-of-range"] == f"block id {workers.BLOCKS} is outside the pool of {workers.BLOCKS} blocks."
+        assert outcome["out-of-range"] == f"block id {TOY_BLOCKS} is outside the pool of {TOY_BLOCKS} blocks."
         assert outcome["after"] == "exact"
         assert outcome["agreement_groups"] == {"agreement" if host_agreement else "kvpp"}
-        assert outcome["bytes"] == 4 * 2 * (workers.BLOCK * workers.WIDTH * 4 + 8)
+        assert outcome["bytes"] == 4 * 2 * (TOY_BLOCK * TOY_WIDTH * 4 + 8)
 
 
 @pytest.mark.parametrize("drop", [(), ("transfer",), ("compute",)],
                          ids=["runtime", "negative-control-no-ready-wait", "negative-control-no-done-wait"])
 def test_staging_reuse_is_ordered_on_the_device(drop):
-    results = run_ranks(workers.active_ordering_worker, 2, drop, 4, timeout_s=60)
+    results = launch(ordering_ranks, 2, drop, 4, False, (0, 3, 5, 6), timeout_s=60)
     for res in results:
         assert res["collectives"] == 3 * 5 + 4
         if not drop:
@@ -188,6 +665,16 @@ def test_staging_reuse_is_ordered_on_the_device(drop):
         assert results[1]["races"]
 
 
+def wrong_agreement_group_ranks(rank: int, world: int):
+    group = kvpp_group(world)
+    solo = create_kvpp_process_groups([[r] for r in range(world)], timeout=timedelta(seconds=20))
+    try:
+        toy_runtime(group, 4, agreement_group=solo)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def test_an_agreement_group_of_other_ranks_is_refused():
-    for message in run_ranks(workers.wrong_agreement_group_worker, 2, timeout_s=60):
+    for message in launch(wrong_agreement_group_ranks, 2, timeout_s=60):
         assert message is not None and "agreement group's ranks" in message

@@ -1,11 +1,31 @@
-"""Deliberate faults, entering the library only through its seams (a `DeviceAPI` or a transport).
+"""Deliberate faults, entering the library only through its seam: a `DeviceAPI` subclass.
 
-Each is the negative control of an equality test: with it the outputs must differ.
+Each is the negative control of an equality test: with it the outputs must differ. A fault is given to
+``KVPPRuntime.create(device_api=...)`` directly, or named ``"tests.support.faults:<callable>"`` (called
+with the cache's device) where the runtime is built in another process: ``EngineConfig(device_api=...)``,
+``generate(device_api=...)``, the vLLM workers' ``kvpp_set_device_api``.
+
+A forward's collectives come in a fixed order, which the runtime's protocol enforces on every rank: one
+agreement all-reduce, then one broadcast per target layer in plan order (with history, in broadcast
+mode). So a fault counts broadcasts from the forward's agreement to know which layer one belongs to.
 """
 
 from __future__ import annotations
 
+import random
+import time
+
+import torch
+import torch.distributed as dist
+
 from kvpp_fx.runtime.device import DeviceAPI
+
+
+class _DoneWork:
+    """The work handle of a collective that was never issued."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
 
 
 class SkippedScatter(DeviceAPI):
@@ -14,3 +34,103 @@ class SkippedScatter(DeviceAPI):
 
     def scatter_blocks(self, dest, ids, source) -> None:
         return None
+
+
+class DroppedBroadcast(DeviceAPI):
+    """The owner of the `position`-th target layer of every forward sends zeros instead of its bytes:
+    whole layers as a zero buffer of the layer's size, active blocks as zero blocks behind the true ids
+    (so the receivers' id check passes). The owner's own view is untouched."""
+
+    def __init__(self, device, position: int) -> None:
+        super().__init__(device)
+        self.position = position
+        self._broadcasts = 0  # in this forward
+        self._packed_zeros = False  # the faulty layer's active blocks were packed as zeros
+        self._zeros: torch.Tensor | None = None  # what the faulty whole-layer broadcast sends
+
+    def all_reduce_max(self, tensor, group):
+        self._broadcasts = 0  # the agreement starts every forward
+        return super().all_reduce_max(tensor, group)
+
+    def gather_blocks(self, source, ids, out) -> None:
+        if self._broadcasts == self.position:  # the owner packs the faulty layer's blocks, before its broadcast
+            out.zero_()
+            self._packed_zeros = True
+            return
+        super().gather_blocks(source, ids, out)
+
+    def broadcast(self, tensor, src, group):
+        whole_layer = self._broadcasts == self.position and src == dist.get_rank() and not self._packed_zeros
+        self._broadcasts += 1
+        self._packed_zeros = False
+        if whole_layer:
+            self._zeros = torch.zeros_like(tensor)
+            return super().broadcast(self._zeros, src, group)
+        return super().broadcast(tensor, src, group)
+
+
+def dropped_broadcast_of_layer_2(device) -> DroppedBroadcast:
+    """`DroppedBroadcast` of the plan's third target layer (layer 2 of the reference presets)."""
+    return DroppedBroadcast(device, position=2)
+
+
+class DroppedBlock(DeviceAPI):
+    """Receivers leave the highest listed block out of every active-block scatter: that block of their
+    slot keeps whatever it held before (another layer's bytes, where layers share the slot)."""
+
+    def scatter_blocks(self, dest, ids, source) -> None:
+        super().scatter_blocks(dest, ids[:-1], source[:-1])
+
+
+class SwappedHeads(DeviceAPI):
+    """Owners scatter each rank the output heads of the next rank instead of its own."""
+
+    def scatter(self, tensor, scatter_list, src, group):
+        if scatter_list is not None:
+            scatter_list = scatter_list[1:] + scatter_list[:1]
+        return super().scatter(tensor, scatter_list, src, group)
+
+
+class SkippedGather(DeviceAPI):
+    """No owner-mode gather is issued on any rank: owners compute with their own queries in place of
+    every other rank's."""
+
+    def gather(self, tensor, gather_list, dst, group):
+        for part in gather_list or ():
+            part.copy_(tensor)
+        return _DoneWork()
+
+
+class UnwaitedBroadcasts(DeviceAPI):
+    """The broadcasts are never waited for, so attention may read a slot before its bytes land."""
+
+    def wait_work(self, work, timeout) -> None:
+        return None
+
+
+class FailingWait(DeviceAPI):
+    """The `fail_at`-th wait for a collective's work (counting from 1) reports an error."""
+
+    def __init__(self, device, fail_at: int) -> None:
+        super().__init__(device)
+        self.fail_at = fail_at
+        self.calls = 0
+
+    def wait_work(self, work, timeout) -> None:
+        super().wait_work(work, timeout)
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise OSError("injected transfer failure")
+
+
+class SkewedBroadcasts(DeviceAPI):
+    """Each broadcast is issued after a random sleep of up to `max_s` seconds, so ranks issue with a skew."""
+
+    def __init__(self, device, max_s: float, seed: int) -> None:
+        super().__init__(device)
+        self.max_s = max_s
+        self._rng = random.Random(seed)
+
+    def broadcast(self, tensor, src, group):
+        time.sleep(self._rng.uniform(0.0, self.max_s))
+        return super().broadcast(tensor, src, group)

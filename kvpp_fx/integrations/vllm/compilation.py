@@ -31,7 +31,7 @@ from kvpp_fx.backend import KVPPBackend
 from kvpp_fx.integrations.vllm.compile_modes import inner_backend
 from kvpp_fx.integrations.vllm.state import EngineState, current_engine
 from kvpp_fx.passes.layer_table import LayerTable
-from kvpp_fx.passes.registry import find_spec, layer_of
+from kvpp_fx.passes.registry import VLLM_SPECS, AttentionOpSpec, OpMatcher, layer_of
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +42,13 @@ class KVPPCompileError(RuntimeError):
     """The kvpp backend cannot tell which engine's plan a graph belongs to."""
 
 
-def graph_layers(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """Name -> index of every layer the graph's registered MLA/SFA ops name."""
+def graph_layers(gm: torch.fx.GraphModule, specs: tuple[AttentionOpSpec, ...] = VLLM_SPECS) -> dict[str, int]:
+    """Name -> index of every layer the graph's registered ops name: vLLM's MLA/SFA ops, matched as the
+    passes match them (`OpMatcher`)."""
+    match = OpMatcher(specs)
     names = {}
     for node in gm.graph.nodes:
-        spec = find_spec(node)
+        spec = match(node)
         if spec is not None:
             index, name = layer_of(node, spec)
             names[name] = index
@@ -86,7 +88,7 @@ def _backend_for(state: EngineState | None, gm: torch.fx.GraphModule, mode: str,
     plan = None if state is None else state.plan
     table = layer_table_for(names, plan, dict(state.vplan.layer_index) if plan is not None else None)
     kind = "target" if table.target_layers else ("draft" if state is not None else "kvpp-off")
-    return KVPPBackend(table, mode=mode, inner=inner, **options), kind, layers
+    return KVPPBackend(table, mode=mode, inner=inner, specs=VLLM_SPECS, **options), kind, layers
 
 
 def _inner_compiler(vllm_config: Any) -> str | Callable:
@@ -115,7 +117,7 @@ def kvpp_vllm_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]):
         inner = _inner_compiler(state.vllm_config)
     backend, kind, layers = _backend_for(state, gm, "piecewise", inner)
     logger.info("KVPP: %s graph with layers %s, kvpp ops for %s, pieces compiled by %s.", kind, list(layers),
-                list(backend.table.target_layers), backend.inner_name)
+                list(backend.config.table.target_layers), backend.inner_name)
     compiled = backend(gm, example_inputs)
     if state is not None:
         state.compiled_graphs.append((kind, layers))
@@ -189,7 +191,7 @@ def rewrite_whole_graph(state: EngineState, gm: torch.fx.GraphModule, example_in
         if "example_value" not in node.meta and "val" in node.meta:
             node.meta["example_value"] = node.meta["val"]
     logger.info("KVPP: %s graph with layers %s, kvpp ops for %s, split and compiled by vLLM.", kind, list(layers),
-                list(backend.table.target_layers))
+                list(backend.config.table.target_layers))
     state.compiled_graphs.append((kind, layers))
 
 

@@ -14,14 +14,15 @@ vLLM's function unless a KVPP runner is allocating.
 - Allocation: the runner's ``initialize_kv_cache_tensors`` runs with KVPP's allocator in place of
   vLLM's: owned layers get persistent bundles, the others a scratch slot, MTP layers a local draft
   cache. vLLM binds them by layer name. A self-check then proves every cache layer is bound to its
-  KVPP view and vLLM's ``num_blocks`` equals the budget's.
+  KVPP view and vLLM's ``num_blocks`` is at most the budget's.
 - Steps: ``_model_forward`` (the target model's forward inside ``execute_model``) runs under
   ``runtime.forward(has_history, blocks)``: ``has_history = any(num_computed_tokens > 0)`` over the
   input batch, ``blocks`` = `specs.active_blocks` of its block table (when the runtime takes them). Drafting (``sample_tokens``) runs outside it: MTP layers are local and get no kvpp ops.
   Dummy, profile and warm-up runs run with the kvpp ops in passthrough and broadcast nothing.
 - Eager attention: each target layer's ``MLAAttention`` (and SFA ``Indexer``) becomes a subclass whose
-  forward waits for its layer and prefetches the next one first; under Dynamo the graph pass places
-  the ops instead (see `compilation`).
+  forward waits for its layer and prefetches the next one first; under a breakable CUDA-graph capture
+  that wait is recorded as an eager segment, rerun on every replay; under Dynamo the graph pass places
+  the ops instead (see `compilation`). In mode 3 the worker makes vLLM build KVPP's ``VllmBackend``.
 
 What CPU runs and CUDA would run differently: the worker classes (``CPUWorker`` overrides
 ``determine_available_memory``, ``CPUModelRunner`` overrides ``load_model``); every hooked runner
@@ -293,7 +294,7 @@ def _set_device_api(state: EngineState, factory: str | None) -> None:
 
 
 def _self_check(runner: Any, state: EngineState, kv_cache_config: Any) -> None:
-    """Every cache layer is bound to its KVPP view, and vLLM plans exactly the budget's blocks."""
+    """Every cache layer is bound to its KVPP view, and vLLM plans at most the budget's blocks."""
     if state.runtime is None:
         raise KVPPAllocationError("vLLM allocated its KV cache without KVPP's allocator "
                                   "(gpu_model_runner.allocate_kv_cache was not called).")

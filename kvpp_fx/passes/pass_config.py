@@ -1,0 +1,118 @@
+"""What every KVPP pass reads, fixed when a backend is built, and what the insert pass writes on nodes.
+
+Invariant: a compile's passes read their configuration from one frozen `PassConfig` (the plan's
+layer table, the attention/cache op specs, where the first prefetch goes), never from module state,
+so equal configurations rewrite a graph alike and ``uuid()`` names that content (as vLLM names its
+passes for the compile cache). The insert pass resolves each registered op's layer once and writes
+it, with the spec it matched, as a `NodeStamp` in ``node.meta["kvpp"]``; the route and split passes
+read the stamp. The verifier does not: it matches and resolves on its own, with the same `OpMatcher`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx
+
+from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.passes.registry import AttentionOpSpec, OpMatcher, default_specs
+
+FIRST_PREFETCH = ("entry", "at_first_wait")
+META_KEY = "kvpp"
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    """The configuration of the KVPP passes.
+
+    ``first_prefetch``: where the insert pass puts the plan's first prefetch, after the graph's inputs
+    ("entry") or just before the first layer's wait ("at_first_wait", for splitters whose eager pieces
+    must each take an input, as vLLM's generated code does). ``specs`` are kept sorted by op, so the
+    order they were given in changes nothing (`OpMatcher`'s precedence does not depend on it either).
+    """
+
+    table: LayerTable
+    specs: tuple[AttentionOpSpec, ...]
+    first_prefetch: str = "entry"
+    matcher: OpMatcher = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.table, LayerTable):
+            raise TypeError(f"table must be a LayerTable, got {type(self.table).__name__}.")
+        if self.first_prefetch not in FIRST_PREFETCH:
+            raise ValueError(f"first_prefetch must be one of {FIRST_PREFETCH}, got {self.first_prefetch!r}.")
+        specs = tuple(self.specs)
+        bad = [s for s in specs if not isinstance(s, AttentionOpSpec)]
+        if bad:
+            raise TypeError(f"specs must be AttentionOpSpecs, got {bad!r}.")
+        matcher = OpMatcher(specs)  # refuses two different specs for one op
+        object.__setattr__(self, "specs", tuple(sorted(matcher.by_name.values(), key=lambda s: s.op)))
+        object.__setattr__(self, "matcher", matcher)
+
+    @classmethod
+    def build(cls, plan_or_layer_table: Any, *, specs: Iterable[AttentionOpSpec] | None = None,
+              names: Mapping[str, int] | None = None, first_prefetch: str = "entry") -> PassConfig:
+        """From a `KVPPPlan` or a `LayerTable`; ``specs=None`` takes the default specs as they are now."""
+        table = LayerTable.coerce(plan_or_layer_table)
+        if names:
+            table = table.with_names(names)
+        return cls(table, tuple(default_specs() if specs is None else specs), first_prefetch)
+
+    def uuid(self) -> str:
+        """A stable hash of the content (vLLM's ``InductorPass.hash_dict``): equal configurations have
+        equal uuids in every process; any change to the table, a spec or the first prefetch changes it."""
+        content = {"table": _plain(self.table), "specs": [_plain(spec) for spec in self.specs],
+                   "first_prefetch": self.first_prefetch}
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+def _plain(value: Any) -> Any:
+    """`value` as JSON data with one spelling per content: dataclasses by type and init fields, mappings
+    and sets sorted."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"type": type(value).__name__,
+                **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}}
+    if isinstance(value, Mapping):
+        return sorted(([_plain(k), _plain(v)] for k, v in value.items()), key=repr)
+    if isinstance(value, (set, frozenset)):
+        return sorted((_plain(v) for v in value), key=repr)
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"cannot hash {type(value).__name__} {value!r} into a pass configuration's uuid.")
+
+
+@dataclass(frozen=True)
+class NodeStamp:
+    """What the insert pass wrote on a node: its ``role`` ("prefetch", "wait", "enter", "view" or
+    "cache_op", a registered op), its layer and layer name, the slot of a kvpp op, the component of a
+    view, and the spec a registered op matched. In a graph whose layer is a run-time value the layer is
+    -1 (`insert.RUN_TIME_LAYER`) and the name is the graph input that carries it."""
+
+    role: str
+    layer: int
+    name: str
+    slot: int | None = None
+    component: str | None = None
+    spec: AttentionOpSpec | None = None
+
+
+def stamp(node: torch.fx.Node, value: NodeStamp) -> None:
+    node.meta[META_KEY] = value
+
+
+def stamp_of(node: torch.fx.Node) -> NodeStamp | None:
+    value = node.meta.get(META_KEY)
+    return value if isinstance(value, NodeStamp) else None
+
+
+def cache_op_stamp(node: torch.fx.Node) -> NodeStamp | None:
+    """The stamp of a registered op (draft layers included), or None."""
+    value = stamp_of(node)
+    return value if value is not None and value.role == "cache_op" else None

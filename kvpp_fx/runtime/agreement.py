@@ -1,0 +1,94 @@
+"""The per-forward agreement: every rank of the group moves the same thing in a forward, or none does.
+
+Ranks that pass different has_history, blocks, mode or load to ``runtime.forward`` would pair
+collectives of different sizes or ids: gloo then accepts a short send silently or aborts the process.
+So every forward of an enabled group starts with one all-reduce of its `AgreementKey`, bounded by the
+timeout, before any byte moves. The key travels as one fixed tensor of ``2 * len(key)`` int64 values,
+``[key, -key]`` under MAX: afterwards the first half is the group's maximum and the negated second half
+its minimum, which are equal exactly when every rank has the same key. Ranks that disagree all raise
+`BlockSetMismatchError`, and the runtime stays usable: the agreement itself kept the group in step.
+
+The tensor is allocated once per runtime and its host side is an `array` the tensor shares memory
+with, so a forward fills and reads it without building tensors.
+"""
+
+from __future__ import annotations
+
+import array
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvpp_fx.runtime.collectives import Collectives
+from kvpp_fx.runtime.device import DeviceAPI
+from kvpp_fx.runtime.errors import BlockSetMismatchError
+
+
+class ForwardPath(enum.IntEnum):
+    """What a forward moves, as its agreement carries it."""
+
+    NO_HISTORY = 0  # broadcast mode without history: nothing
+    WHOLE_LAYERS = 1  # every layer's whole bundle
+    ACTIVE_BLOCKS = 2  # the listed blocks of every layer
+    OWNER = 3  # owner mode: queries to each layer's owner, outputs back
+
+
+@dataclass(frozen=True)
+class AgreementKey:
+    """Everything the ranks must agree on before a forward moves anything."""
+
+    path: ForwardPath
+    block_count: int = 0  # active blocks only
+    block_digest: int = 0  # of the sorted active-block ids
+    query_tokens: int = -1  # of the forward's load, when given (owner mode gathers that many per rank)
+
+    def values(self) -> tuple[int, int, int, int]:
+        return int(self.path), self.block_count, self.block_digest, self.query_tokens
+
+
+_FIELD_NAMES = ("history and path (0 none, 1 whole layers, 2 active blocks, 3 owner mode)",
+                "active-block count", "active-block set", "query tokens (the load)")
+_WIDTH = len(_FIELD_NAMES)
+
+
+class Agreement:
+    """One runtime's agreement: the group it runs on, its fixed tensor, its timeout.
+
+    ``group`` is a host-side (gloo) group of the KVPP group's ranks when one is given, so that on a
+    device the agreement needs no host synchronisation; otherwise the KVPP group itself, on the cache's
+    device, with the result copied back to the host.
+    """
+
+    def __init__(self, api: DeviceAPI, collectives: Collectives, group: Any, host_group: bool,
+                 device: torch.device) -> None:
+        self.api = api
+        self.collectives = collectives
+        self.group = group
+        self._host = array.array("q", bytes(8 * 2 * _WIDTH))
+        self._tensor = torch.frombuffer(self._host, dtype=torch.int64)
+        self._device_copy = None if host_group or device.type == "cpu" else self._tensor.to(device)
+
+    def agree(self, key: AgreementKey) -> None:
+        """Raises `BlockSetMismatchError` on every rank when the ranks' keys differ, or
+        `TransferFailedError` when the all-reduce fails or times out (which breaks the runtime)."""
+        mine = key.values()
+        host = self._host
+        host[:_WIDTH] = array.array("q", mine)
+        host[_WIDTH:] = array.array("q", (-value for value in mine))
+        tensor = self._tensor if self._device_copy is None else self._device_copy.copy_(self._tensor)
+        try:
+            work = self.api.all_reduce_max(tensor, self.group)
+        except Exception as exc:
+            raise self.collectives.not_issued(exc, "the forward's agreement") from exc
+        self.collectives.complete_on_host(work, "the forward's agreement")
+        if self._device_copy is not None:
+            self._tensor.copy_(self._device_copy)
+        high, low = host[:_WIDTH].tolist(), host[_WIDTH:].tolist()
+        differing = [name for name, h, l in zip(_FIELD_NAMES, high, low) if h != -l]
+        if differing:
+            raise BlockSetMismatchError(
+                f"the ranks disagree on this forward's {', '.join(differing)}; every rank must pass the same "
+                f"has_history, blocks, mode and load to runtime.forward() (this rank: path {int(key.path)}, "
+                f"{key.block_count} blocks). Nothing was moved.")

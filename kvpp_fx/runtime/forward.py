@@ -1,0 +1,323 @@
+"""`Forward`: one model forward of a `KVPPRuntime`, its methods in the order the work happens.
+
+    begin()                      choose the path (mode, history, active blocks), prepare it, agree on it
+    prefetch(first)              issue the first layer's broadcast, return at once
+    per layer: wait(L)           complete L's broadcast into its view (the compute stream waits for it)
+               prefetch(next)    issue the next layer's broadcast
+               owner_compute     (owner mode, in L's turn) L's routed ops run on L's owner
+    end(error)                   complete what is in flight, then check what only the end can tell
+
+Invariants:
+- Everything a forward moves, every rank agreed on in `begin`, before any byte moved.
+- `prefetch`/`wait` follow `ProtocolState`: every rank raises the same named error at the same op.
+- Nothing issued is cancelled. `end` completes an in-flight broadcast and the last exchange within the
+  timeout. A failed or timed-out collective, or a forward that raised after issuing any, breaks the
+  runtime (`Health`), since a peer may have paired what this rank issued with another collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvpp_fx.cache.cost import BROADCAST, OWNER, StepLoad, choose_mode
+from kvpp_fx.runtime.active_blocks import ActiveBlocks, Shape
+from kvpp_fx.runtime.agreement import AgreementKey, ForwardPath
+from kvpp_fx.runtime.errors import (
+    BlockSetMismatchError,
+    OwnerModeUnsupportedError,
+    OwnerRoutingError,
+    SkippedLayerError,
+    TransferFailedError,
+)
+from kvpp_fx.runtime.owner_exchange import HeadRule, OwnerExchange
+from kvpp_fx.runtime.protocol import ProtocolState
+
+if TYPE_CHECKING:
+    from kvpp_fx.runtime.runtime import KVPPRuntime
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class LayerRoute:
+    """One target layer as the ops of every forward need it, computed once per runtime."""
+
+    layer: int
+    position: int  # in the plan's order
+    slot: int
+    owned: bool
+    src: int  # the owner's global rank
+    view: torch.Tensor  # this rank's bytes of the layer: persistent on the owner, its scratch slot elsewhere
+    nbytes: int  # of a whole-layer broadcast
+    block_views: tuple[torch.Tensor, ...]  # per component, [num_blocks, bytes per block]
+    shape: Shape
+
+
+class Forward:
+    def __init__(self, runtime: KVPPRuntime, has_history: bool, blocks: Any, mode: str,
+                 load: StepLoad | None) -> None:
+        self.runtime = runtime
+        self.routes = runtime.routes
+        self.transport = runtime.transport
+        self.health = runtime.health
+        self.stats = runtime.counters
+        self.timeline = runtime.timeline
+        self.overlap = runtime.overlap
+        self.immediate_checks = runtime.api.immediate_checks
+        self.protocol = ProtocolState(runtime.order)
+        self.has_history = bool(has_history) and self.transport is not None
+        self.blocks = blocks
+        self.mode = mode
+        self.load = load
+        self.choice: dict[str, Any] | None = None
+        self.owner = False
+        self.broadcasts = False  # whether each prefetch issues a broadcast
+        self.active: ActiveBlocks | None = None
+        self.exchange: OwnerExchange | None = None
+        self.issued = 0  # broadcasts started
+        # the broadcast in flight (at most one): its layer, work handle, bytes, receive step, issue time
+        self._route: LayerRoute | None = None
+        self._work: Any = None
+        self._nbytes = 0
+        self._unpack: Callable[[], None] | None = None
+        self._issued_ns = 0
+
+    # --- begin: choose the path, prepare, agree ----------------------------------------------------
+
+    def begin(self) -> None:
+        """Everything this forward moves is decided, prepared and agreed on here, before any byte moves."""
+        self._prepare_active_blocks()
+        self._choose_mode()
+        if self.runtime.agreement is not None:
+            self.runtime.agreement.agree(self._agreement_key())
+        self.stats.begin_forward(self.has_history, self.mode, self.choice)
+
+    def _prepare_active_blocks(self) -> None:
+        """Active blocks or whole layers; invalid ids raise here, on every rank, before the agreement."""
+        runtime = self.runtime
+        if self.has_history and self.blocks is not None:
+            self.active = ActiveBlocks.prepare(self.blocks, runtime.storage,
+                                               (route.shape for route in self.routes), runtime.crossover)
+
+    def _choose_mode(self) -> None:
+        """Broadcast or owner mode (``"auto"``: the cost model's choice, which weighs the blocks' bytes)."""
+        runtime = self.runtime
+        if self.transport is None:
+            self.mode = BROADCAST  # a group of one: every cache is local, nothing moves in either mode
+        elif self.mode == AUTO:
+            self.choice = self._choose()
+            self.mode = self.choice["mode"]
+        self.owner = self.mode == OWNER
+        if self.owner:
+            self._check_owner_mode_can_run()
+            self.active = None  # owner mode reads the owner's persistent cache; no block moves
+            local_heads = runtime.attention.split(runtime.plan.group_size) if runtime.attention is not None else None
+            self.exchange = OwnerExchange(runtime.api, self.transport.collectives, runtime.group,
+                                          runtime.plan.group_size, local_heads, self.load.query_tokens, self.stats,
+                                          self.timeline)
+        self.broadcasts = self.has_history and not self.owner
+
+    def _choose(self) -> dict[str, Any]:
+        """``mode="auto"``: the cost model's choice for this step, and both sides of the comparison."""
+        runtime, load = self.runtime, self.load
+        if runtime.attention is None or load is None:
+            missing = "an attention shape (KVPPRuntime.create(attention=...))" if runtime.attention is None \
+                else "the step's load (forward(..., load=StepLoad(...)))"
+            raise OwnerModeUnsupportedError(f'mode="auto" needs {missing} to compare the two modes.')
+        unknown = runtime.layers_not_known_routed()
+        if unknown:
+            return {"mode": BROADCAST, "why": f"layers {unknown} are not known to be routed for owner mode"}
+        broadcast = 0
+        if self.has_history:
+            first = self.routes[0]
+            broadcast = (runtime.plan.active_broadcast_bytes(first.layer, self.active.count)
+                         if self.active is not None else first.nbytes)
+        return dataclasses.asdict(choose_mode(runtime.attention, load, broadcast, runtime.plan.group_size,
+                                              runtime.link))
+
+    def _check_owner_mode_can_run(self) -> None:
+        unrouted = self.runtime.unrouted_layers()
+        if unrouted:
+            raise OwnerModeUnsupportedError(
+                f"owner mode was asked, but the compiled graph of layers {unrouted} is not routed for it (one "
+                "of its cache ops declares no owner rule in its AttentionOpSpec); nothing was moved. "
+                'Use mode="broadcast" or "auto", or declare the ops and recompile.')
+        if self.load is None:
+            raise OwnerModeUnsupportedError(
+                "owner mode needs the step's load (forward(..., load=StepLoad(query_tokens, attention_pairs))): "
+                "every rank gathers that many query tokens, and the ranks agree on it first.")
+
+    def _agreement_key(self) -> AgreementKey:
+        query_tokens = self.load.query_tokens if self.load is not None else -1
+        if self.owner:
+            return AgreementKey(ForwardPath.OWNER, query_tokens=query_tokens)
+        if not self.has_history:
+            return AgreementKey(ForwardPath.NO_HISTORY, query_tokens=query_tokens)
+        active = self.active
+        if active is None:
+            return AgreementKey(ForwardPath.WHOLE_LAYERS, query_tokens=query_tokens)
+        return AgreementKey(ForwardPath.ACTIVE_BLOCKS, active.count, active.digest, query_tokens)
+
+    # --- per layer: prefetch, wait ------------------------------------------------------------------
+
+    def prefetch(self, layer: int, slot: int) -> None:
+        timeline = self.timeline
+        start = time.perf_counter_ns() if timeline is not None else 0
+        position = self.protocol.prefetch(layer, slot)
+        if self.broadcasts:
+            self.issued += 1  # counted first: a failure while issuing may have left a peer's half pending
+            self._issue(self.routes[position])
+            if not self.overlap:
+                self._complete()
+        if timeline is not None:
+            timeline.add(f"prefetch L{layer}", "prefetch", start, time.perf_counter_ns(), layer=layer, slot=slot,
+                         communicate=self.has_history)
+
+    def wait(self, layer: int, slot: int, routed: bool) -> torch.Tensor:
+        timeline = self.timeline
+        start = time.perf_counter_ns() if timeline is not None else 0
+        if self.owner and not routed:
+            self.runtime.order.locate(layer, slot)  # an unknown layer or a wrong slot is named first
+            raise self._failed(OwnerModeUnsupportedError(
+                f"owner mode reached layer {layer}, whose cache ops the graph does not route for it (an op "
+                "without an owner rule in its AttentionOpSpec, or a graph rewritten before owner mode); "
+                "its attention would read a scratch slot that owner mode does not fill. Use "
+                'mode="broadcast", or declare the ops (HeadSeparable / OwnerLocal) and recompile.'))
+        position = self.protocol.wait(layer, slot)
+        self._complete()
+        if timeline is not None:
+            timeline.add(f"wait L{layer}", "wait", start, time.perf_counter_ns(), layer=layer)
+        return self.routes[position].view
+
+    def _issue(self, route: LayerRoute) -> None:
+        active, transport = self.active, self.transport
+        unpack = None
+        if active is None:
+            work = transport.issue(route.layer, route.slot, route.view, route.src)
+            nbytes = route.nbytes
+        elif active.count == 0:  # the step reads no block with history: nothing to move
+            return
+        else:
+            payload = active.payload(route.shape)
+            api = self.runtime.api
+            if route.owned:
+                pack = functools.partial(active.pack, api, route.block_views, route.shape)
+                work = transport.issue(route.layer, route.slot, payload, route.src, pack)
+            else:
+                work = transport.issue(route.layer, route.slot, payload, route.src)
+                unpack = functools.partial(active.unpack, api, route.block_views, route.shape)
+            nbytes = payload.numel()
+        self._route, self._work, self._nbytes, self._unpack = route, work, nbytes, unpack
+        if self.timeline is not None:
+            self._issued_ns = time.perf_counter_ns()
+
+    def _complete(self) -> None:
+        """The broadcast in flight, if any, completes into its view (the compute stream waits for it)."""
+        work = self._work
+        if work is None:
+            return
+        route, unpack = self._route, self._unpack
+        self._work = None
+        self.transport.complete(route.layer, route.slot, work, unpack)
+        self.stats.record(route.position, self._nbytes)
+        if unpack is not None and self.immediate_checks and not self.active.layer_arrived():
+            raise self._mispaired(route.layer)
+        if self.timeline is not None:
+            self.timeline.add(f"broadcast L{route.layer}", "broadcast", self._issued_ns, time.perf_counter_ns(),
+                              track="kvpp transfer stream", layer=route.layer, bytes=self._nbytes, src=route.src)
+
+    # --- owner mode, inside a layer's turn --------------------------------------------------------
+
+    def runs_owner_ops(self, layer: int) -> bool:
+        return self._owner_turn(layer).owned
+
+    def owner_compute(self, layer: int, rule: HeadRule, heads: Sequence[torch.Tensor],
+                      compute: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+        route = self._owner_turn(layer)
+        if self.exchange is None:
+            raise OwnerRoutingError(f"a head-separable op of layer {layer} asked for owner mode's exchange in a "
+                                    f"{self.mode}-mode forward.")
+        return self.exchange.compute(layer, route.position, route.owned, route.src, rule, heads, compute)
+
+    def _owner_turn(self, layer: int) -> LayerRoute:
+        """The layer's route, checked to be in its turn (after its wait, before the next layer's)."""
+        if not self.protocol.in_turn(layer):
+            raise OwnerRoutingError(
+                f"a routed cache op of layer {layer} ran outside its turn (the last awaited layer is "
+                f"{self.protocol.last_awaited}); it must follow kvpp.wait of its own layer.")
+        return self.routes[self.runtime.order.positions[layer]]
+
+    # --- end --------------------------------------------------------------------------------------
+
+    def end(self, error: BaseException | None) -> None:
+        """Complete what is in flight, then check, in order, what only the end of the forward can tell.
+
+        `error` is what the forward raised, if anything: it propagates unmasked, and breaks the runtime
+        when this rank issued any collective before it."""
+        try:
+            self._settle(self._complete_on_host, propagate=error is None)
+            if self.exchange is not None:
+                self._settle(self.exchange.finish, propagate=error is None)
+            if error is not None:
+                if self.issued_any:
+                    self.health.broken_by(error)
+                return
+            self.health.check()  # a failure inside this forward that the caller swallowed
+            if self.exchange is not None and self.exchange.owners_failed():
+                raise self.health.broken_by(OwnerRoutingError(
+                    "an owner failed to compute a layer in this forward; this rank's outputs of that layer are "
+                    "zeros."))
+            if self.active is not None and self.issued and not self.immediate_checks \
+                    and not self.active.all_arrived():
+                raise self._mispaired(None)  # on a device the received ids are checked once, here
+            unawaited = self.protocol.unawaited()
+            if unawaited:
+                raise self._failed(SkippedLayerError(
+                    f"the forward ended without awaiting layers {unawaited}; every target layer must be "
+                    "awaited once per forward."))
+        finally:
+            self.stats.end_forward()
+
+    def abandon(self) -> None:
+        """The runtime closes inside this forward: its broadcast in flight gets at most the timeout (a
+        failure breaks the runtime, which is closing anyway)."""
+        work, self._work = self._work, None
+        if work is not None:
+            self._settle(lambda: self.transport.complete_on_host(self._route.layer, work), propagate=False)
+
+    @property
+    def issued_any(self) -> bool:
+        return bool(self.issued or (self.exchange is not None and self.exchange.issued))
+
+    def _complete_on_host(self) -> None:
+        work, self._work = self._work, None
+        if work is not None:
+            self.transport.complete_on_host(self._route.layer, work)
+            self.stats.record(self._route.position, self._nbytes)
+
+    @staticmethod
+    def _settle(complete: Callable[[], None], propagate: bool) -> None:
+        """Run one completion at the end; its failure (which broke the runtime) propagates unless the
+        forward is already propagating an error of its own."""
+        try:
+            complete()
+        except TransferFailedError:
+            if propagate:
+                raise
+
+    def _failed(self, error: BaseException) -> BaseException:
+        """A protocol error: it breaks the runtime when this rank already issued a collective."""
+        return self.health.broken_by(error) if self.issued_any else error
+
+    def _mispaired(self, layer: int | None) -> BaseException:
+        where = f"with layer {layer}'s broadcast" if layer is not None else "in this forward"
+        return self.health.broken_by(BlockSetMismatchError(
+            f"the block ids received {where} are not this forward's set: the broadcast paired with another "
+            "forward's or another rank's; this rank's view of the group can no longer be trusted."))

@@ -1,0 +1,123 @@
+"""The order of the kvpp ops within one forward, as a state machine over plan data only (no torch).
+
+Every rank checks the same rules on the same data, so every rank raises the same named error at the
+same op (`kvpp_fx.runtime.errors`):
+
+- a layer must be a target of the plan (`UnknownLayerError`; draft layers are local) and the slot the
+  plan's (`SlotMismatchError`);
+- at most one prefetch is in flight (`PrefetchPendingError`), and a prefetch never targets the slot of
+  the in-flight or of the last awaited layer (`SlotBusyError`): that layer's attention still reads it;
+- a prefetch names the plan's next layer: the first target, or the one after the last awaited layer
+  (`SkippedLayerError` when it skips ahead, `PrefetchOrderError` when it goes back);
+- a wait names the in-flight layer (`WaitMismatchError`);
+- a forward awaits every target layer (`ProtocolState.unawaited`, checked when it ends).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpp_fx.runtime.errors import (
+    PrefetchOrderError,
+    PrefetchPendingError,
+    SkippedLayerError,
+    SlotBusyError,
+    SlotMismatchError,
+    UnknownLayerError,
+    WaitMismatchError,
+)
+
+
+@dataclass(frozen=True)
+class LayerOrder:
+    """The plan's target layers in execution order, their slots (``position % depth``) and the drafts."""
+
+    targets: tuple[int, ...]
+    depth: int
+    drafts: tuple[int, ...] = ()
+    positions: dict[int, int] = field(init=False, repr=False, compare=False)  # read only
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "positions", {layer: k for k, layer in enumerate(self.targets)})
+
+    def locate(self, layer: int, slot: int) -> int:
+        """The layer's position in the order, checked against the slot the graph names."""
+        position = self.positions.get(layer)
+        if position is None or slot != position % self.depth:
+            self.refuse(layer, slot)
+        return position
+
+    def refuse(self, layer: int, slot: int) -> None:
+        """Raise the error for a layer that is not a target, or a slot that is not the layer's."""
+        position = self.positions.get(layer)
+        if position is None:
+            kind = "a local draft layer" if layer in self.drafts else "not a target layer"
+            raise UnknownLayerError(f"layer {layer} is not a broadcast layer of this plan ({kind}; "
+                                    f"targets: {list(self.targets)}).")
+        raise SlotMismatchError(f"layer {layer} uses slot {position % self.depth}, the graph asked "
+                                f"for slot {slot}.")
+
+
+class ProtocolState:
+    """Where one forward stands: the only layer the next prefetch may name, the layer in flight, the
+    last awaited layer (whose slot its attention still reads)."""
+
+    __slots__ = ("order", "next_position", "in_flight", "in_flight_slot", "last_awaited", "last_slot")
+
+    def __init__(self, order: LayerOrder) -> None:
+        self.order = order
+        self.next_position = 0
+        self.in_flight: int | None = None
+        self.in_flight_slot = -1
+        self.last_awaited: int | None = None
+        self.last_slot = -1
+
+    def prefetch(self, layer: int, slot: int) -> int:
+        """Check a prefetch and put the layer in flight; returns its position."""
+        busy = self.in_flight
+        if busy is not None:
+            kind = SlotBusyError if self.in_flight_slot == slot else PrefetchPendingError
+            raise kind(f"prefetch of layer {layer} (slot {slot}) while layer {busy} "
+                       f"(slot {self.in_flight_slot}) is still pending.")
+        if self.last_awaited is not None and self.last_slot == slot:
+            raise SlotBusyError(f"prefetch of layer {layer} into slot {slot}, which layer {self.last_awaited}'s "
+                                "attention is still reading.")
+        order = self.order
+        position = order.positions.get(layer)  # `LayerOrder.locate`, inline: this runs once per layer
+        if position is None or slot != position % order.depth:
+            order.refuse(layer, slot)
+        expected = self.next_position
+        if position != expected:
+            targets = self.order.targets
+            if position > expected:
+                raise SkippedLayerError(
+                    f"prefetch of layer {layer} skips layers {list(targets[expected:position])}; "
+                    "layers must follow the plan's execution order on every rank.")
+            raise PrefetchOrderError(f"layer {layer} prefetched after layer {targets[expected - 1]}; layers "
+                                     "must follow the plan's execution order on every rank.")
+        self.in_flight = layer
+        self.in_flight_slot = slot
+        return position
+
+    def wait(self, layer: int, slot: int) -> int:
+        """Check a wait and take the layer out of flight; returns its position."""
+        order = self.order
+        position = order.positions.get(layer)  # `LayerOrder.locate`, inline: this runs once per layer
+        if position is None or slot != position % order.depth:
+            order.refuse(layer, slot)
+        if self.in_flight != layer:
+            expected = "nothing is pending" if self.in_flight is None else f"layer {self.in_flight} is pending"
+            raise WaitMismatchError(f"wait for layer {layer}, but {expected}.")
+        self.in_flight = None
+        self.last_awaited = layer
+        self.last_slot = self.in_flight_slot
+        self.next_position = position + 1
+        return position
+
+    def in_turn(self, layer: int) -> bool:
+        """Whether `layer`'s attention runs now: after its wait, before the next layer's."""
+        return self.last_awaited == layer
+
+    def unawaited(self) -> list[int]:
+        """The target layers this forward has not awaited (empty once the forward is complete)."""
+        return list(self.order.targets[self.next_position:])
