@@ -142,7 +142,7 @@ def main() -> int:
 
     def kvpp_step(computed: int, new: int):
         for record in backend.records:  # "auto" picks owner mode only for layers compiled with routed ops
-            runtime.note_routing(record.layers, record.owner_routed)
+            runtime.note_routing(*record.routed_layers(plan.target_layers))
         history = block_table[:(computed + BLOCK_SIZE - 1) // BLOCK_SIZE]  # the blocks holding computed tokens
         return runtime.forward(has_history=computed > 0, blocks=history, mode=args.kvpp_mode,
                                load=StepLoad(new, new * (computed + new)))

@@ -93,6 +93,15 @@ class CompileRecord:
     owner_routed: bool = False  # the route pass routed the cache ops: the graph serves owner mode too
     run_time_layer: bool = False  # one graph for several layers: its layer is a run-time value (`layers` empty)
 
+    def routed_layers(self, target_layers: Sequence[int]) -> tuple[tuple[int, ...], bool]:
+        """What the owner of the backend and the runtime tells the runtime (``note_routing(*...)``): the
+        layers this graph serves, and whether they are routed for owner mode. A graph whose layer is a
+        run-time value may serve any target layer, and is never routed: owner mode is then refused before
+        anything moves."""
+        if self.run_time_layer:
+            return tuple(target_layers), False
+        return self.layers, self.owner_routed
+
 
 def resolve_inner(inner: str | Callable) -> Callable:
     if callable(inner):

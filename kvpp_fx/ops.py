@@ -80,7 +80,7 @@ def _wait_impl(layer: int, slot: int, caches: list[torch.Tensor], components: li
         return list(caches)
     runtime = current_runtime()
     runtime.wait(layer, slot, routed=routed)
-    return _views(runtime, layer, caches, components)
+    return _views("kvpp.wait", runtime, layer, caches, components)
 
 
 def _enter_layer_impl(layer: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
@@ -92,20 +92,20 @@ def _enter_layer_impl(layer: int, caches: list[torch.Tensor], components: list[s
     runtime = current_runtime()
     if not runtime.enter_layer(layer):  # a local draft layer: the graph's caches are its own
         return list(caches)
-    return _views(runtime, layer, caches, components)
+    return _views("kvpp.enter_layer", runtime, layer, caches, components)
 
 
-def _views(runtime, layer: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
+def _views(op: str, runtime, layer: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
     """The runtime's views of `layer` for the graph's cache operands, checked against them."""
     views = runtime.typed_views(layer)
     out = []
     for cache, name in zip(caches, components):
         if name not in views:
-            raise KeyError(f"layer {layer} has no cache component {name!r}; it has {sorted(views)}.")
+            raise KeyError(f"{op}: layer {layer} has no cache component {name!r}; it has {sorted(views)}.")
         view = views[name]
         if view.shape != cache.shape or view.dtype != cache.dtype:
             raise ValueError(
-                f"kvpp.wait for layer {layer}: the graph's {name!r} cache is {tuple(cache.shape)} "
+                f"{op} for layer {layer}: the graph's {name!r} cache is {tuple(cache.shape)} "
                 f"{cache.dtype}, the runtime's view is {tuple(view.shape)} {view.dtype}.")
         out.append(view)
     return out

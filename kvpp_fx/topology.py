@@ -38,6 +38,19 @@ def group_of(rank: int, groups: Sequence[Sequence[int]]) -> list[int]:
     raise ValueError(f"rank {rank} is in no KVPP group.")
 
 
+def group_timeout(group: Any, device: Any = None) -> timedelta:
+    """The timeout `group` was created with, read from its backend on `device` (by default the group's own
+    device: an NCCL-only group has no CPU backend); torch's default when it cannot be read."""
+    import torch.distributed as dist
+
+    try:
+        if device is None:
+            device = dist.distributed_c10d._get_pg_default_device(group)
+        return group._get_backend(device).options._timeout
+    except Exception:  # private API: fall back rather than fail
+        return dist.default_pg_timeout
+
+
 def create_kvpp_process_groups(
     groups: Sequence[Sequence[int]], *, timeout: timedelta | None = None, backend: str | None = None
 ) -> Any:
@@ -47,15 +60,11 @@ def create_kvpp_process_groups(
     order, even the groups it is not a member of. Without `timeout` the groups get the world group's
     (``new_group`` alone would give torch's default of 30 minutes).
     """
-    import torch
     import torch.distributed as dist
 
     rank = dist.get_rank()
     if timeout is None:
-        try:
-            timeout = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
-        except Exception:  # private API: torch's default rather than fail
-            timeout = dist.default_pg_timeout
+        timeout = group_timeout(dist.group.WORLD)
     mine = None
     for ranks in groups:
         handle = dist.new_group(list(ranks), timeout=timeout, backend=backend)

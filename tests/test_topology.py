@@ -61,3 +61,24 @@ def test_kvpp_groups_inherit_the_world_groups_timeout_unless_given_one():
 
     # torch's new_group alone would give its 30-minute default: a stuck peer would hang the group that long
     assert run_ranks(group_timeouts, 2, timeout_s=60, pg_timeout_s=30.0) == [[30.0, 7.0]] * 2
+
+
+def test_a_groups_timeout_is_read_on_its_own_device(monkeypatch):
+    # An NCCL-only group has no CPU backend; NCCL cannot exist here, so the group is a stand-in that has a
+    # backend on "cuda" only, and torch's lookup of the group's device is pointed at it.
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    from kvpp_fx.topology import group_timeout
+
+    class CudaOnlyGroup:
+        def _get_backend(self, device):
+            if torch.device(device).type != "cuda":
+                raise RuntimeError(f"no backend on {device}")
+            return type("Backend", (), {"options": type("Options", (), {"_timeout": timedelta(seconds=42)})})()
+
+    monkeypatch.setattr(c10d, "_get_pg_default_device", lambda group: torch.device("cuda"))
+    assert group_timeout(CudaOnlyGroup()) == timedelta(seconds=42)
+    assert group_timeout(CudaOnlyGroup(), torch.device("cpu")) == c10d.default_pg_timeout  # the control

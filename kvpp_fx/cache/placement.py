@@ -81,9 +81,6 @@ class BroadcastSchedule:
     targets: tuple[int, ...]
     depth: int
 
-    def slot(self, layer: int) -> int:
-        return self.targets.index(layer) % self.depth
-
     def first(self) -> ScheduleStep | None:
         """The prefetch at the start of the forward (None without target layers)."""
         return ScheduleStep("prefetch", self.targets[0], 0) if self.targets else None

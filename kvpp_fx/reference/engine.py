@@ -334,7 +334,7 @@ class Engine:
         routed, and owner mode is refused up front for a layer known not to be."""
         records = self.backend.records
         for record in records[self._routing_reported:]:
-            self.runtime.note_routing(record.layers, record.owner_routed)
+            self.runtime.note_routing(*record.routed_layers(self.plan.target_layers))
         self._routing_reported = len(records)
 
     def _sample(self, logits: torch.Tensor | None, count: int) -> list[int]:

@@ -63,6 +63,7 @@ from kvpp_fx.runtime.protocol import LayerOrder
 from kvpp_fx.runtime.stats import TransferStats
 from kvpp_fx.runtime.timeline import Timeline
 from kvpp_fx.runtime.transport import BroadcastTransport
+from kvpp_fx.topology import group_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -80,14 +81,6 @@ def current_runtime() -> KVPPRuntime:
         raise NoActiveForwardError(
             "kvpp.prefetch/kvpp.wait ran outside `with runtime.forward(has_history):`.")
     return runtime
-
-
-def group_timeout(group: Any, device: torch.device) -> timedelta:
-    """The timeout the process group was created with (torch's default when it cannot be read)."""
-    try:
-        return group._get_backend(device).options._timeout
-    except Exception:  # private API: fall back rather than fail
-        return dist.default_pg_timeout
 
 
 class KVPPRuntime:
@@ -108,6 +101,7 @@ class KVPPRuntime:
         self.link = link or LinkModel()
         self.order = LayerOrder(plan.target_layers, plan.depth, plan.local_draft_layers)
         self.schedule = plan.schedule()
+        self._entry = {layer: self.schedule.at_layer(layer) for layer in plan.target_layers}  # per layer, once
         self.routes = tuple(self._route(layer, k) for k, layer in enumerate(plan.target_layers))
         self.health = health
         self.agreement = None
@@ -284,14 +278,15 @@ class KVPPRuntime:
         next layer's prefetch, each checked as the graph's own ops would be. False for a local draft
         layer, which has nothing to wait for."""
         forward = self._current()
-        if layer in self.order.drafts:
-            return False
-        position = self.order.positions.get(layer)
-        if position is None:
+        steps = self._entry.get(layer)
+        if steps is None:
+            if layer in self.order.drafts:
+                return False
             self.order.refuse(layer, -1)
-        if position == 0 and forward.protocol.next_position == 0 and forward.protocol.in_flight is None:
+        protocol = forward.protocol
+        if protocol.next_position == 0 and protocol.in_flight is None and layer == self.plan.target_layers[0]:
             forward.prefetch(layer, self.schedule.first().slot)
-        for step in self.schedule.at_layer(layer):
+        for step in steps:
             if step.kind == "wait":
                 forward.wait(step.layer, step.slot, False)
             else:

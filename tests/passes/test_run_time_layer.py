@@ -16,7 +16,8 @@ from kvpp_fx.backend import kvpp_backend
 from kvpp_fx.passes.insert import RunTimeLayerGraphError, insert_kvpp_ops
 from kvpp_fx.passes.verify import KVPPGraphVerificationError, verify_graph
 from kvpp_fx.reference.ops import UnboundCacheError
-from kvpp_fx.runtime.errors import WaitMismatchError
+from kvpp_fx.cache.cost import StepLoad
+from kvpp_fx.runtime.errors import OwnerModeUnsupportedError, UnknownLayerError, WaitMismatchError
 from kvpp_fx.runtime.runtime import KVPPRuntime
 from tests.passes import toy
 from tests.support.capture import capture_graphs
@@ -189,3 +190,59 @@ def test_the_runtime_refuses_a_run_time_layer_out_of_plan_order():
         with pytest.raises(WaitMismatchError), rt.forward(has_history=False):
             rt.enter_layer(0)
             rt.enter_layer(2)  # layer 1 skipped
+
+
+def test_a_local_draft_layer_gets_its_own_caches_back_and_an_unknown_layer_is_refused():
+    plan = toy.toy_plan(4, drafts=1)  # layer 4 is an MTP-style draft layer, local on every rank
+    storage = toy.allocate(plan, 0)
+    own = torch.zeros(toy.BLOCKS, toy.BLOCK, toy.RANK + toy.ROPE)
+    with KVPPRuntime.create(plan, storage, None) as rt, rt.forward(has_history=False):
+        for layer in plan.target_layers:
+            (view,) = torch.ops.kvpp.enter_layer(layer, toy.runtime_caches(storage, [layer]), ["kv"])
+            assert view.data_ptr() == storage.typed_views(layer)["kv"].data_ptr()  # the runtime's view
+        (back,) = torch.ops.kvpp.enter_layer(4, [own], ["kv"])
+        assert back is own
+        with pytest.raises(UnknownLayerError, match="layer 9 is not a broadcast layer"):  # the control
+            torch.ops.kvpp.enter_layer(9, [own], ["kv"])
+
+
+def owner_mode_ranks(rank: int, world: int) -> dict:
+    """A run-time-layer model compiled and run once in broadcast mode; its compile records reported to the
+    runtime as an engine reports them; then a forward in owner mode, and one more in broadcast mode."""
+    group = kvpp_group(world)
+    torch._dynamo.reset()
+    plan = toy.toy_plan(5, group_size=world)
+    storage = toy.allocate(plan, dist.get_rank(group))
+    backend = kvpp_backend(plan, specs=TOY_SPECS)
+    model = torch.compile(LoopWithBreak(5), backend=backend)
+    caches = toy.runtime_caches(storage, plan.target_layers)
+    out = {}
+    with KVPPRuntime.create(plan, storage, group) as rt, torch.no_grad():
+        for step in (0, 1):
+            x, *meta = toy.step_inputs(step, *toy.STEPS[step])
+            with rt.forward(has_history=step > 0):
+                model(x, caches, *meta)
+        for record in backend.records:
+            rt.note_routing(*record.routed_layers(plan.target_layers))
+        out["layer0_graph_routed"] = backend.records[0].owner_routed
+        out["unrouted"] = rt.unrouted_layers()
+        x, *meta = toy.step_inputs(2, *toy.STEPS[2])
+        try:
+            with rt.forward(has_history=True, mode="owner", load=StepLoad(1, 8)):
+                model(x, caches, *meta)
+        except OwnerModeUnsupportedError as exc:
+            out["refused"] = str(exc)
+        out["broken"] = rt.broken is not None
+        with rt.forward(has_history=True):  # the runtime is still usable
+            model(x, caches, *meta)
+        out["broadcasts_after"] = rt.last_forward()["broadcasts"]
+    return out
+
+
+@pytest.mark.multirank
+def test_owner_mode_is_refused_before_anything_moves_when_a_graph_serves_any_layer():
+    for res in launch(owner_mode_ranks, 2, timeout_s=120):
+        assert res["layer0_graph_routed"], "layer 0's own graph is routed: the refusal comes from the others"
+        assert res["unrouted"] == [0, 1, 2, 3, 4]
+        assert "not routed for it" in res["refused"], res
+        assert not res["broken"] and res["broadcasts_after"] == 5

@@ -187,6 +187,10 @@ def rewrite_whole_graph(state: EngineState, gm: torch.fx.GraphModule, example_in
     # would be a piece without any: the first layer's prefetch joins its wait's piece instead.
     backend, kind, layers = _backend_for(state, gm, "eager", first_prefetch="at_first_wait")
     backend(gm, example_inputs)
+    if backend.records[-1].run_time_layer:  # its kvpp.enter_layer is not among vLLM's splitting ops
+        raise KVPPCompileError("mode 3: a graph whose cache ops take their layer index as a run-time value "
+                               "cannot be split by vLLM with the kvpp ops eager; vLLM's MLA ops name their "
+                               "layer, so this graph comes from an op spec with layer_kind='index'.")
     for node in gm.graph.nodes:
         if "example_value" not in node.meta and "val" in node.meta:
             node.meta["example_value"] = node.meta["val"]

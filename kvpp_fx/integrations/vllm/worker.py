@@ -59,6 +59,7 @@ from kvpp_fx.integrations.vllm.state import (
     wrapped_worker_qualname,
 )
 from kvpp_fx.ops import passing_through, passthrough
+from kvpp_fx.runtime.device import resolve_device_api
 from kvpp_fx.runtime.errors import NoActiveForwardError
 from kvpp_fx.runtime.runtime import KVPPRuntime, active_runtime
 
@@ -278,9 +279,7 @@ def _create_runtime(state: EngineState, storage: Any) -> None:
         state.runtime.close()
     device_api = None
     if state.device_api_factory is not None:
-        from vllm.utils.import_utils import resolve_obj_by_qualname
-
-        device_api = resolve_obj_by_qualname(state.device_api_factory.replace(":", "."))(storage.device)
+        device_api = resolve_device_api(state.device_api_factory, storage.device)
     state.runtime = KVPPRuntime.create(state.plan, storage, state.group, agreement_group=state.agreement_group,
                                        device_api=device_api)
 
@@ -341,8 +340,9 @@ def _kvpp_group(config: KVPPConfig):
 
 
 def wait_for_layer(runtime: KVPPRuntime, layer: int) -> None:
-    """What the graph pass inserts, done at the layer's attention entry (the plan's schedule)."""
-    runtime.plan.schedule().run(runtime, layer)
+    """What the graph pass inserts, done at the layer's attention entry: the plan's schedule for the
+    layer (`KVPPRuntime.enter_layer`, as a graph whose layer is a run-time value runs it)."""
+    runtime.enter_layer(layer)
 
 
 def await_layer(state: EngineState, layer: int) -> None:
