@@ -83,6 +83,20 @@ def owner_protocol_ranks(rank: int, world: int):
     last = rt.last_forward()
     out["last"] = {k: last[k] for k in ("mode", "broadcasts", "exchanges", "bytes")}
 
+    # 1b. non-contiguous head operands: this rank's part of the output has the strides the op's fake gives
+    # it (those of its head operand), which inductor checks at every call; the values are those above
+    strided = {}
+
+    def attend_strided(layer, view):
+        q_latent, q_pe = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in queries(rank, layer))
+        part = routed_attention(layer)(q_latent, q_pe, rt.typed_views(layer)["kv"], table, seq_lens, query_lens,
+                                       SCALE, layer)
+        strided[layer] = (part.stride() == torch.empty_like(q_latent).stride() != part.contiguous().stride(),
+                          torch.equal(part, results[layer]))
+
+    owner_forward(rt, attend=attend_strided)
+    out["strides"] = strided
+
     # 2. a graph that is not routed is refused at its first wait, before any byte moves
     try:
         owner_forward(rt, attend=lambda layer, view: None, routed=False)
@@ -145,6 +159,7 @@ def test_owner_mode_results_and_refusals(world):
     layers = 4
     for rank, res in enumerate(results):
         assert res["exact"], f"rank {rank}: owner-mode attention differs from local attention over the owner's bytes"
+        assert res["strides"] == dict.fromkeys(range(layers), (True, True)), (rank, res["strides"])
         owned = layers // world
         assert res["last"] == {"mode": "owner", "broadcasts": 0, "exchanges": layers,
                                "bytes": owned * (world - 1) * part + (layers - owned) * part}
