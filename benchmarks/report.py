@@ -119,6 +119,25 @@ def rows() -> list[tuple[str, str, str]]:
                 f"{off['median_tpot_ms']:.0f} / {on['median_tpot_ms']:.0f} ms; greedy outputs "
                 f"{'equal' if vs['greedy_outputs_equal'] else 'DIFFER'} ({', '.join(vs['attention_backend'])})",
                 "`python benchmarks/vllm_serving.py`"))
+    vo = _load("vllm_owner_mode")
+    contexts = vo["contexts"]
+    by = {(r["mode"], r["context"]): r for r in vo["rows"]}
+    ratio = vo[f"bytes_ratio_{contexts[-1]}_over_{contexts[0]}"]
+    step = vo[f"decode_step_over_off_at_{contexts[-1]}"]
+    labels = " / ".join(f"{c // 1024}k" for c in contexts)
+    out.append((f"vLLM decode step bytes per rank, tiny DeepSeek-V3 TP {vo['tp']}, after {labels}-token prompts, "
+                "owner / broadcast mode",
+                "; ".join(f"{_mib(max(by[('owner', c)]['bytes_per_rank']))} / "
+                          f"{_mib(max(by[('broadcast', c)]['bytes_per_rank']))}" for c in contexts)
+                + f" ({contexts[-1] // 1024}k / {contexts[0] // 1024}k: owner {ratio['owner']:.2f}x, broadcast "
+                f"{ratio['broadcast']:.1f}x; owner bytes {'equal' if vo['owner_bytes_match_formula'] else 'DIFFER FROM'}"
+                f" the formula, broadcast {'within' if vo['broadcast_bytes_within_formula'] else 'OUTSIDE'} it)",
+                "`python benchmarks/vllm_owner_mode.py`"))
+    off_step = vo["off_decode_step_s"][str(contexts[-1])]
+    out.append((f"vLLM decode step, KVPP / off at {contexts[-1] // 1024}k context, owner / broadcast mode",
+                f"{step['owner']:.2f}x / {step['broadcast']:.2f}x (medians: off {off_step * 1e3:.1f} ms, owner "
+                f"{by[('owner', contexts[-1])]['decode_step_s'] * 1e3:.1f} ms, broadcast "
+                f"{by[('broadcast', contexts[-1])]['decode_step_s'] * 1e3:.1f} ms)", "same"))
     return out
 
 

@@ -52,6 +52,10 @@ MSG_SPEC_TOKENS = "KVPP currently supports only a fixed number of speculative to
 
 _LAX_BOOL = pydantic.TypeAdapter(bool)
 
+KVPP_MODES = ("broadcast", "owner", "auto")
+# ``kvpp_fx`` is written by the vLLM plugin itself (the compile digest and the inner backend).
+KNOWN_KEYS = ("enable_kvpp", "kvpp_mode", "kvpp_fx")
+
 
 def parse_enable_kvpp(value: Any) -> bool:
     """Parse ``additional_config.enable_kvpp`` with pydantic's lax bool rules."""
@@ -184,17 +188,35 @@ def _spec_method_of(method: Any) -> str | None:
     return "mtp" if method.endswith("mtp") else method
 
 
+def parse_kvpp_mode(value: Any) -> str:
+    if value not in KVPP_MODES:
+        raise ValueError(f"additional_config.kvpp_mode must be one of {list(KVPP_MODES)}, got {value!r}.")
+    return value
+
+
+def check_keys(additional_config: Mapping[str, Any]) -> None:
+    """A key that looks like KVPP's but is not one of them is a typo that would be silently ignored."""
+    unknown = sorted(k for k in additional_config
+                     if isinstance(k, str) and k.startswith(("kvpp", "enable_kvpp")) and k not in KNOWN_KEYS)
+    if unknown:
+        raise ValueError(f"unknown KVPP key(s) in additional_config: {unknown}; the known keys are "
+                         f"{list(KNOWN_KEYS[:2])} ({KNOWN_KEYS[2]!r} is written by kvpp-fx).")
+
+
 @dataclass(frozen=True)
 class KVPPConfig:
-    """Whether KVPP is on and how large its group is (TP x PCP)."""
+    """Whether KVPP is on, how large its group is (TP x PCP), and how steps move attention's inputs
+    (``kvpp_mode``: "broadcast", "owner" or "auto", the cost model's choice per request)."""
 
     enable_kvpp: bool = False
     tp: int = 1
     pcp: int = 1
+    mode: str = "auto"
 
     def __post_init__(self) -> None:
         _positive_int("tp", self.tp)
         _positive_int("pcp", self.pcp)
+        parse_kvpp_mode(self.mode)
 
     @classmethod
     def from_additional_config(
@@ -204,8 +226,11 @@ class KVPPConfig:
             raise ValueError(
                 f"additional_config must be a mapping, got {type(additional_config).__name__}."
             )
-        raw = (additional_config or {}).get("enable_kvpp", False)
-        return cls(enable_kvpp=parse_enable_kvpp(raw), tp=tp, pcp=pcp)
+        additional_config = additional_config or {}
+        check_keys(additional_config)
+        raw = additional_config.get("enable_kvpp", False)
+        mode = parse_kvpp_mode(additional_config.get("kvpp_mode", "auto"))
+        return cls(enable_kvpp=parse_enable_kvpp(raw), tp=tp, pcp=pcp, mode=mode)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> KVPPConfig:

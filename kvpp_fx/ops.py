@@ -30,10 +30,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch._library.effects import EffectType
 
+from kvpp_fx.runtime.errors import OwnerRoutingError
 from kvpp_fx.runtime.runtime import active_runtime, current_runtime
 
 NAMESPACE = "kvpp"
@@ -166,7 +168,8 @@ class RoutedOp:
     ``heads``: (where, dim) of each head operand of a head-separable op, in declaration order; empty
     for an owner-local op; ``token_dims``: each head operand's query-token dimension.
     ``output_dim``: the head dimension of the output (head-separable ops).
-    ``output_like``: the head operand whose shape and dtype the output has. Instances are interned, so
+    ``output_like``: the head operand whose shape and dtype the output has. ``rows``: the op's
+    `RowOperands` (how its call cuts by request), which a hybrid forward needs. Instances are interned, so
     equal routings are the same graph target.
     """
 
@@ -174,11 +177,11 @@ class RoutedOp:
 
     def __new__(cls, op: object, layer: int, heads: tuple[tuple[ArgWhere, int], ...] = (),
                 output_dim: int | None = None, output_like: int = 0,
-                token_dims: tuple[int, ...] | None = None) -> RoutedOp:
+                token_dims: tuple[int, ...] | None = None, rows: Any = None) -> RoutedOp:
         token_dims = tuple(token_dims) if token_dims is not None else (0,) * len(heads)
         if len(token_dims) != len(heads):
             raise ValueError(f"{len(heads)} head operands but {len(token_dims)} token dimensions.")
-        key = (op, layer, tuple(heads), output_dim, output_like, token_dims)
+        key = (op, layer, tuple(heads), output_dim, output_like, token_dims, rows)
         routed = cls._interned.get(key)
         if routed is None:
             routed = super().__new__(cls)
@@ -188,6 +191,7 @@ class RoutedOp:
             routed.output_dim = output_dim
             routed.output_like = output_like
             routed.token_dims = token_dims
+            routed.rows = rows
             schema = getattr(op, "_schema", None) or op.default._schema
             routed._schema = schema
             name = schema.name.replace("::", "_")
@@ -203,29 +207,80 @@ class RoutedOp:
 
     def __reduce__(self):
         return RoutedOp, (self.kvpp_routed_op, self.layer, self.heads, self.output_dim, self.output_like,
-                          self.token_dims)
+                          self.token_dims, self.rows)
 
     def __call__(self, *args, **kwargs):
         op = self.kvpp_routed_op
         if passing_through() or _tracing_with_fake_tensors():
             return op(*args, **kwargs)
         runtime = current_runtime()
+        if runtime.hybrid:
+            return self._hybrid(runtime, args, kwargs)
         if not runtime.owner_mode:
             return op(*args, **kwargs)
         if not self.heads:
             return op(*args, **kwargs) if runtime.runs_owner_ops(self.layer) else None
+        return self._on_owner(runtime, args, kwargs)
+
+    def _on_owner(self, runtime, args: tuple, kwargs: dict) -> torch.Tensor:
+        """Every row of the call on the layer's owner, over every rank's heads."""
+        op = self.kvpp_routed_op
         tensors = [_read(args, kwargs, where) for where, _ in self.heads]
 
         def compute(full: list[torch.Tensor]) -> torch.Tensor:
             call_args, call_kwargs = list(args), dict(kwargs)
             for (where, _), tensor in zip(self.heads, full):
-                if isinstance(where, str):
-                    call_kwargs[where] = tensor
-                else:
-                    call_args[where] = tensor
+                _write(call_args, call_kwargs, where, tensor)
             return op(*call_args, **call_kwargs)
 
         return runtime.owner_compute(self.layer, self, tensors, compute)  # this op is its own rule
+
+    def _hybrid(self, runtime, args: tuple, kwargs: dict) -> Any:
+        """A hybrid forward: owner-local ops run on every rank (the broadcast rows read what they write);
+        a head-separable op runs its owner requests' rows on the owner and the others' here."""
+        op = self.kvpp_routed_op
+        if not self.heads:
+            return op(*args, **kwargs)
+        if self.rows is None:
+            raise OwnerRoutingError(
+                f"{self._schema.name} of layer {self.layer} ran in a hybrid forward (requests on both paths), but "
+                "its HeadSeparable declares no RowOperands, so its call cannot be cut by request. Declare rows=, "
+                "or pass mode='broadcast' or 'owner'.")
+        paths = runtime.request_paths()
+        query_lens = _read_arg(args, kwargs, self.rows.query_lens)
+        lens = [int(n) for n in query_lens.tolist()]
+        if len(lens) != len(paths):
+            raise OwnerRoutingError(f"{self._schema.name} of layer {self.layer}: {len(lens)} requests in the call, "
+                                    f"{len(paths)} in the forward's requests.")
+        starts = [sum(lens[:k]) for k in range(len(lens))]
+        owner = [k for k, path in enumerate(paths) if path == "owner"]
+        local = [k for k, path in enumerate(paths) if path != "owner"]
+        device = query_lens.device
+        owner_tokens = torch.tensor([t for k in owner for t in range(starts[k], starts[k] + lens[k])],
+                                    dtype=torch.long, device=device)
+        local_tokens = torch.tensor([t for k in local for t in range(starts[k], starts[k] + lens[k])],
+                                    dtype=torch.long, device=device)
+        owner_part = self._on_owner(runtime, *self._cut(args, kwargs, owner, owner_tokens, device))
+        local_args, local_kwargs = self._cut(args, kwargs, local, local_tokens, device)
+        local_part = op(*local_args, **local_kwargs)
+        out = owner_part.new_empty((sum(lens), *owner_part.shape[1:]))
+        out[owner_tokens] = owner_part
+        out[local_tokens] = local_part
+        return out
+
+    def _cut(self, args: tuple, kwargs: dict, requests: list[int], tokens: torch.Tensor,
+             device: torch.device) -> tuple[tuple, dict]:
+        call_args, call_kwargs = list(args), dict(kwargs)
+        index = torch.tensor(requests, dtype=torch.long, device=device)
+        for where, rows in ((w, tokens) for w in self.rows.token_operands):
+            value = _read_arg(args, kwargs, where)
+            if isinstance(value, torch.Tensor):
+                _write_arg(call_args, call_kwargs, where, value.index_select(0, rows))
+        for where in self.rows.request_operands:
+            value = _read_arg(args, kwargs, where)
+            if isinstance(value, torch.Tensor):
+                _write_arg(call_args, call_kwargs, where, value.index_select(0, index))
+        return tuple(call_args), call_kwargs
 
 
 def _tracing_with_fake_tensors() -> bool:
@@ -237,6 +292,32 @@ def _tracing_with_fake_tensors() -> bool:
 def _read(args: tuple, kwargs: dict, where: ArgWhere) -> torch.Tensor:
     return kwargs[where] if isinstance(where, str) else args[where]
 
+
+def _write(call_args: list, call_kwargs: dict, where: ArgWhere, value: Any) -> None:
+    if isinstance(where, str):
+        call_kwargs[where] = value
+    else:
+        call_args[where] = value
+
+
+def _read_arg(args: tuple, kwargs: dict, where: Any) -> Any:
+    """A declared operand (an index, a name, or ``(name, index)``) of this call; None when not passed."""
+    name, index = (where if isinstance(where, tuple) else
+                   (where, None) if isinstance(where, str) else (None, where))
+    if name is not None and name in kwargs:
+        return kwargs[name]
+    if index is not None and index < len(args):
+        return args[index]
+    return None
+
+
+def _write_arg(call_args: list, call_kwargs: dict, where: Any, value: Any) -> None:
+    name, index = (where if isinstance(where, tuple) else
+                   (where, None) if isinstance(where, str) else (None, where))
+    if name is not None and (name in call_kwargs or index is None or index >= len(call_args)):
+        call_kwargs[name] = value
+    else:
+        call_args[index] = value
 
 def is_routed_op(target: object) -> bool:
     return isinstance(target, RoutedOp)

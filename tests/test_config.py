@@ -171,3 +171,22 @@ def test_vllm_like_config_is_read_by_attribute():
     with pytest.raises(ValueError, match="decode-only node"):
         cfg.validate(_vllm_like(kv=types.SimpleNamespace(kv_connector="MooncakeConnectorV2",
                                                          kv_role="kv_consumer")))
+
+
+def test_kvpp_mode_defaults_to_auto_and_is_checked():
+    assert KVPPConfig.from_additional_config({"enable_kvpp": True}).mode == "auto"
+    for mode in ("broadcast", "owner", "auto"):
+        assert KVPPConfig.from_additional_config({"enable_kvpp": True, "kvpp_mode": mode}).mode == mode
+    with pytest.raises(ValueError, match=r"kvpp_mode must be one of \['broadcast', 'owner', 'auto'\], got 'fast'"):
+        KVPPConfig.from_additional_config({"enable_kvpp": True, "kvpp_mode": "fast"})
+    with pytest.raises(ValueError, match="kvpp_mode must be one of"):
+        KVPPConfig(enable_kvpp=True, mode="Owner")
+
+
+@pytest.mark.parametrize("key", ["kvpp_mod", "kvppmode", "enable_kvpp_owner", "kvpp_scratch_blocks"])
+def test_unknown_kvpp_keys_are_named_even_with_kvpp_off(key):
+    with pytest.raises(ValueError, match=rf"unknown KVPP key\(s\) in additional_config: \['{key}'\]; the known keys "
+                                         r"are \['enable_kvpp', 'kvpp_mode'\]"):
+        KVPPConfig.from_additional_config({key: True})
+    # other plugins' keys are theirs
+    assert not KVPPConfig.from_additional_config({"ascend_scheduler_config": {}, "kvpp_fx": {}}).enabled

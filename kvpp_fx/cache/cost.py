@@ -13,6 +13,7 @@ step gets the same choice (the runtime's per-forward agreement checks it anyway)
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 BROADCAST, OWNER = "broadcast", "owner"
@@ -126,3 +127,88 @@ def choose_mode(shape: AttentionShape, load: StepLoad, broadcast_bytes: int, gro
     o_s = owner_seconds(shape, load, group_size, link)
     return ModeChoice(OWNER if o_s < b_s else BROADCAST, broadcast_bytes,
                       shape.owner_bytes_per_layer(load.query_tokens, group_size), b_s, o_s)
+
+
+@dataclass(frozen=True)
+class RequestRows:
+    """One request's rows in a step, or a group of requests that must take one path together (vLLM's
+    decode rows: one attention call serves them all).
+
+    ``blocks``: the ids of the blocks with history the rows read (what broadcast mode would move for
+    them); ``owner_capable``: whether their attention can run on the layer's owner (vLLM: its decode
+    rows, not its prefill rows).
+    """
+
+    query_tokens: int
+    attention_pairs: int
+    blocks: tuple[int, ...] = ()
+    owner_capable: bool = True
+
+    def __post_init__(self) -> None:
+        StepLoad(self.query_tokens, self.attention_pairs)  # the same checks
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in self.blocks):
+            raise ValueError(f"RequestRows.blocks must be int block ids, got {self.blocks!r}.")
+
+
+@dataclass(frozen=True)
+class RowChoice:
+    """Each request's path, and what the step then moves per layer."""
+
+    modes: tuple[str, ...]  # per request, BROADCAST or OWNER
+    owner_tokens: int  # query tokens gathered to each layer's owner
+    owner_pairs: int
+    broadcast_blocks: tuple[int, ...]  # sorted union of the broadcast requests' blocks
+    broadcast_bytes: int  # per layer
+    owner_bytes: int  # per layer, on the owner's link
+    why: str = ""
+
+    @property
+    def hybrid(self) -> bool:
+        return OWNER in self.modes and BROADCAST in self.modes
+
+    def rows(self, mode: str, requests: tuple[RequestRows, ...]) -> int:
+        return sum(r.query_tokens for r, m in zip(requests, self.modes) if m == mode)
+
+
+def choose_rows(shape: AttentionShape, requests: tuple[RequestRows, ...], mode: str, block_bytes: int,
+                group_size: int, link: LinkModel) -> RowChoice:
+    """Each request's path for one step: ``"broadcast"`` sends every request's history; ``"owner"``
+    sends every owner-capable request to the owner; ``"auto"`` sends an owner-capable request to the
+    owner when that costs less than broadcasting its blocks (bytes and the owner's extra attention;
+    the fixed cost of the collectives is shared by the step), then keeps the hybrid only if it beats
+    broadcasting everything, collectives included. ``block_bytes``: a block's bytes in one layer's
+    broadcast (`KVPPPlan.active_broadcast_bytes` of one block)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    _check_count("block_bytes", block_bytes, minimum=1)
+    requests = tuple(requests)
+
+    def owner_s(rows: RequestRows) -> float:
+        return owner_seconds(shape, StepLoad(rows.query_tokens, rows.attention_pairs), group_size, link) \
+            - 2 * link.latency_s
+
+    if mode == BROADCAST:
+        modes = (BROADCAST,) * len(requests)
+    elif mode == OWNER:
+        modes = tuple(OWNER if r.owner_capable else BROADCAST for r in requests)
+    else:
+        modes = tuple(OWNER if r.owner_capable and r.query_tokens and
+                      owner_s(r) < len(set(r.blocks)) * block_bytes / link.bytes_per_s else BROADCAST
+                      for r in requests)
+    choice = _row_choice(shape, requests, modes, block_bytes, group_size)
+    if mode == "auto" and OWNER in modes:
+        everything = _row_choice(shape, requests, (BROADCAST,) * len(requests), block_bytes, group_size)
+        owner_total = 2 * link.latency_s + sum(owner_s(r) for r, m in zip(requests, modes) if m == OWNER)
+        if owner_total + broadcast_seconds(choice.broadcast_bytes, link) >= \
+                broadcast_seconds(everything.broadcast_bytes, link):
+            return dataclasses.replace(everything, why="the collectives' fixed cost outweighs what the owner saves")
+    return choice
+
+
+def _row_choice(shape: AttentionShape, requests: tuple[RequestRows, ...], modes: tuple[str, ...],
+                block_bytes: int, group_size: int) -> RowChoice:
+    owners = [r for r, m in zip(requests, modes) if m == OWNER]
+    blocks = tuple(sorted({b for r, m in zip(requests, modes) if m == BROADCAST for b in r.blocks}))
+    owner_tokens = sum(r.query_tokens for r in owners)
+    return RowChoice(modes, owner_tokens, sum(r.attention_pairs for r in owners), blocks, len(blocks) * block_bytes,
+                     shape.owner_bytes_per_layer(owner_tokens, group_size))

@@ -44,6 +44,23 @@ class HeadOperand:
 
 
 @dataclass(frozen=True)
+class RowOperands:
+    """How to cut a head-separable op's call into the rows of some of its requests, so that a hybrid
+    forward runs one request's rows on the owner and another's locally: ``token_operands`` hold one row
+    per query token on dimension 0 (the head operands are always among them), ``request_operands`` one
+    row per request on dimension 0, and ``query_lens`` (one of them) each request's query tokens, in
+    order. The output holds one row per query token on dimension 0. An operand not passed is skipped."""
+
+    token_operands: tuple[int | str | tuple[str, int], ...]
+    request_operands: tuple[int | str | tuple[str, int], ...]
+    query_lens: int | str | tuple[str, int]
+
+    def __post_init__(self) -> None:
+        if self.query_lens not in self.request_operands:
+            raise ValueError(f"query_lens {self.query_lens!r} must be one of the request operands.")
+
+
+@dataclass(frozen=True)
 class HeadSeparable:
     """The op computes every head on its own, so the layer's owner may run it over the heads of all
     ranks (owner mode): it gathers each `HeadOperand` from every rank, concatenates them along their
@@ -55,6 +72,7 @@ class HeadSeparable:
     output_dim: int
     output_like: int = 0  # the head operand whose shape, dtype and strides the output has (as the op's
     #                       fake says; the other ranks build their part of the output by it)
+    rows: RowOperands | None = None  # how to cut the call by request (hybrid forwards); None: it cannot be
 
     def __post_init__(self) -> None:
         if not self.operands:
@@ -73,7 +91,16 @@ class OwnerLocal:
     """
 
 
-OwnerRule = HeadSeparable | OwnerLocal
+@dataclass(frozen=True)
+class RoutesItself:
+    """The op's own implementation sends the rows the forward routes to the layer's owner through
+    ``runtime.owner_compute`` (vLLM's MLA attention, whose decode rows a worker hook exchanges below
+    the graph). The graph keeps the op as it is; its layer's wait is routed. The runtime checks, per
+    layer, that a forward with owner rows did exchange them (`OwnerRoutingError` otherwise).
+    """
+
+
+OwnerRule = HeadSeparable | OwnerLocal | RoutesItself
 
 
 @dataclass(frozen=True)
@@ -84,7 +111,7 @@ class AttentionOpSpec:
     ``layer_kind="index"`` the argument is the layer's integer index; with ``layer_kind="name"`` it is
     a layer name (a string constant, or a placeholder whose example value carries the name, as vLLM's
     ``LayerName``), mapped to an index by the pass's name table or, failing that, by ``layers.N``.
-    ``owner`` declares how the op runs in owner mode (`HeadSeparable` or `OwnerLocal`).
+    ``owner`` declares how the op runs in owner mode (`HeadSeparable`, `OwnerLocal` or `RoutesItself`).
     """
 
     op: str
@@ -98,8 +125,8 @@ class AttentionOpSpec:
             raise ValueError(f"op must be 'namespace::name' or 'namespace::name.overload', got {self.op!r}.")
         if self.layer_kind not in ("index", "name"):
             raise ValueError(f"layer_kind must be 'index' or 'name', got {self.layer_kind!r}.")
-        if self.owner is not None and not isinstance(self.owner, (HeadSeparable, OwnerLocal)):
-            raise ValueError(f"owner must be a HeadSeparable or an OwnerLocal, got {self.owner!r}.")
+        if self.owner is not None and not isinstance(self.owner, (HeadSeparable, OwnerLocal, RoutesItself)):
+            raise ValueError(f"owner must be a HeadSeparable, an OwnerLocal or a RoutesItself, got {self.owner!r}.")
 
 
 def op_names(target: Any) -> tuple[str, ...]:
@@ -236,8 +263,11 @@ def run_time_layer_input(node: torch.fx.Node, spec: AttentionOpSpec) -> torch.fx
 
 # vLLM's MLA/SFA ops (vllm/model_executor/layers/attention/mla_attention.py, sparse_attn_indexer.py).
 VLLM_SPECS = (
-    AttentionOpSpec("vllm::unified_mla_kv_cache_update", ("layer_name", 2), "name"),
-    AttentionOpSpec("vllm::unified_mla_attention_with_output", ("layer_name", 4), "name"),
+    # The worker's MLA hook exchanges the decode rows of owner-mode forwards and skips the non-owners'
+    # writes (`kvpp_fx.integrations.vllm.owner_rows`); the SFA indexer declares nothing, so SFA graphs
+    # stay broadcast-only.
+    AttentionOpSpec("vllm::unified_mla_kv_cache_update", ("layer_name", 2), "name", owner=RoutesItself()),
+    AttentionOpSpec("vllm::unified_mla_attention_with_output", ("layer_name", 4), "name", owner=RoutesItself()),
     AttentionOpSpec("vllm::sparse_attn_indexer", ("k_cache_prefix", 1), "name",
                     (CacheOperand(("kv_cache", 2), "indexer"),)),
 )

@@ -2,13 +2,15 @@
 
 Runs after the insert pass, and reads its stamps (each registered op's layer and spec): it resolves
 nothing again. When every registered cache op of every layer the graph awaits declares an
-owner rule (`HeadSeparable` or `OwnerLocal` in its `AttentionOpSpec`), each such node's target becomes
-a `kvpp_fx.ops.RoutedOp` that carries the op, the layer and the resolved head operands, and each wait
-gets ``routed=True``. Otherwise the graph is left as it is and serves broadcast mode only: the runtime
+owner rule (`HeadSeparable`, `OwnerLocal` or `RoutesItself` in its `AttentionOpSpec`), each node of the
+first two kinds gets as its target a `kvpp_fx.ops.RoutedOp` that carries the op, the layer and the
+resolved head operands, a `RoutesItself` node stays as it is (its implementation exchanges its own owner
+rows), and each wait gets ``routed=True``. Otherwise the graph is left as it is and serves broadcast mode only: the runtime
 refuses owner mode at its first wait (`OwnerModeUnsupportedError`), before any byte moves.
 
 Invariants after the pass, for a routed graph:
-- every registered op of a target layer is a `RoutedOp` of that layer, and every wait is routed;
+- every registered op of a target layer is a `RoutedOp` of that layer or declared `RoutesItself`, and
+  every wait is routed;
 - every head operand of a head-separable op is a tensor whose declared head dimension has the same
   size as the other head operands' (the rank's heads), and so has the output's;
 - the output of an owner-local op (None on the ranks that do not own the layer) is read only by routed
@@ -33,6 +35,7 @@ from kvpp_fx.passes.registry import (
     HeadSeparable,
     LayerResolutionError,
     OwnerLocal,
+    RoutesItself,
     arg_location,
     get_arg,
 )
@@ -122,6 +125,8 @@ def route_owner_ops(gm: torch.fx.GraphModule, config: PassConfig) -> RouteResult
         members = {node for node, _ in ops}
         head_positions = {node: _head_values(node, spec) for node, spec in ops}
         for node, spec in ops:
+            if isinstance(spec.owner, RoutesItself):
+                continue  # its implementation exchanges its own owner rows; the node stays as it is
             if isinstance(spec.owner, OwnerLocal):
                 for user in node.users:
                     if user not in members or node in head_positions[user]:
@@ -136,7 +141,7 @@ def route_owner_ops(gm: torch.fx.GraphModule, config: PassConfig) -> RouteResult
                 heads = resolve_heads(node, spec.owner)
                 routes.append((node, RoutedOp(node.target, layer, heads, spec.owner.output_dim,
                                               spec.owner.output_like,
-                                              tuple(o.token_dim for o in spec.owner.operands))))
+                                              tuple(o.token_dim for o in spec.owner.operands), spec.owner.rows)))
     for node, routed in routes:
         node.target = routed
     for wait in waits.values():

@@ -24,8 +24,8 @@ its name in `CHECKS`; a failure lists every problem with the check that found it
 - ``originals``: the original cache values (the waits' inputs, and graph inputs that are KVPP
   handles) are read only by waits, and each by the wait of one layer only;
 - ``routing``: owner mode is all or nothing: either no wait is routed and no registered op is a
-  `RoutedOp`, or every wait is routed and every registered op of an awaited layer is a `RoutedOp` of
-  that layer whose rule is its spec's declaration (owner-local, or head-separable with the declared
+  `RoutedOp`, or every wait is routed and every registered op of an awaited layer is declared
+  `RoutesItself` (and left as it is) or is a `RoutedOp` of that layer whose rule is its spec's declaration (owner-local, or head-separable with the declared
   head operands, dimensions and output dimension), and an owner-local op's output is read only by
   routed ops of its layer, never as a head operand;
 - ``pieces``: no compiled piece contains a kvpp op or a registered op;
@@ -57,6 +57,7 @@ from kvpp_fx.passes.registry import (
     LayerResolutionError,
     OpMatcher,
     OwnerLocal,
+    RoutesItself,
     arg_location,
     get_arg,
     layer_of,
@@ -320,6 +321,11 @@ def check_routing(g: GraphFacts) -> Iterator[str]:
     owner_run = {op.node: op.layer for op in g.registered if is_routed_op(op.node.target)}
     for op in g.registered:
         node, spec, layer, target = op.node, op.spec, op.layer, op.node.target
+        if isinstance(spec.owner, RoutesItself) and not is_routed_op(target):
+            wait = g.wait_of.get(layer)
+            if wait is not None and not _is_routed_wait(wait):
+                yield f"{node.name} routes its own owner rows but its layer's wait {wait.name} is not routed."
+            continue
         if not is_routed_op(target):
             yield (f"{node.name} touches layer {layer}'s cache without routing in a routed graph; in owner mode it "
                    "would read a scratch slot that is not filled.")
@@ -346,8 +352,8 @@ def check_routing(g: GraphFacts) -> Iterator[str]:
                 yield f"{node.name}: {exc}"
                 continue
             tokens = tuple(o.token_dim for o in rule.operands)
-            if (target.heads, target.output_dim, target.output_like, target.token_dims) != \
-                    (declared, rule.output_dim, rule.output_like, tokens):
+            if (target.heads, target.output_dim, target.output_like, target.token_dims, target.rows) != \
+                    (declared, rule.output_dim, rule.output_like, tokens, rule.rows):
                 yield (f"{node.name} is routed with heads {target.heads}, output dimension {target.output_dim}, "
                        f"output like {target.output_like}, token dimensions {target.token_dims}; {spec.op} "
                        f"declares {declared}, {rule.output_dim}, {rule.output_like}, {tokens}.")

@@ -8,7 +8,9 @@ speculative output equals plain greedy output.
 The same driver runs with KVPP on or off: the only difference is the plan's group size (N or 1).
 Either way the model's caches are owned by a `KVPPRuntime`, and each step with a compiled model runs
 under ``runtime.forward(has_history)`` with ``has_history = any(num_computed_tokens > 0)`` over the
-scheduled requests, as the reference implementation computes it. The engine owns both the backend and
+scheduled requests, as the reference implementation computes it; in owner and auto mode the forward
+names each request's rows and blocks (``requests=``), so a step of decodes next to a prefill chunk can
+send the decodes to the owners and broadcast the chunk's history (a hybrid step). The engine owns both the backend and
 the runtime, so it is what tells the runtime, after each step, which layers the graphs compiled in it
 hold and whether they were routed for owner mode (`KVPPRuntime.note_routing`).
 """
@@ -25,7 +27,7 @@ import torch
 
 from kvpp_fx.backend import kvpp_backend
 from kvpp_fx.cache.cost import MODES as KVPP_MODES
-from kvpp_fx.cache.cost import LinkModel, StepLoad
+from kvpp_fx.cache.cost import LinkModel, RequestRows, StepLoad
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.reference.config import RefConfig
 from kvpp_fx.reference.model import ReferenceModel
@@ -300,15 +302,22 @@ class Engine:
 
     def load(self, batch: list[_Scheduled]) -> StepLoad:
         """The step's query tokens and the (query, context token) pairs its attention scores."""
+        return StepLoad(sum(item.count for item in batch), sum(self._pairs(item) for item in batch))
+
+    def _pairs(self, item: _Scheduled) -> int:
         topk = self.cfg.index_topk
-        pairs = 0
-        for item in batch:
-            for position in range(item.start, item.start + item.count):
-                pairs += min(position + 1, topk) if topk is not None else position + 1
-        return StepLoad(sum(item.count for item in batch), pairs)
+        return sum(min(position + 1, topk) if topk is not None else position + 1
+                   for position in range(item.start, item.start + item.count))
+
+    def request_rows(self, batch: list[_Scheduled]) -> tuple[RequestRows, ...]:
+        """Each scheduled request's rows and the blocks with history it reads, in batch order (the order
+        of the rows of the step's block table): the runtime gives each its path."""
+        block_size = self.config.block_size
+        return tuple(RequestRows(item.count, self._pairs(item), tuple(item.request.blocks[: -(-item.start // block_size)]))
+                     for item in batch)
 
     def _run_target(self, inputs: dict[str, torch.Tensor], has_history: bool, blocks: list[int] | None = None,
-                    load: StepLoad | None = None):
+                    load: StepLoad | None = None, requests: tuple[RequestRows, ...] | None = None):
         hidden_in = None
         if self.link is not None and self.link.prev_rank is not None:
             hidden_in = torch.empty(inputs["input_ids"].numel(), self.cfg.hidden_size)
@@ -320,7 +329,11 @@ class Engine:
             logits, hidden = self.forward_fn(*args)
         else:
             try:
-                with self.runtime.forward(has_history, blocks=blocks, mode=self.kvpp_mode, load=load):
+                if requests is not None:  # each request's rows take their own path
+                    forward = self.runtime.forward(has_history, mode=self.kvpp_mode, requests=requests)
+                else:
+                    forward = self.runtime.forward(has_history, blocks=blocks, mode=self.kvpp_mode, load=load)
+                with forward:
                     logits, hidden = self.forward_fn(*args)
             finally:  # a step that raised may still have compiled
                 self._report_routing()
@@ -353,9 +366,11 @@ class Engine:
         decode_only = all(item.start >= len(item.request.prompt) for item in batch)
         inputs = self._inputs(batch)
         blocks = self.active_blocks(batch) if self.config.active_blocks else None
+        # owner and auto: per request (hybrid steps); broadcast, or whole layers: one path for the step
+        requests = self.request_rows(batch) if self.kvpp_mode != "broadcast" and blocks is not None else None
         start = time.perf_counter()
         with torch.no_grad():
-            logits, hidden = self._run_target(inputs, has_history, blocks, self.load(batch))
+            logits, hidden = self._run_target(inputs, has_history, blocks, self.load(batch), requests)
         elapsed = time.perf_counter() - start
         self.last_logits = logits
         sampled = self._sample(logits, int(inputs["logits_indices"].numel()))
@@ -368,9 +383,10 @@ class Engine:
                   "requests": [(i.request.rid, i.start, i.count) for i in batch], "seconds": elapsed,
                   "decode_only": decode_only,
                   "mode": moved["mode"] if moved and self.plan.enabled else None,
-                  "broadcast_bytes": moved["bytes"] if moved and moved["mode"] == "broadcast" else 0,
+                  "broadcast_bytes": moved["broadcast_bytes"] if moved else 0,
                   "broadcasts": moved["broadcasts"] if moved else 0,
-                  "owner_bytes": moved["bytes"] if moved and moved["mode"] == "owner" else 0,
+                  "owner_bytes": moved["exchange_bytes"] if moved else 0,
+                  "paths": moved["choice"]["modes"] if moved and moved["rows"] is not None else None,
                   "exchanges": moved["exchanges"] if moved else 0,
                   "active_blocks": len(blocks) if blocks is not None else None,
                   "pool_blocks": len(self.pool.refs)}

@@ -26,6 +26,7 @@ from kvpp_fx.passes.registry import (
     HeadOperand,
     HeadSeparable,
     OwnerLocal,
+    RowOperands,
 )
 
 
@@ -179,14 +180,18 @@ def _(q, weights, data, scale, block_table, seq_lens, query_lens, topk, layer):
 
 
 # Owner mode: attention is head-separable (q_latent and q_pe carry the TP rank's heads on dim 1, and so
-# does the output); the writes and the indexer's top-k run on the owner only (the indexer's heads are
+# does the output), and its call cuts by request for hybrid forwards; the writes and the indexer's top-k
+# run on the owner only in owner mode, and on every rank in hybrid forwards (the indexer's heads are
 # replicated over TP, as in DeepSeek-V3.2, so the owner's own queries are all of them).
 REFERENCE_SPECS = (
     AttentionOpSpec("kvpp_ref::write_kv", ("layer", 4), "index", (CacheOperand(("cache", 0), "kv"),),
                     owner=OwnerLocal()),
     AttentionOpSpec("kvpp_ref::mla_attention", ("layer", 7), "index", (CacheOperand(("cache", 2), "kv"),),
                     owner=HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 1)),
-                                        output_dim=1)),
+                                        output_dim=1,
+                                        rows=RowOperands((("q_latent", 0), ("q_pe", 1), ("topk_indices", 8)),
+                                                         (("block_table", 3), ("seq_lens", 4), ("query_lens", 5)),
+                                                         ("query_lens", 5)))),
     AttentionOpSpec("kvpp_ref::write_indexer", ("layer", 4), "index",
                     (CacheOperand(("data", 0), "indexer"), CacheOperand(("scale", 1), "indexer_scale")),
                     owner=OwnerLocal()),

@@ -33,6 +33,7 @@ class ForwardPath(enum.IntEnum):
     WHOLE_LAYERS = 1  # every layer's whole bundle
     ACTIVE_BLOCKS = 2  # the listed blocks of every layer
     OWNER = 3  # owner mode: queries to each layer's owner, outputs back
+    HYBRID = 4  # some requests' rows to the owner, the listed blocks of the others broadcast
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,15 @@ class AgreementKey:
     block_count: int = 0  # active blocks only
     block_digest: int = 0  # of the sorted active-block ids
     query_tokens: int = -1  # of the forward's load, when given (owner mode gathers that many per rank)
+    row_paths: int = 0  # which requests' rows go to the owner, when the forward names its requests
 
-    def values(self) -> tuple[int, int, int, int]:
-        return int(self.path), self.block_count, self.block_digest, self.query_tokens
+    def values(self) -> tuple[int, int, int, int, int]:
+        return int(self.path), self.block_count, self.block_digest, self.query_tokens, self.row_paths
 
 
-_FIELD_NAMES = ("history and path (0 none, 1 whole layers, 2 active blocks, 3 owner mode)",
-                "active-block count", "active-block set", "query tokens (the load)")
+_FIELD_NAMES = ("history and path (0 none, 1 whole layers, 2 active blocks, 3 owner mode, 4 hybrid)",
+                "active-block count", "active-block set", "query tokens (the load)",
+                "requests' paths (owner or broadcast)")
 _WIDTH = len(_FIELD_NAMES)
 
 
@@ -90,5 +93,5 @@ class Agreement:
         if differing:
             raise BlockSetMismatchError(
                 f"the ranks disagree on this forward's {', '.join(differing)}; every rank must pass the same "
-                f"has_history, blocks, mode and load to runtime.forward() (this rank: path {int(key.path)}, "
+                f"has_history, blocks, mode, load and requests to runtime.forward() (this rank: path {int(key.path)}, "
                 f"{key.block_count} blocks). Nothing was moved.")

@@ -1,14 +1,23 @@
 """`Forward`: one model forward of a `KVPPRuntime`, its methods in the order the work happens.
 
-    begin()                      choose the path (mode, history, active blocks), prepare it, agree on it
+    begin()                      choose the path (each request's rows, mode, history, active blocks),
+                                 prepare it, agree on it
     prefetch(first)              issue the first layer's broadcast, return at once
     per layer: wait(L)           complete L's broadcast into its view (the compute stream waits for it)
                prefetch(next)    issue the next layer's broadcast
-               owner_compute     (owner mode, in L's turn) L's routed ops run on L's owner
+               owner_compute     (owner rows, in L's turn) L's routed ops run on L's owner
     end(error)                   complete what is in flight, then check what only the end can tell
 
+A forward is in one of three modes: broadcast (every row reads blocks broadcast into the scratch slot),
+owner (every row's attention runs on the layer's owner), or hybrid (``requests=``: some requests' rows
+go to the owner, the others read the blocks broadcast for them only; `cost.choose_rows`).
+
 Invariants:
-- Everything a forward moves, every rank agreed on in `begin`, before any byte moved.
+- Everything a forward moves, every rank agreed on in `begin`, before any byte moved; that includes
+  which requests' rows go to the owner.
+- In a forward given ``requests=`` with owner rows, every target layer exchanged them before the next
+  layer's wait (and the last before the forward ends): an op that skipped its exchange read a scratch
+  slot that does not hold those rows' blocks (`OwnerRoutingError`).
 - `prefetch`/`wait` follow `ProtocolState`: every rank raises the same named error at the same op.
 - Nothing issued is cancelled. `end` completes an in-flight broadcast and the last exchange within the
   timeout. A failed or timed-out collective, or a forward that raised after issuing any, breaks the
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvpp_fx.cache.cost import BROADCAST, OWNER, StepLoad, choose_mode
+from kvpp_fx.cache.cost import BROADCAST, OWNER, RequestRows, RowChoice, StepLoad, choose_mode, choose_rows
 from kvpp_fx.runtime.active_blocks import ActiveBlocks, Shape
 from kvpp_fx.runtime.agreement import AgreementKey, ForwardPath
 from kvpp_fx.runtime.errors import (
@@ -43,6 +53,7 @@ if TYPE_CHECKING:
     from kvpp_fx.runtime.runtime import KVPPRuntime
 
 AUTO = "auto"
+HYBRID = "hybrid"
 
 
 @dataclass(frozen=True)
@@ -62,7 +73,7 @@ class LayerRoute:
 
 class Forward:
     def __init__(self, runtime: KVPPRuntime, has_history: bool, blocks: Any, mode: str,
-                 load: StepLoad | None) -> None:
+                 load: StepLoad | None, requests: tuple[RequestRows, ...] | None = None) -> None:
         self.runtime = runtime
         self.routes = runtime.routes
         self.transport = runtime.transport
@@ -76,6 +87,8 @@ class Forward:
         self.blocks = blocks
         self.mode = mode
         self.load = load
+        self.requests = requests
+        self.rows: RowChoice | None = None  # each request's path, when the forward names its requests
         self.choice: dict[str, Any] | None = None
         self.owner = False
         self.broadcasts = False  # whether each prefetch issues a broadcast
@@ -93,11 +106,48 @@ class Forward:
 
     def begin(self) -> None:
         """Everything this forward moves is decided, prepared and agreed on here, before any byte moves."""
+        if self.requests is not None:
+            self._choose_rows()
         self._prepare_active_blocks()
         self._choose_mode()
         if self.runtime.agreement is not None:
             self.runtime.agreement.agree(self._agreement_key())
-        self.stats.begin_forward(self.has_history, self.mode, self.choice)
+        rows = None
+        if self.rows is not None:
+            rows = {path: self.rows.rows(path, self.requests) for path in (BROADCAST, OWNER)}
+        self.stats.begin_forward(self.has_history, self.mode, self.choice, rows)
+
+    def _choose_rows(self) -> None:
+        """``requests=``: each request's path by `choose_rows`; the broadcast moves only the broadcast
+        requests' blocks, and the owner rows are the forward's load."""
+        runtime, requests = self.runtime, self.requests
+        mode = self.mode
+        if self.transport is None:
+            mode = BROADCAST  # a group of one: nothing moves in either mode
+        elif mode != BROADCAST and runtime.attention is None:
+            raise OwnerModeUnsupportedError(
+                f'mode="{mode}" with requests= needs an attention shape (KVPPRuntime.create(attention=...)).')
+        why = ""
+        if mode == AUTO and runtime.layers_not_known_routed():
+            mode, why = BROADCAST, f"layers {runtime.layers_not_known_routed()} are not known to be routed"
+        first = self.routes[0] if self.routes else None
+        block_bytes = runtime.plan.active_broadcast_bytes(first.layer, 1) if first is not None else 1
+        attention = runtime.attention
+        if attention is None:
+            self.rows = RowChoice((BROADCAST,) * len(requests), 0, 0,
+                                  tuple(sorted({b for r in requests for b in r.blocks})), 0, 0)
+        else:
+            self.rows = choose_rows(attention, requests, mode, block_bytes, runtime.plan.group_size, runtime.link)
+        rows = self.rows
+        self.choice = {"modes": list(rows.modes), "broadcast_bytes": rows.broadcast_bytes,
+                       "owner_bytes": rows.owner_bytes, "why": rows.why or why}
+        self.blocks = list(rows.broadcast_blocks)
+        self.has_history = self.has_history and bool(rows.broadcast_blocks)
+        if OWNER not in rows.modes:
+            self.mode = BROADCAST
+        else:
+            self.load = StepLoad(rows.owner_tokens, rows.owner_pairs)
+            self.mode = OWNER if BROADCAST not in rows.modes else HYBRID
 
     def _prepare_active_blocks(self) -> None:
         """Active blocks or whole layers; invalid ids raise here, on every rank, before the agreement."""
@@ -111,13 +161,14 @@ class Forward:
         runtime = self.runtime
         if self.transport is None:
             self.mode = BROADCAST  # a group of one: every cache is local, nothing moves in either mode
-        elif self.mode == AUTO:
+        elif self.mode == AUTO and self.rows is None:
             self.choice = self._choose()
             self.mode = self.choice["mode"]
         self.owner = self.mode == OWNER
-        if self.owner:
+        if self.mode in (OWNER, HYBRID):
             self._check_owner_mode_can_run()
-            self.active = None  # owner mode reads the owner's persistent cache; no block moves
+            if self.owner:
+                self.active = None  # owner mode reads the owner's persistent cache; no block moves
             local_heads = runtime.attention.split(runtime.plan.group_size) if runtime.attention is not None else None
             self.exchange = OwnerExchange(runtime.api, self.transport.collectives, runtime.group,
                                           runtime.plan.group_size, local_heads, self.load.query_tokens, self.stats,
@@ -156,14 +207,20 @@ class Forward:
 
     def _agreement_key(self) -> AgreementKey:
         query_tokens = self.load.query_tokens if self.load is not None else -1
+        rows = _paths_digest(self.rows.modes) if self.rows is not None else 0
         if self.owner:
-            return AgreementKey(ForwardPath.OWNER, query_tokens=query_tokens)
+            return AgreementKey(ForwardPath.OWNER, query_tokens=query_tokens, row_paths=rows)
+        if self.mode == HYBRID:
+            active = self.active
+            if not self.has_history or active is None:  # no block, or whole layers
+                return AgreementKey(ForwardPath.HYBRID, -1 if self.has_history else 0, 0, query_tokens, rows)
+            return AgreementKey(ForwardPath.HYBRID, active.count, active.digest, query_tokens, rows)
         if not self.has_history:
             return AgreementKey(ForwardPath.NO_HISTORY, query_tokens=query_tokens)
         active = self.active
         if active is None:
-            return AgreementKey(ForwardPath.WHOLE_LAYERS, query_tokens=query_tokens)
-        return AgreementKey(ForwardPath.ACTIVE_BLOCKS, active.count, active.digest, query_tokens)
+            return AgreementKey(ForwardPath.WHOLE_LAYERS, query_tokens=query_tokens, row_paths=rows)
+        return AgreementKey(ForwardPath.ACTIVE_BLOCKS, active.count, active.digest, query_tokens, rows)
 
     # --- per layer: prefetch, wait ------------------------------------------------------------------
 
@@ -183,14 +240,17 @@ class Forward:
     def wait(self, layer: int, slot: int, routed: bool) -> torch.Tensor:
         timeline = self.timeline
         start = time.perf_counter_ns() if timeline is not None else 0
-        if self.owner and not routed:
+        if self.exchange is not None and not routed:
             self.runtime.order.locate(layer, slot)  # an unknown layer or a wrong slot is named first
             raise self._failed(OwnerModeUnsupportedError(
-                f"owner mode reached layer {layer}, whose cache ops the graph does not route for it (an op "
+                f"a forward with owner rows reached layer {layer}, whose cache ops the graph does not route "
+                "for owner mode (an op "
                 "without an owner rule in its AttentionOpSpec, or a graph rewritten before owner mode); "
                 "its attention would read a scratch slot that owner mode does not fill. Use "
                 'mode="broadcast", or declare the ops (HeadSeparable / OwnerLocal) and recompile.'))
         position = self.protocol.wait(layer, slot)
+        if self.rows is not None and self.exchange is not None and position > 0:
+            self._check_exchanged(self.routes[position - 1].layer)
         self._complete()
         if timeline is not None:
             timeline.add(f"wait L{layer}", "wait", start, time.perf_counter_ns(), layer=layer)
@@ -239,12 +299,22 @@ class Forward:
         return self._owner_turn(layer).owned
 
     def owner_compute(self, layer: int, rule: HeadRule, heads: Sequence[torch.Tensor],
-                      compute: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+                      compute: Callable[[list[torch.Tensor]], torch.Tensor],
+                      output_like: torch.Tensor | None = None) -> torch.Tensor:
         route = self._owner_turn(layer)
         if self.exchange is None:
             raise OwnerRoutingError(f"a head-separable op of layer {layer} asked for owner mode's exchange in a "
                                     f"{self.mode}-mode forward.")
-        return self.exchange.compute(layer, route.position, route.owned, route.src, rule, heads, compute)
+        return self.exchange.compute(layer, route.position, route.owned, route.src, rule, heads, compute,
+                                     output_like)
+
+    def _check_exchanged(self, layer: int) -> None:
+        if layer not in self.exchange.exchanged:
+            raise self._failed(OwnerRoutingError(
+                f"layer {layer}'s attention ran in a forward with {self.load.query_tokens} owner rows without "
+                "exchanging them: its op read a scratch slot that does not hold those rows' blocks. The op "
+                "must send its owner rows through runtime.owner_compute (a RoutedOp, or an op declared "
+                "RoutesItself whose implementation does)."))
 
     def _owner_turn(self, layer: int) -> LayerRoute:
         """The layer's route, checked to be in its turn (after its wait, before the next layer's)."""
@@ -282,6 +352,8 @@ class Forward:
                 raise self._failed(SkippedLayerError(
                     f"the forward ended without awaiting layers {unawaited}; every target layer must be "
                     "awaited once per forward."))
+            if self.rows is not None and self.exchange is not None and self.routes:
+                self._check_exchanged(self.routes[-1].layer)
         finally:
             self.stats.end_forward()
 
@@ -321,3 +393,8 @@ class Forward:
         return self.health.broken_by(BlockSetMismatchError(
             f"the block ids received {where} are not this forward's set: the broadcast paired with another "
             "forward's or another rank's; this rank's view of the group can no longer be trusted."))
+
+
+def _paths_digest(modes: tuple[str, ...]) -> int:
+    """The requests' paths as one int64 for the agreement: which request went where, and how many."""
+    return int.from_bytes(hashlib.blake2b(repr(modes).encode(), digest_size=8).digest(), "little") >> 2

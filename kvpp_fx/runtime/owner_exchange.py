@@ -55,18 +55,23 @@ class OwnerExchange:
         self.issued = 0  # exchanges started: a failure after the first may have left a peer's half pending
         self.last_work: Any = None  # one communicator completes in order: the last one covers all
         self.failed: torch.Tensor | None = None  # on a device: the maximum of the owners' status values
+        self.exchanged: set[int] = set()  # layers whose owner rows were exchanged in this forward
 
     def compute(self, layer: int, position: int, owned: bool, owner: int, rule: HeadRule,
-                heads: Sequence[torch.Tensor], compute: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
-        """Run the op over every rank's heads on `owner` (a global rank); return this rank's part."""
+                heads: Sequence[torch.Tensor], compute: Callable[[list[torch.Tensor]], torch.Tensor],
+                output_like: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the op over every rank's heads on `owner` (a global rank); return this rank's part.
+
+        ``output_like``: a tensor of this rank's output shape and dtype, for an op whose output is not
+        shaped like one of its head operands (vLLM's MQA: queries of 576 values in, 512 out per head)."""
         dims = [dim for _, dim in rule.heads]
         self._check_heads(layer, heads, dims, rule.token_dims)
-        like = heads[rule.output_like]
-        local_heads = like.shape[dims[rule.output_like]]
+        like = heads[rule.output_like] if output_like is None else output_like
         pack = torch.cat([t.contiguous().view(-1) for t in heads]) if len(heads) > 1 else \
             heads[0].contiguous().view(-1)
         nbytes = pack.numel() * pack.element_size() + like.numel() * like.element_size()
         self.issued += 1  # counted first: a failure while issuing may have left a peer's half pending
+        self.exchanged.add(layer)
         start = time.perf_counter_ns()
         gathered = [torch.empty_like(pack) for _ in range(self.group_size)] if owned else None
         self._run(lambda: self.api.gather(pack, gathered, owner, self.group), "owner-mode gather of layer %d", layer)
@@ -74,7 +79,7 @@ class OwnerExchange:
         parts, failure = None, None
         if owned:
             try:
-                parts = self._owner_parts(layer, heads, dims, gathered, compute, like, rule, local_heads)
+                parts = self._owner_parts(layer, heads, dims, gathered, compute, like, rule)
             except Exception as exc:  # the other ranks learn it from the scatter instead of a timeout
                 failure = exc
                 parts = [torch.cat([torch.zeros_like(like).view(-1), like.new_ones(1)])
@@ -133,8 +138,8 @@ class OwnerExchange:
                                         f"{tensor.dtype}; owner mode packs them into one buffer of one dtype.")
 
     def _owner_parts(self, layer: int, heads: Sequence[torch.Tensor], dims: list[int], gathered: list[torch.Tensor],
-                     compute: Callable[[list[torch.Tensor]], torch.Tensor], like: torch.Tensor, rule: HeadRule,
-                     local_heads: int) -> list[torch.Tensor]:
+                     compute: Callable[[list[torch.Tensor]], torch.Tensor], like: torch.Tensor,
+                     rule: HeadRule) -> list[torch.Tensor]:
         """The owner's side: all heads in rank order, the op, and each rank's part plus a zero status."""
         full, offset = [], 0
         for tensor, dim in zip(heads, dims):
@@ -143,7 +148,7 @@ class OwnerExchange:
             offset += n
         out = compute(full)
         expected = list(like.shape)
-        expected[rule.output_dim] = local_heads * self.group_size
+        expected[rule.output_dim] = like.shape[rule.output_dim] * self.group_size
         if not isinstance(out, torch.Tensor) or list(out.shape) != expected or out.dtype != like.dtype:
             got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
             raise OwnerRoutingError(
@@ -151,7 +156,8 @@ class OwnerExchange:
                 f"{tuple(expected)} {like.dtype} (the shape of head operand {rule.output_like} with heads on "
                 f"dimension {rule.output_dim}).")
         zero = like.new_zeros(1)
-        return [torch.cat([p.contiguous().view(-1), zero]) for p in out.split(local_heads, dim=rule.output_dim)]
+        return [torch.cat([p.contiguous().view(-1), zero])
+                for p in out.split(like.shape[rule.output_dim], dim=rule.output_dim)]
 
     def _check_status(self, layer: int, status: torch.Tensor) -> None:
         if self.api.immediate_checks:

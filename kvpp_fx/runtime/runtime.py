@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from kvpp_fx.cache.allocate import CacheStorage
-from kvpp_fx.cache.cost import BROADCAST, MODES, AttentionShape, LinkModel, StepLoad
+from kvpp_fx.cache.cost import BROADCAST, MODES, AttentionShape, LinkModel, RequestRows, StepLoad
 from kvpp_fx.cache.placement import DEFAULT_CROSSOVER_FRACTION, KVPPPlan
 from kvpp_fx.runtime.agreement import Agreement
 from kvpp_fx.runtime.collectives import Collectives
@@ -56,7 +56,7 @@ from kvpp_fx.runtime.errors import (
     NoActiveForwardError,
     UnsupportedPlanError,
 )
-from kvpp_fx.runtime.forward import Forward, LayerRoute
+from kvpp_fx.runtime.forward import HYBRID, Forward, LayerRoute
 from kvpp_fx.runtime.health import Health
 from kvpp_fx.runtime.owner_exchange import HeadRule
 from kvpp_fx.runtime.protocol import LayerOrder
@@ -218,13 +218,34 @@ class KVPPRuntime:
 
     @property
     def owner_mode(self) -> bool:
-        """True inside a forward that runs in owner mode."""
+        """True inside a forward that runs in owner mode (every row's attention on the owner)."""
         forward = self._forward
         return forward is not None and forward.owner
 
+    @property
+    def hybrid(self) -> bool:
+        """True inside a forward whose requests take both paths."""
+        forward = self._forward
+        return forward is not None and forward.mode == HYBRID
+
+    @property
+    def owner_tokens(self) -> int:
+        """The query tokens the current forward gathers to each layer's owner (0: none, or no forward)."""
+        forward = self._forward
+        return forward.load.query_tokens if forward is not None and forward.exchange is not None else 0
+
+    def request_paths(self) -> tuple[str, ...] | None:
+        """Inside a forward given ``requests=``: each request's path ("broadcast" or "owner")."""
+        forward = self._forward
+        return forward.rows.modes if forward is not None and forward.rows is not None else None
+
+    def owns(self, layer: int) -> bool:
+        return self.plan.owners[layer] == self.rank
+
     @contextlib.contextmanager
     def forward(self, has_history: bool, blocks: Any = None, *, mode: str = BROADCAST,
-                load: StepLoad | None = None) -> Iterator[KVPPRuntime]:
+                load: StepLoad | None = None,
+                requests: Sequence[RequestRows] | None = None) -> Iterator[KVPPRuntime]:
         """One model forward. ``blocks``: ids of the blocks the step reads that hold tokens computed
         before it (every rank must pass the same set); None sends whole layers.
 
@@ -232,6 +253,12 @@ class KVPPRuntime:
         attention runs on its owner over every rank's heads; queries and outputs travel), or ``"auto"``
         (the cheaper of the two for this step by the cost model, which needs ``load`` and the runtime's
         ``attention`` shape). Every rank must pass the same mode and load.
+
+        ``requests`` (instead of ``blocks`` and ``load``): the step's requests' rows, each with the
+        blocks it reads; each request then takes its own path (`kvpp_fx.cache.cost.choose_rows`):
+        "broadcast" sends every request's blocks, "owner" every owner-capable request's rows to the
+        owner, "auto" the cheaper per request. Requests of both kinds make a hybrid forward, in which
+        the layer's op sends its owner rows through `owner_compute` (`request_paths` says which).
         """
         if self._closed:
             raise KVPPRuntimeClosed("this KVPPRuntime was closed.")
@@ -240,7 +267,14 @@ class KVPPRuntime:
             raise NestedForwardError("runtime.forward() is already open.")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-        forward = Forward(self, has_history, blocks, mode, load)
+        if requests is not None:
+            if blocks is not None or load is not None:
+                raise ValueError("runtime.forward(requests=...) derives the blocks and the load from the "
+                                 "requests; pass neither.")
+            requests = tuple(requests)
+            if not all(isinstance(r, RequestRows) for r in requests):
+                raise ValueError("requests must be RequestRows.")
+        forward = Forward(self, has_history, blocks, mode, load, requests)
         forward.begin()
         self._forward = forward
         token = _CURRENT.set(self)
@@ -272,11 +306,12 @@ class KVPPRuntime:
     def wait(self, layer: int, slot: int, *, routed: bool = False) -> torch.Tensor:
         return self._current().wait(layer, slot, routed)
 
-    def enter_layer(self, layer: int) -> bool:
+    def enter_layer(self, layer: int, *, routed: bool = False) -> bool:
         """The plan's schedule for `layer`, run when a graph compiled for any layer reaches it (its layer
         is a run-time value): the first layer's prefetch when no graph issued it, the layer's wait, the
         next layer's prefetch, each checked as the graph's own ops would be. False for a local draft
-        layer, which has nothing to wait for."""
+        layer, which has nothing to wait for. ``routed``: the layer's ops send their owner rows through
+        `owner_compute` themselves (a hook below the graph, as vLLM's MLA layers have)."""
         forward = self._current()
         steps = self._entry.get(layer)
         if steps is None:
@@ -288,7 +323,7 @@ class KVPPRuntime:
             forward.prefetch(layer, self.schedule.first().slot)
         for step in steps:
             if step.kind == "wait":
-                forward.wait(step.layer, step.slot, False)
+                forward.wait(step.layer, step.slot, routed)
             else:
                 forward.prefetch(step.layer, step.slot)
         return True
@@ -298,11 +333,13 @@ class KVPPRuntime:
         return self._current().runs_owner_ops(layer)
 
     def owner_compute(self, layer: int, rule: HeadRule, heads: Sequence[torch.Tensor],
-                      compute: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+                      compute: Callable[[list[torch.Tensor]], torch.Tensor],
+                      output_like: torch.Tensor | None = None) -> torch.Tensor:
         """Run a head-separable op of `layer` on its owner over every rank's heads; return this rank's
         part (`OwnerExchange`). ``rule`` is the op's declaration (its head operands' dimensions, token
-        dimensions, output dimension and output-like operand); ``heads`` are this rank's head operands."""
-        return self._current().owner_compute(layer, rule, heads, compute)
+        dimensions, output dimension and output-like operand); ``heads`` are this rank's head operands;
+        ``output_like`` a tensor shaped as this rank's part of the output, when no head operand is."""
+        return self._current().owner_compute(layer, rule, heads, compute, output_like)
 
     # --- counters and lifetime ---------------------------------------------------------------------
 

@@ -12,21 +12,26 @@ from typing import Any
 class ForwardRecord:
     """What one forward moved."""
 
-    __slots__ = ("has_history", "mode", "broadcasts", "bytes", "layers", "exchanges", "choice")
+    __slots__ = ("has_history", "mode", "broadcasts", "bytes", "layers", "exchanges", "choice", "rows",
+                 "broadcast_bytes", "exchange_bytes")
 
-    def __init__(self, has_history: bool, mode: str = "broadcast", choice: dict[str, Any] | None = None) -> None:
+    def __init__(self, has_history: bool, mode: str = "broadcast", choice: dict[str, Any] | None = None,
+                 rows: dict[str, int] | None = None) -> None:
         self.has_history = has_history
-        self.mode = mode
+        self.mode = mode  # broadcast, owner, or hybrid (owner rows and broadcast rows in one forward)
         self.broadcasts = 0
         self.bytes = 0
+        self.broadcast_bytes = 0
+        self.exchange_bytes = 0
         self.layers: list[int] = []  # broadcast layers, in completion order
         self.exchanges = 0  # owner-mode query/output exchanges
         self.choice = choice  # the "auto" cost comparison, when the mode was chosen
+        self.rows = rows  # query tokens by path, when the forward named its requests
 
     def as_dict(self) -> dict[str, Any]:
         return {"has_history": self.has_history, "mode": self.mode, "broadcasts": self.broadcasts,
-                "bytes": self.bytes, "layers": list(self.layers), "exchanges": self.exchanges,
-                "choice": self.choice}
+                "bytes": self.bytes, "broadcast_bytes": self.broadcast_bytes, "exchange_bytes": self.exchange_bytes,
+                "layers": list(self.layers), "exchanges": self.exchanges, "choice": self.choice, "rows": self.rows}
 
 
 class TransferStats:
@@ -39,19 +44,22 @@ class TransferStats:
         self.broadcasts = 0
         self.bytes = 0
         self.exchanges = 0
-        self.modes = {"broadcast": 0, "owner": 0}
+        self.modes = {"broadcast": 0, "owner": 0, "hybrid": 0}
+        self.rows = {"broadcast": 0, "owner": 0}  # query tokens by path, over forwards that named requests
         self.current: ForwardRecord | None = None
         self.last: ForwardRecord | None = None
 
-    def begin_forward(self, has_history: bool, mode: str = "broadcast",
-                      choice: dict[str, Any] | None = None) -> None:
-        self.current = ForwardRecord(has_history, mode, choice)
+    def begin_forward(self, has_history: bool, mode: str = "broadcast", choice: dict[str, Any] | None = None,
+                      rows: dict[str, int] | None = None) -> None:
+        self.current = ForwardRecord(has_history, mode, choice, rows)
 
     def end_forward(self) -> None:
         current = self.current
         if current is not None:
             self.forwards += 1
             self.modes[current.mode] += 1
+            for path, tokens in (current.rows or {}).items():
+                self.rows[path] += tokens
             self.last, self.current = current, None
 
     def record(self, position: int, nbytes: int) -> None:
@@ -64,6 +72,7 @@ class TransferStats:
         if current is not None:
             current.broadcasts += 1
             current.bytes += nbytes
+            current.broadcast_bytes += nbytes
             current.layers.append(self._layers[position])
 
     def record_exchange(self, position: int, nbytes: int) -> None:
@@ -75,6 +84,7 @@ class TransferStats:
         current = self.current
         if current is not None:
             current.bytes += nbytes
+            current.exchange_bytes += nbytes
             current.exchanges += 1
 
     def snapshot(self, **extra: Any) -> dict[str, Any]:
@@ -85,6 +95,7 @@ class TransferStats:
             "bytes": self.bytes,
             "exchanges": self.exchanges,
             "modes": dict(self.modes),
+            "rows": dict(self.rows),
             "per_layer": {layer: {"broadcasts": self._broadcasts[k], "exchanges": self._exchanges[k],
                                   "bytes": self._bytes[k]} for k, layer in enumerate(self._layers)},
             "last_forward": self.last.as_dict() if self.last is not None else None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 import torch
 from vllm.v1.kv_cache_interface import (
@@ -140,6 +141,50 @@ def test_active_blocks_from_vllms_block_table():
     assert active_blocks(table, computed, 3) == [3, 7, 9]
     assert active_blocks(table, [32, 0, 0, 0], 1) == [3, 7]  # exactly two full blocks
     assert active_blocks(table, computed, 4) == [3, 7, 9, 30]
+
+
+def test_step_requests_group_the_decode_rows_and_name_each_prefill():
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    from kvpp_fx.integrations.vllm.owner_rows import step_requests
+
+    table = MultiGroupBlockTable(max_num_reqs=4, max_num_batched_tokens=64, pin_memory=False,
+                                 device=torch.device("cpu"), block_sizes=[16], max_num_blocks=[8])
+    table.append_row(([7, 3, 9],), 0)  # decode after 40 computed tokens
+    table.append_row(([3, 4],), 1)     # decode after 17, sharing block 3
+    table.append_row(([5, 2],), 2)     # a first prefill of 30 tokens
+    computed = np.array([40, 17, 0, 0])
+    query_start = np.array([0, 1, 2, 32, 32])
+    # The layer's metadata as vLLM's MLA builder sets it for this batch: the first two requests decode.
+    metadata = {"model.layers.0.self_attn.attn": types.SimpleNamespace(num_decodes=2)}
+    requests, decodes = step_requests(metadata, "model.layers.0.self_attn.attn", table, computed, query_start, 3, True)
+    assert decodes == 2
+    assert [(r.query_tokens, r.attention_pairs, r.blocks, r.owner_capable) for r in requests] == [
+        (2, 41 + 18, (3, 4, 7, 9), True), (30, 900, (), False)]
+    assert step_requests({}, "model.layers.0.self_attn.attn", table, computed, query_start, 3, True) is None
+    # a speculative-decoding step's list of metadata dicts: the target model's is the first
+    assert step_requests([metadata], "model.layers.0.self_attn.attn", table, computed, query_start, 3,
+                         False)[0][0].owner_capable is False
+
+
+def test_owner_rows_are_refused_where_vllm_cannot_run_them():
+    from kvpp_fx.integrations.vllm.owner_rows import OWNER_CAPABLE_BACKENDS, OwnerRowsUnsupportedError, \
+        why_not_owner_capable
+    from kvpp_fx.integrations.vllm.state import EngineState
+    from kvpp_fx.integrations.vllm.worker import _set_mode
+
+    assert why_not_owner_capable({"CPU_MLA"}, "mla", 1) is None and "CPU_MLA" in OWNER_CAPABLE_BACKENDS
+    assert "AMX_MLA builds its decode metadata" in why_not_owner_capable({"AMX_MLA", "CPU_MLA"}, "mla", 1)
+    assert "SFA" in why_not_owner_capable({"CPU_MLA"}, "sfa", 1)
+    assert "prefill context parallelism" in why_not_owner_capable({"CPU_MLA"}, "mla", 2)
+    state = EngineState(KVPPConfig(enable_kvpp=True, tp=2), None, owner_blocker="the model is SFA")
+    with pytest.raises(OwnerRowsUnsupportedError, match="kvpp_mode='owner' cannot run here: the model is SFA. "
+                                                        "Set kvpp_mode to 'auto'"):
+        _set_mode(state, "owner")
+    with pytest.raises(ValueError, match="kvpp_mode must be one of"):
+        _set_mode(state, "sideways")
+    _set_mode(state, "broadcast")
+    assert state.mode == "broadcast"
 
 
 # --- validation with vLLM's config objects ---------------------------------------------------------------

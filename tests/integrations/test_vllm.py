@@ -40,6 +40,11 @@ MTP = {"method": "mtp", "num_speculative_tokens": 1}
 MTP_CPU_MLA = {**MTP, "attention_backend": "CPU_MLA"}
 EAGER = {"enforce_eager": True, "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
 FAULT = "tests.support.faults:SkippedScatter"
+SWAPPED_HEADS = "tests.support.faults:SwappedHeads"
+SKIPPED_GATHER = "tests.support.faults:SkippedGather"
+# Owner mode's bytes per decode token and layer at TP 2 (the tiny model: 4 heads, kv_lora_rank 512, rope
+# 64, float32): a non-owner sends its 2 heads' absorbed queries and receives their latent outputs.
+OWNER_BYTES_PER_TOKEN = 2 * (512 + 64 + 512) * 4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -107,6 +112,10 @@ def test_configs_at_construction(tiny_deepseek):
     base = dict(model=tiny_deepseek)
     cases = {
         "maybe": {"args": dict(eager, additional_config={"enable_kvpp": "maybe"})},
+        "bad-mode": _on(**eager, additional_config={"enable_kvpp": True, "kvpp_mode": "sideways"}),
+        "unknown-key": _on(**eager, additional_config={"enable_kvpp": True, "kvpp_mod": "owner"}),
+        "unknown-key-off": {"args": dict(eager, additional_config={"enable_kvpp_owner": True})},
+        "owner-mode": _on(**eager, additional_config={"enable_kvpp": True, "kvpp_mode": "owner"}),
         "full-graph": _on(**base, compilation_config={"cudagraph_mode": "FULL"}),
         "full-and-piecewise-asked": _on(**base, compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"}),
         "dcp": _on(**eager, decode_context_parallel_size=2),
@@ -135,6 +144,10 @@ def test_configs_at_construction(tiny_deepseek):
 
     refused = {
         "maybe": "additional_config.enable_kvpp must be a boolean, got 'maybe'.",
+        "bad-mode": "additional_config.kvpp_mode must be one of ['broadcast', 'owner', 'auto'], got 'sideways'.",
+        "unknown-key": "unknown KVPP key(s) in additional_config: ['kvpp_mod']; the known keys are "
+                       "['enable_kvpp', 'kvpp_mode']",
+        "unknown-key-off": "unknown KVPP key(s) in additional_config: ['enable_kvpp_owner']",
         "full-graph": MSG_GRAPH_MODE,
         "full-and-piecewise-asked": MSG_GRAPH_MODE,
         "dcp": MSG_DCP,
@@ -151,7 +164,7 @@ def test_configs_at_construction(tiny_deepseek):
     digest = compile_digest()
     for name, inner in (("defaults", "inductor"), ("mode-3", "inductor"), ("aot-off", "inductor"),
                         ("mode-2-eager", "eager"), ("kvpp-backend", "inductor"), ("breakable-cudagraph", None),
-                        ("expert-parallel", "inductor"), ("eager", None), ("eager-mtp", None)):
+                        ("expert-parallel", "inductor"), ("eager", None), ("eager-mtp", None), ("owner-mode", None)):
         result = results[name]
         assert result["error"] is None, (name, result)
         assert result["worker_cls"] == KVPP_CPU_WORKER, name
@@ -169,6 +182,7 @@ def test_configs_at_construction(tiny_deepseek):
         assert results[name]["worker_cls"] == no_plugin["worker_cls"] == CPU_WORKER
         for key in ("mode", "backend", "cudagraph_mode"):
             assert results[name][key] == no_plugin[key]
+    assert results["owner-mode"]["additional_config"]["kvpp_mode"] == "owner"
     assert results["off"]["additional_config"] == no_plugin["additional_config"] == {}
     assert results["off"]["hash"] == no_plugin["hash"]
 
@@ -202,15 +216,17 @@ def test_vllm_split_graph_keeps_kvpp_ops_in_splitting_pieces():
 @pytest.fixture(scope="module")
 def runs(tiny_deepseek):
     """TP 2 with MTP, float32 on CPU_MLA (in bfloat16, inductor and eager round differently and this
-    random model's near-tied logits flip): KVPP off (eager), on in eager mode, on under vLLM's default
-    compilation (on CPU: mode 2 with inductor), on under mode 3 (`cpu_mode3`). Each KVPP engine then
-    runs again with receivers skipping their scatter: the negative control of its path."""
+    random model's near-tied logits flip): KVPP off (eager), on in eager mode (kvpp_mode "broadcast"),
+    on under vLLM's default compilation (on CPU: mode 2 with inductor; kvpp_mode left to its default,
+    "auto"). Each KVPP engine then runs again with receivers skipping their scatter: the negative
+    control of its path; the eager one also in owner mode."""
     common = {**FP32, "speculative_config": MTP_CPU_MLA}
+    broadcast = {"enable_kvpp": True, "kvpp_mode": "broadcast"}
     variants = {
         "off": {"args": {**common, **EAGER}},
-        "eager": {"kvpp": True, "args": {**common, **EAGER}, "fault": FAULT},
+        "eager": {"kvpp": True, "args": {**common, **EAGER, "additional_config": broadcast}, "fault": FAULT,
+                  "phases": [{"name": "owner", "mode": "owner"}]},
         "default": {"kvpp": True, "args": common, "fault": FAULT},
-        "mode3": {"kvpp": True, "mode3": True, "args": common, "fault": FAULT},
     }
     return {name: run_check("generate", tiny_deepseek, json.dumps(v)) for name, v in variants.items()}
 
@@ -223,7 +239,7 @@ def test_mtp_tokens_identical_with_kvpp_in_eager_mode(runs):
     assert off["stats"] == [None, None]  # KVPP off: no runtime, vLLM's own cache
 
 
-@pytest.mark.parametrize("name", ["eager", "default", "mode3"])
+@pytest.mark.parametrize("name", ["eager", "default"])
 def test_receivers_skipping_their_scatter_change_the_tokens(runs, name):
     """The negative control of each path: non-owners attending over stale scratch must show."""
     run = runs[name]
@@ -245,24 +261,8 @@ def test_vllms_default_compilation_runs_the_kvpp_pass(runs):
         assert stats["broadcasts"] > 0
 
 
-def test_mode_3_runs_the_pass_before_vllms_split(runs):
-    """Mode 3 (vLLM's CUDA default) on the CPU stand-in: KVPP's VllmBackend rewrites the whole graph,
-    vLLM splits it at its splitting ops plus the kvpp ops, inductor compiles the pieces, vLLM's
-    generated code runs the kvpp ops inline; the tokens are those of KVPP off."""
-    run = runs["mode3"]
-    assert run["config"]["mode"] == 3 and run["config"]["backend"] == "inductor"
-    assert run["config"]["splitting_ops"][-2:] == ["kvpp::prefetch", "kvpp::wait"]
-    assert "vllm::unified_mla_attention_with_output" in run["config"]["splitting_ops"]
-    assert run["config"]["kvpp_fx"] == {"digest": compile_digest()}
-    assert run["tokens"] == runs["off"]["tokens"]
-    for stats in run["stats"]:
-        graphs = {(g["kind"], tuple(g["layers"])) for g in stats["compiled_graphs"]}
-        assert ("target", tuple(range(NUM_LAYERS))) in graphs, graphs
-        assert stats["broadcasts"] == NUM_LAYERS * (stats["forwards"] - 1)
-
-
 def test_each_rank_holds_its_own_layers_the_mtp_layer_and_two_scratch(runs):
-    for name in ("eager", "default", "mode3"):
+    for name in ("eager", "default"):
         stats = runs[name]["stats"]
         assert [s["persistent_layers"] for s in stats] == [[0, 1, 2, 6], [3, 4, 5, 6]]
         assert [s["draft_layers"] for s in stats] == [[6], [6]]
@@ -298,6 +298,120 @@ def test_broadcasts_on_decode_steps_never_on_the_first_prefill(runs):
         # not whole layers.
         whole_layer = stats["num_blocks"] * 16 * 576 * 4
         assert stats["bytes"] <= stats["broadcasts"] * 14 * (16 * 576 * 4 + 8) < stats["broadcasts"] * whole_layer
+
+
+def test_mtp_verification_rows_on_cpu_mla_take_the_broadcast_path(runs):
+    """MTP verification rows are 2 tokens per request; CPU_MLA decodes one query per request, so vLLM runs
+    them as prefill rows with history: owner mode (and auto) sends none of them to the owner and
+    broadcasts their blocks, with the tokens of KVPP off. (Backends that decode several tokens per
+    request, TRITON_MLA among them, count them as decode rows.)"""
+    owner = runs["eager"]["phases"]["owner"]
+    assert owner["tokens"] == runs["off"]["tokens"]
+    for stats in owner["stats"]:
+        assert stats["kvpp_mode"] == "owner" and stats["exchanges"] == 0 and stats["rows"]["owner"] == 0
+        assert stats["broadcasts"] > 0
+    for stats in runs["default"]["stats"]:  # auto, the default
+        assert stats["kvpp_mode"] == "auto" and stats["exchanges"] == 0 and stats["broadcasts"] > 0
+
+
+@pytest.fixture(scope="module")
+def owner_runs(tiny_deepseek):
+    """TP 2 without MTP, float32 on CPU_MLA, the staggered workload (a 700-token prompt, then two short
+    ones that prefill next to its decode rows: a mixed step), then more phases on each engine: KVPP off;
+    eager with kvpp_mode left to "auto"; vLLM's default compilation (mode 2, inductor) with
+    kvpp_mode="owner"; mode 3 (`cpu_mode3`) on "auto". Faults: the owner scattering each rank the next
+    rank's heads (SwappedHeads), no gather at all, so the owner uses its own queries for every rank's
+    heads (SkippedGather), and receivers skipping their scatter in broadcast mode."""
+    staggered = {**FP32, "max_model_len": 1024}
+    variants = {
+        "off": {"args": {**staggered, **EAGER}, "workload": "staggered",
+                "phases": [{"name": "short", "workload": "short"}]},
+        "eager": {"kvpp": True, "args": {**staggered, **EAGER}, "workload": "staggered", "phases": [
+            {"name": "owner-short", "mode": "owner", "workload": "short"},
+            {"name": "swapped-heads", "mode": "owner", "workload": "staggered", "fault": SWAPPED_HEADS},
+            {"name": "skipped-gather", "mode": "owner", "workload": "staggered", "fault": SKIPPED_GATHER}]},
+        "default": {"kvpp": True, "workload": "staggered",
+                    "args": {**staggered, "additional_config": {"enable_kvpp": True, "kvpp_mode": "owner"}},
+                    "phases": [{"name": "auto", "mode": "auto", "workload": "staggered"},
+                               {"name": "skipped-gather", "mode": "owner", "workload": "staggered",
+                                "fault": SKIPPED_GATHER}]},
+        "mode3": {"kvpp": True, "mode3": True, "args": staggered, "workload": "staggered", "phases": [
+            {"name": "broadcast", "mode": "broadcast", "workload": "staggered"},
+            {"name": "broadcast-skipped-scatter", "mode": "broadcast", "workload": "staggered", "fault": FAULT},
+            {"name": "swapped-heads", "mode": "owner", "workload": "staggered", "fault": SWAPPED_HEADS}]},
+    }
+    return {name: run_check("generate", tiny_deepseek, json.dumps(v)) for name, v in variants.items()}
+
+
+def _owner_path_runs(owner_runs):
+    """(name, run, reference tokens) of every run that sent decode rows to the owner."""
+    off = owner_runs["off"]
+    return [("eager auto", owner_runs["eager"], off["tokens"]),
+            ("eager owner", owner_runs["eager"]["phases"]["owner-short"], off["phases"]["short"]["tokens"]),
+            ("mode 2 owner", owner_runs["default"], off["tokens"]),
+            ("mode 2 auto", owner_runs["default"]["phases"]["auto"], off["tokens"]),
+            ("mode 3 auto", owner_runs["mode3"], off["tokens"])]
+
+
+def test_owner_and_auto_give_the_tokens_of_kvpp_off(owner_runs):
+    off = owner_runs["off"]
+    assert len(off["tokens"]) == 3 and all(len(t) == 16 for t in off["tokens"]) and len(set(off["tokens"][0])) > 1
+    for name, run, reference in _owner_path_runs(owner_runs):
+        assert run["tokens"] == reference, name
+        for stats in run["stats"]:
+            assert stats["exchanges"] > 0 and stats["rows"]["owner"] > 0, (name, stats)
+            # each rank owns 3 of the 6 layers and skips the other 3's writes when decode rows go to the owner
+            assert stats["skipped_cache_writes"] > 0, (name, stats)
+    assert owner_runs["mode3"]["phases"]["broadcast"]["tokens"] == off["tokens"]
+
+
+def test_owner_mode_moves_bytes_independent_of_context(owner_runs):
+    """In owner mode no block moves: each decode token costs the formula's bytes per layer, whatever its
+    history (700 tokens here); broadcast mode moves the history."""
+    owner = owner_runs["default"]["stats"]
+    broadcast = owner_runs["mode3"]["phases"]["broadcast"]["stats"]
+    for stats in owner:
+        assert stats["kvpp_mode"] == "owner" and stats["broadcasts"] == 0
+        assert stats["bytes"] == stats["rows"]["owner"] * OWNER_BYTES_PER_TOKEN * NUM_LAYERS, stats
+    for o, b in zip(owner, broadcast):
+        assert b["bytes"] > 50 * o["bytes"], (o["bytes"], b["bytes"])
+
+
+def test_mixed_steps_route_decode_rows_to_the_owner_next_to_a_prefill(owner_runs):
+    for name, run, _ in _owner_path_runs(owner_runs):
+        if "short" in name or name == "eager owner":
+            continue
+        for stats in run["stats"]:
+            assert stats["mixed_steps"] >= 1 and stats["modes"]["hybrid"] >= 1, (name, stats)
+    # "auto" weighs the step: the long prompt's decodes go to the owner; the first prefill reads nothing.
+    auto = owner_runs["eager"]["stats"][0]
+    assert auto["kvpp_mode"] == "auto" and auto["modes"]["owner"] > auto["modes"]["broadcast"]
+
+
+def test_owner_mode_negative_controls_change_the_tokens(owner_runs):
+    off = owner_runs["off"]["tokens"]
+    for engine, phase in (("eager", "swapped-heads"), ("eager", "skipped-gather"), ("default", "skipped-gather"),
+                          ("mode3", "swapped-heads"), ("mode3", "broadcast-skipped-scatter")):
+        run = owner_runs[engine]["phases"][phase]
+        assert run["tokens"] != off, (engine, phase)
+        moved = "broadcasts" if "scatter" in phase else "exchanges"
+        assert all(s[moved] > 0 for s in run["stats"]), (engine, phase)
+
+
+def test_mode_3_runs_the_pass_before_vllms_split(owner_runs):
+    """Mode 3 (vLLM's CUDA default) on the CPU stand-in: KVPP's VllmBackend rewrites the whole graph,
+    vLLM splits it at its splitting ops plus the kvpp ops, inductor compiles the pieces, vLLM's
+    generated code runs the kvpp ops inline; the tokens are those of KVPP off, in both modes."""
+    run = owner_runs["mode3"]
+    assert run["config"]["mode"] == 3 and run["config"]["backend"] == "inductor"
+    assert run["config"]["splitting_ops"][-2:] == ["kvpp::prefetch", "kvpp::wait"]
+    assert "vllm::unified_mla_attention_with_output" in run["config"]["splitting_ops"]
+    assert run["config"]["kvpp_fx"] == {"digest": compile_digest()}
+    broadcast = run["phases"]["broadcast"]
+    assert broadcast["tokens"] == owner_runs["off"]["tokens"]
+    for stats in broadcast["stats"]:
+        assert ("target", tuple(range(NUM_LAYERS))) in {(g["kind"], tuple(g["layers"])) for g in stats["compiled_graphs"]}
+        assert stats["broadcasts"] == NUM_LAYERS * (stats["forwards"] - 1)
 
 
 @pytest.fixture(scope="module")

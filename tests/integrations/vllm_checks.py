@@ -124,6 +124,27 @@ FIRST_WAVE = [SHARED_PREFIX + [(3 * i + 7) % 500 for i in range(60)]]
 SECOND_WAVE = [SHARED_PREFIX + [(13 * i + 2) % 500 for i in range(90)],
                SHARED_PREFIX + [(17 * i + 9) % 500 for i in range(40)]]
 WORKLOADS = {"short": [PROMPTS], "shared_prefixes": [FIRST_WAVE, SECOND_WAVE]}
+# A long prompt first; the two short ones join once it decodes: their prefill step carries its decode
+# row (a mixed step), and long-history decodes are what "auto" sends to the owner on the CPU link.
+STAGGERED = ([(7 * i + 3) % 500 for i in range(700)], [[(5 * i + 1) % 500 for i in range(120)],
+                                                       [(3 * i + 2) % 500 for i in range(100)]])
+
+
+def run_staggered(llm, params) -> list[list[int]]:
+    """Drive the engine step by step: the first prompt's prefill, then the others join its decode."""
+    engine = llm.llm_engine
+    first, later = STAGGERED
+    engine.add_request("staggered-0", {"prompt_token_ids": first}, params)
+    done = {}
+    for output in engine.step():
+        done[output.request_id] = output
+    for k, prompt in enumerate(later, start=1):
+        engine.add_request(f"staggered-{k}", {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+    return [list(done[f"staggered-{k}"].outputs[0].token_ids) for k in range(1 + len(later))]
 
 
 def generate(model_dir: str, variant_json: str = "{}") -> dict:
@@ -149,12 +170,12 @@ def generate(model_dir: str, variant_json: str = "{}") -> dict:
                 additional_config={"enable_kvpp": variant.get("kvpp", False)})
     args.update(variant.get("args", {}))
     llm = LLM(**args)
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    waves = WORKLOADS[variant.get("workload", "short")]
-
-    def run() -> list[list[int]]:
+    params = SamplingParams(**{"max_tokens": 16, "temperature": 0, "ignore_eos": True, **variant.get("sampling", {})})
+    def run(workload: str = variant.get("workload", "short")) -> list[list[int]]:
+        if workload == "staggered":
+            return run_staggered(llm, params)
         tokens = []
-        for wave in waves:
+        for wave in WORKLOADS[workload]:
             outputs = llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)
             tokens += [list(o.outputs[0].token_ids) for o in outputs]
         return tokens
@@ -166,6 +187,15 @@ def generate(model_dir: str, variant_json: str = "{}") -> dict:
         llm.collective_rpc("kvpp_set_device_api", args=(variant["fault"],))
         result["faulty"] = run()
         result["faulty_stats"] = llm.collective_rpc(worker_stats)
+    result["phases"] = {}
+    for phase in variant.get("phases", []):
+        llm.reset_prefix_cache()
+        if variant.get("kvpp"):
+            if phase.get("mode"):
+                llm.collective_rpc("kvpp_set_mode", args=(phase["mode"],))
+            llm.collective_rpc("kvpp_set_device_api", args=(phase.get("fault"),))
+        tokens = run(phase.get("workload", "short"))
+        result["phases"][phase["name"]] = {"tokens": tokens, "stats": llm.collective_rpc(worker_stats)}
     return result
 
 

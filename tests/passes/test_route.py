@@ -101,7 +101,7 @@ def test_declarations_are_validated():
         HeadSeparable((), output_dim=1)
     with pytest.raises(ValueError, match="output_like 2"):
         HeadSeparable((HeadOperand(0, 1),), output_dim=1, output_like=2)
-    with pytest.raises(ValueError, match="HeadSeparable or an OwnerLocal"):
+    with pytest.raises(ValueError, match="a HeadSeparable, an OwnerLocal or a RoutesItself"):
         AttentionOpSpec("ns::op", 0, owner="heads")
 
 

@@ -5,8 +5,9 @@ Owner mode runs each layer's attention on its owner over the heads of every rank
 attention op is batched per head (one GEMM per head), so a head's result does not depend on how many
 heads share the call, and every mode's logits are bit-identical to KVPP off; greedy tokens are
 therefore identical too. The auto cases use a slow link model (1 GB/s, 5 us per collective), under
-which a decode step's active blocks cost more to broadcast than its queries and outputs, and a prefill
-chunk's queries cost more than the blocks it reads: both choices appear in one run.
+which a decode's blocks cost more to broadcast than its queries and outputs, and a prefill chunk's
+queries cost more than the blocks it reads: auto picks per request, so steps with decodes next to a
+prefill chunk are hybrid steps, and all three kinds of step appear in one run.
 """
 
 import numpy as np
@@ -27,13 +28,23 @@ MODES = ("broadcast", "owner", "auto")
 FAULTS = {"swap-heads": "tests.support.faults:SwappedHeads", "skip-gather": "tests.support.faults:SkippedGather"}
 
 
+def staggered_prompts(vocab: int) -> list[list[int]]:
+    """A 120-token prompt, then an unrelated 60-token one, whose prefill chunks run next to the first's
+    decodes over its whole history."""
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(0, vocab, (120,), generator=gen).tolist(), torch.randint(0, vocab, (60,), generator=gen).tolist()]
+
+
+WORKLOADS = {"shared_prefix": shared_prefix_prompts, "staggered": staggered_prompts}
+
+
 def modes_ranks(rank: int, world: int, preset: str, options: dict, modes: tuple[str, ...], token_budget: int = 24,
-                new_tokens: int = 10):
+                new_tokens: int = 10, workload: str = "shared_prefix"):
     """The shared-prefix workload with KVPP off, then with KVPP on in each of `modes`; per step: logits,
     mode and bytes. One KVPP group of all ranks (TP = world). A mode "owner:<fault>" runs owner mode
     over the device API `FAULTS[<fault>]` (a negative control)."""
     config = PRESETS[preset]
-    prompts = shared_prefix_prompts(config.vocab_size)
+    prompts = WORKLOADS[workload](config.vocab_size)
     groups = rank_groups(rank, world)
     num_blocks = max(64, default_num_blocks(prompts, new_tokens, 16))
     out = {}
@@ -47,8 +58,9 @@ def modes_ranks(rank: int, world: int, preset: str, options: dict, modes: tuple[
     return out
 
 
-def run(preset, world, options, modes=MODES):
-    return launch(modes_ranks, world, preset, dict(options, kvpp_link=SLOW_LINK), modes, timeout_s=300)
+def run(preset, world, options, modes=MODES, workload="shared_prefix"):
+    return launch(modes_ranks, world, preset, dict(options, kvpp_link=SLOW_LINK), modes, 24, 10, workload,
+                  timeout_s=300)
 
 
 def same_logits(a, b):
@@ -78,16 +90,51 @@ def test_every_mode_is_bit_identical_to_kvpp_off(preset, world, options, modes):
         for step in res["owner"]["steps"]:
             assert step["mode"] == "owner" and step["broadcasts"] == 0 and step["broadcast_bytes"] == 0, step
             assert step["exchanges"] == layers and step["owner_bytes"] > 0, step
-        assert res["owner"]["stats"]["modes"] == {"broadcast": 0, "owner": len(res["owner"]["steps"])}
+        assert res["owner"]["stats"]["modes"] == {"broadcast": 0, "owner": len(res["owner"]["steps"]), "hybrid": 0}
         if "auto" in modes:
-            # prefill chunks (and the first step, which reads nothing) broadcast; decode steps go to the owners
+            # per request: decodes go to the owners, prefill chunks broadcast their history; a step with
+            # both is a hybrid step unless the decodes' history is the chunk's prefix, which the broadcast
+            # carries anyway (the hybrid steps: `test_hybrid_steps_are_bit_identical_to_kvpp_off`)
             auto = res["auto"]["steps"]
             for step in auto:
-                assert step["mode"] == ("owner" if step["decode_only"] else "broadcast"), step
-            assert {s["mode"] for s in auto} == {"broadcast", "owner"}
+                if step["decode_only"]:
+                    assert step["mode"] == "owner", step
+                else:
+                    assert step["mode"] == ("hybrid" if "owner" in step["paths"] else "broadcast"), step
+                    assert step["paths"][-1] == "broadcast", step  # the prefill chunk is the last request
+                if step["mode"] == "hybrid":
+                    assert step["broadcasts"] == layers and step["exchanges"] == layers, step
+            assert {"broadcast", "owner"} <= {s["mode"] for s in auto}
         if options.get("speculative"):
             assert sum(p for p, _ in res["owner"]["drafts"]) > 0, "MTP drafts must run (locally) in owner mode"
             assert res["owner"]["drafts"] == off["drafts"]
+
+
+@pytest.mark.parametrize("preset,world,options,modes", [
+    ("tiny", 2, {"graph_mode": "eager"}, ("auto", "auto:swap-heads")),
+    ("tiny", 4, {"graph_mode": "eager"}, ("auto",)),
+    ("tiny-sfa", 2, {"graph_mode": "piecewise", "inner": "eager"}, ("auto",)),
+], ids=["mla-tp2-eager", "mla-tp4-eager", "sfa-tp2-piecewise"])
+def test_hybrid_steps_are_bit_identical_to_kvpp_off(preset, world, options, modes):
+    """The second prompt's prefill chunks run next to the first's decodes: the decodes go to the owners,
+    the chunks broadcast their own history, in one step; each attention call is cut by request."""
+    results = run(preset, world, options, modes, workload="staggered")
+    layers = PRESETS[preset].num_hidden_layers
+    for rank, res in enumerate(results):
+        off, on = res["off"], res["auto"]
+        assert on["outputs"] == off["outputs"], f"rank {rank}: tokens differ"
+        assert same_logits(on["logits"], off["logits"]), f"rank {rank}: logits differ"
+        hybrid = [s for s in on["steps"] if s["mode"] == "hybrid"]
+        assert len(hybrid) >= 2, [(s["mode"], s["paths"]) for s in on["steps"]]
+        for step in hybrid:
+            assert step["paths"] == ["owner", "broadcast"], step
+            assert step["exchanges"] == layers and step["owner_bytes"] > 0, step
+        # a later chunk broadcasts its own history, and only that: fewer bytes than the whole step's
+        assert any(s["broadcasts"] == layers and s["broadcast_bytes"] > 0 for s in hybrid)
+        if "auto:swap-heads" in res:
+            assert not same_logits(res["auto:swap-heads"]["logits"], off["logits"])
+    if "auto:swap-heads" in modes:
+        assert any(res["auto:swap-heads"]["outputs"] != res["off"]["outputs"] for res in results)
 
 
 def test_negative_controls_a_wrong_head_split_or_a_skipped_gather_change_the_outputs():

@@ -134,3 +134,4 @@ class SkewedBroadcasts(DeviceAPI):
     def broadcast(self, tensor, src, group):
         time.sleep(self._rng.uniform(0.0, self.max_s))
         return super().broadcast(tensor, src, group)
+

@@ -60,12 +60,18 @@ class EngineState:
     compiled_graphs: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     awaited: set[int] = field(default_factory=set)  # eager hooks, per step
     device_api_factory: str | None = None  # "module:callable" (the tests' fault seam), None: the default
+    mode: str = "auto"  # the runtime's mode for each step (additional_config.kvpp_mode; kvpp_set_mode)
+    owner_blocker: str | None = None  # why decode rows cannot go to the owner here, or None
+    metadata_layer: str | None = None  # a target MLA layer whose metadata names the step's decode rows
     steps: int = 0  # target-model forwards
+    mixed_steps: int = 0  # forwards with decode rows and prefill rows
+    skipped_cache_writes: int = 0  # layer writes a non-owner skipped (decode rows on the owner)
     prefill_rows_with_history: int = 0  # rows whose prefill starts after computed tokens (a later chunk
     #                                     of a chunked prefill, or a prefix-cache hit)
 
-    def note_step(self, num_computed: Any, num_prompt: Any) -> None:
+    def note_step(self, num_computed: Any, num_prompt: Any, mixed: bool = False) -> None:
         self.steps += 1
+        self.mixed_steps += int(mixed)
         self.prefill_rows_with_history += int(((num_computed > 0) & (num_computed < num_prompt)).sum())
 
     @property

@@ -39,7 +39,9 @@ from typing import Any
 import torch
 
 from kvpp_fx.cache.allocate import allocate_cache
-from kvpp_fx.config import KVPPConfig
+from kvpp_fx.config import KVPPConfig, parse_kvpp_mode
+from kvpp_fx.config import _model_kind_of
+from kvpp_fx.integrations.vllm import owner_rows
 from kvpp_fx.integrations.vllm.compilation import install_vllm_backend
 from kvpp_fx.integrations.vllm.specs import (
     INDEXER_COMPONENT,
@@ -109,7 +111,8 @@ def kvpp_worker_class(base: type) -> type:
             if runner is None:
                 raise hook_error(f"{base.__qualname__}.init_device", "the worker built no model_runner.")
             runner.__class__ = kvpp_runner_class(type(runner))
-            runner._kvpp = EngineState(KVPPConfig.from_vllm_config(self.vllm_config), self.vllm_config)
+            config = KVPPConfig.from_vllm_config(self.vllm_config)
+            runner._kvpp = EngineState(config, self.vllm_config, mode=config.mode)
             if int(self.vllm_config.compilation_config.mode or 0) == 3:
                 # Before load_model: vLLM builds its backend when it builds the model.
                 install_vllm_backend()
@@ -142,6 +145,11 @@ def kvpp_worker_class(base: type) -> type:
             default. The tests pass fault-injecting device APIs from their own tree this way."""
             _set_device_api(self.model_runner._kvpp, factory)
 
+        def kvpp_set_mode(self, mode: str) -> None:
+            """Set the mode of the following steps ("broadcast", "owner" or "auto"), as
+            ``additional_config.kvpp_mode`` sets it at start (``collective_rpc``: every worker at once)."""
+            _set_mode(self.model_runner._kvpp, mode)
+
     KVPPWorker.__name__ = f"KVPP{base.__name__}"
     KVPPWorker.__qualname__ = WORKER_PREFIX + f"{base.__module__}.{base.__qualname__}".replace(".", "__")
     return KVPPWorker
@@ -171,8 +179,9 @@ def kvpp_runner_class(base: type) -> type:
             state.vplan = _plan(self, state, self.get_kv_cache_spec())
             hooked = _hook_attention(self, state)
             plan = state.plan
-            logger.warning("KVPP: layers %s broadcast, drafts %s local; eager waits on %d modules.",
-                           list(plan.target_layers), list(plan.local_draft_layers), hooked)
+            logger.warning("KVPP: layers %s broadcast, drafts %s local; eager waits on %d modules; decode rows "
+                           "to the owner: %s.", list(plan.target_layers), list(plan.local_draft_layers), hooked,
+                           state.owner_blocker or "possible")
             return result
 
         def initialize_kv_cache_tensors(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
@@ -199,12 +208,18 @@ def kvpp_runner_class(base: type) -> type:
             if state.runtime is None:
                 raise KVPPAllocationError("a step ran before KVPP allocated the KV cache.")
             batch = self.input_batch
-            computed = batch.num_computed_tokens_cpu[: batch.num_reqs]
+            num_reqs = batch.num_reqs
+            computed = batch.num_computed_tokens_cpu[:num_reqs]
             has_history = bool((computed > 0).any())
-            blocks = active_blocks(batch.block_table, computed, batch.num_reqs)
-            state.note_step(computed, batch.num_prompt_tokens[: batch.num_reqs])
+            rows = _step_rows(self, state, computed)
+            state.note_step(computed, batch.num_prompt_tokens[:num_reqs], mixed=rows is not None and 0 < rows[1] < num_reqs)
             state.awaited.clear()
-            with state.runtime.forward(has_history=has_history, blocks=blocks):
+            if rows is None:  # no MLA metadata: every row reads its blocks by broadcast
+                forward = state.runtime.forward(has_history=has_history,
+                                                blocks=active_blocks(batch.block_table, computed, num_reqs))
+            else:
+                forward = state.runtime.forward(has_history=has_history, mode=state.mode, requests=rows[0])
+            with forward:
                 return super()._model_forward(*args, **kwargs)
 
         def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
@@ -217,6 +232,31 @@ def kvpp_runner_class(base: type) -> type:
 
     KVPPModelRunner.__name__ = KVPPModelRunner.__qualname__ = f"KVPP{base.__name__}"
     return KVPPModelRunner
+
+
+def _step_rows(runner: Any, state: EngineState, computed: Any) -> Any:
+    """The step's requests and decode count from its MLA metadata (`owner_rows.step_requests`)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if state.metadata_layer is None or not is_forward_context_available():
+        return None
+    batch = runner.input_batch
+    return owner_rows.step_requests(get_forward_context().attn_metadata, state.metadata_layer, batch.block_table,
+                                    computed, runner.query_start_loc.np, batch.num_reqs,
+                                    owner_capable=state.owner_blocker is None)
+
+
+def _set_mode(state: EngineState, mode: str) -> None:
+    mode = parse_kvpp_mode(mode)
+    if mode == "owner" and state.owner_blocker is not None:
+        raise owner_rows.OwnerRowsUnsupportedError(_owner_refusal(state.owner_blocker))
+    state.mode = mode
+    logger.warning("KVPP: mode %s.", mode)
+
+
+def _owner_refusal(why: str) -> str:
+    return (f"additional_config.kvpp_mode='owner' cannot run here: {why}. Set kvpp_mode to 'auto' (which then "
+            "broadcasts) or 'broadcast'.")
 
 
 def num_target_layers(runner: Any) -> int:
@@ -277,11 +317,17 @@ def _allocate(runner: Any, state: EngineState, kv_cache_config: Any, device: Any
 def _create_runtime(state: EngineState, storage: Any) -> None:
     if state.runtime is not None:
         state.runtime.close()
+    state.mixed_steps = state.skipped_cache_writes = 0  # counted per runtime, as its stats are
     device_api = None
     if state.device_api_factory is not None:
         device_api = resolve_device_api(state.device_api_factory, storage.device)
+    link = owner_rows.DEFAULT_LINKS.get(storage.device.type, owner_rows.DEFAULT_LINKS["cuda"])
     state.runtime = KVPPRuntime.create(state.plan, storage, state.group, agreement_group=state.agreement_group,
-                                       device_api=device_api)
+                                       device_api=device_api,
+                                       attention=owner_rows.attention_shape(state.vllm_config.model_config),
+                                       link=link)
+    # The MLA hooks exchange the decode rows of every target layer, whichever graph runs it.
+    state.runtime.note_routing(state.plan.target_layers, state.owner_blocker is None)
 
 
 def _set_device_api(state: EngineState, factory: str | None) -> None:
@@ -339,15 +385,11 @@ def _kvpp_group(config: KVPPConfig):
 # --- eager attention ----------------------------------------------------------------------------------
 
 
-def wait_for_layer(runtime: KVPPRuntime, layer: int) -> None:
-    """What the graph pass inserts, done at the layer's attention entry: the plan's schedule for the
-    layer (`KVPPRuntime.enter_layer`, as a graph whose layer is a run-time value runs it)."""
-    runtime.enter_layer(layer)
-
-
 def await_layer(state: EngineState, layer: int) -> None:
-    """At a target layer's attention entry: `wait_for_layer` once per step (the SFA indexer and the MLA
-    attention of one layer share it); nothing in passthrough (dummy, profile and capture runs)."""
+    """At a target layer's attention entry, once per step (the SFA indexer and the MLA attention of one
+    layer share it): what the graph pass inserts, the plan's schedule for the layer
+    (`KVPPRuntime.enter_layer`, as a graph whose layer is a run-time value runs it), routed when the MLA
+    hooks exchange owner rows. Nothing in passthrough (dummy, profile and capture runs)."""
     runtime = active_runtime()
     if runtime is None or runtime is not state.runtime:
         if not passing_through():  # a model call outside a step and outside a dummy run
@@ -356,7 +398,7 @@ def await_layer(state: EngineState, layer: int) -> None:
                 "not hold the layer's bytes.")
     elif layer not in state.awaited:
         state.awaited.add(layer)
-        wait_for_layer(runtime, layer)
+        runtime.enter_layer(layer, routed=state.owner_blocker is None)
 
 
 def breakable_capture() -> Any:
@@ -374,7 +416,10 @@ def breakable_capture() -> Any:
 
 
 @functools.cache
-def _waiting_class(cls: type) -> type:
+def _waiting_class(cls: type, writes: bool = False) -> type:
+    """`cls` whose forward waits for its layer first; with ``writes`` (an MLA attention layer), whose cache
+    write is skipped on a non-owner when the step's decode rows go to the owner."""
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Traced by Dynamo in the compiled path, where the graph pass places the ops instead.
         if not torch.compiler.is_compiling():
@@ -385,7 +430,16 @@ def _waiting_class(cls: type) -> type:
                 await_layer(self._kvpp_engine, self._kvpp_layer)
         return cls.forward(self, *args, **kwargs)
 
-    return type(f"KVPP{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+    def update_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
+        if owner_rows.skips_cache_write(self):
+            self._kvpp_engine.skipped_cache_writes += 1
+            return None
+        return cls.update_kv_cache(self, *args, **kwargs)
+
+    methods = {"forward": forward, "__module__": __name__}
+    if writes:
+        methods["update_kv_cache"] = update_kv_cache
+    return type(f"KVPP{cls.__name__}", (cls,), methods)
 
 
 def _hook_attention(runner: Any, state: EngineState) -> int:
@@ -396,6 +450,14 @@ def _hook_attention(runner: Any, state: EngineState) -> int:
     context = runner.compilation_config.static_forward_context
     modules = dict(runner.get_model().named_modules())
     vplan, targets = state.vplan, set(state.plan.target_layers)
+    attention = {name: context.get(name) for name, index in vplan.layer_index.items()
+                 if index in targets and vplan.component[name] != INDEXER_COMPONENT}
+    backends = {layer.get_attn_backend().get_name() for layer in attention.values() if isinstance(layer, MLAAttention)}
+    config = state.config
+    state.owner_blocker = owner_rows.why_not_owner_capable(
+        backends, _model_kind_of(runner.model_config), config.pcp) if config.size > 1 else "KVPP is off"
+    if state.mode == "owner" and state.owner_blocker is not None:
+        raise owner_rows.OwnerRowsUnsupportedError(_owner_refusal(state.owner_blocker))
     hooked = 0
     for name, index in vplan.layer_index.items():
         if index not in targets:
@@ -406,10 +468,13 @@ def _hook_attention(runner: Any, state: EngineState) -> int:
             reader = context.get(name)
             if not isinstance(reader, MLAAttention):
                 raise hook_error(f"attention layer {name!r}", f"expected an MLAAttention, got {type(reader).__name__}.")
+            state.metadata_layer = state.metadata_layer or name
+            if state.owner_blocker is None:
+                owner_rows.hook_impl(reader, state, index, runner.model_config.dtype)
         if reader is None:
             raise hook_error(f"cache reader of {name!r}", "no module of the model reads this cache.")
         reader._kvpp_engine, reader._kvpp_layer = state, index
-        reader.__class__ = _waiting_class(type(reader))
+        reader.__class__ = _waiting_class(type(reader), isinstance(reader, MLAAttention))
         hooked += 1
     return hooked
 
@@ -436,6 +501,10 @@ def worker_stats(worker: Any = None) -> dict[str, Any] | None:
                                           if name in state.vplan.layer_index and hasattr(layer, "get_attn_backend")})
     stats["block_size"] = state.plan.spec.block_size
     stats["steps"] = state.steps
+    stats["mixed_steps"] = state.mixed_steps
+    stats["skipped_cache_writes"] = state.skipped_cache_writes
+    stats["kvpp_mode"] = state.mode
+    stats["owner_blocker"] = state.owner_blocker
     stats["prefill_rows_with_history"] = state.prefill_rows_with_history
     stats["device_api"] = state.device_api_factory
     return stats

@@ -1,0 +1,175 @@
+"""Owner mode for vLLM's MLA decode rows, below the graph, and the step's requests as the runtime sees them.
+
+vLLM's MLA op (``unified_mla_attention_with_output``, or ``MLAAttention.forward`` in eager mode) runs
+``MLAAttention.forward_impl``: the first ``num_decode_tokens`` rows are decode rows; their queries are
+absorbed with this rank's ``W_UK_T`` into ``[T, h, kv_lora_rank + rope]``, ``impl.forward_mqa`` attends
+over the cache and returns ``[T, h, kv_lora_rank]``, and this rank's ``W_UV`` makes the output. The op
+runs eagerly in every vLLM mode (a splitting op in mode 3, an eager piece in mode 2, an eager break
+under breakable CUDA graphs), so an exchange placed in ``forward_mqa`` serves every mode with no graph
+change; the op's spec declares `RoutesItself`.
+
+In a forward whose decode rows go to the owner (`KVPPRuntime.owner_tokens` > 0), each target layer's
+``forward_mqa`` sends this rank's absorbed queries to the layer's owner (`KVPPRuntime.owner_compute`);
+the owner concatenates every rank's heads in rank order, runs the backend's own ``forward_mqa`` for
+all heads against its persistent cache with the step's metadata, and returns each rank the latent of
+its heads; every rank then applies its own ``W_UV``. The non-owners skip the layer's cache write: no
+row of such a step reads their copy (the prefill rows take their own tokens from the op's inputs and
+their history from the broadcast).
+
+Bytes per layer and decode step, T decode tokens, H heads over N ranks, s bytes per value: each
+non-owner sends ``T x H/N x (kv_lora_rank + rope) x s`` and receives ``T x H/N x kv_lora_rank x s``
+(plus one status value); the owner's link carries N - 1 times that. None of it depends on the context.
+
+Which steps and rows: `step_requests` reads the step's MLA metadata: the decode rows are one request
+group (one kernel call serves them, so they take one path together), each prefill request one more,
+never owner-capable. The runtime's cost model (``kvpp_mode="auto"``) or the configured mode picks.
+
+Where the decode metadata depends on the head count, owner mode cannot run: only backends that take
+the heads from the query (`OWNER_CAPABLE_BACKENDS`) are hooked; elsewhere "auto" broadcasts and
+"owner" is refused when the model loads.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvpp_fx.cache.cost import AttentionShape, LinkModel, RequestRows
+from kvpp_fx.runtime.runtime import KVPPRuntime, active_runtime
+
+# forward_mqa takes the number of heads from the query and builds no per-head metadata.
+OWNER_CAPABLE_BACKENDS = ("CPU_MLA", "TRITON_MLA")
+
+# The cost model's link per platform. CPU: measured on the bench (gloo, 2 processes, 2 cores). CUDA
+# and NPU: estimates, not measured here (NVLink at about half its peak per rank; HCCS likewise).
+DEFAULT_LINKS: Mapping[str, LinkModel] = {
+    "cpu": LinkModel(),
+    "cuda": LinkModel(bytes_per_s=150e9, latency_s=20e-6, attention_flops_per_s=200e12),  # estimate
+    "npu": LinkModel(bytes_per_s=50e9, latency_s=30e-6, attention_flops_per_s=100e12),  # estimate
+}
+
+
+class OwnerRowsUnsupportedError(RuntimeError):
+    """``kvpp_mode="owner"`` was asked where vLLM's decode rows cannot run on the owner."""
+
+
+class _MQARule:
+    """`HeadRule` of ``forward_mqa``: one head operand, the query ``[T, h, L + R]``, heads on dimension 1;
+    the output ``[T, h, L]`` (given to the exchange as a template), heads on dimension 1."""
+
+    heads = ((0, 1),)
+    token_dims = (0,)
+    output_dim = 1
+    output_like = 0
+
+
+MQA_RULE = _MQARule()
+
+
+def attention_shape(model_config: Any) -> AttentionShape:
+    """What an owner-mode decode row ships per head: the absorbed query and the latent output."""
+    hf = model_config.hf_text_config
+    itemsize = torch.empty((), dtype=model_config.dtype).element_size()
+    return AttentionShape(int(hf.num_attention_heads), int(hf.kv_lora_rank) + int(hf.qk_rope_head_dim),
+                          int(hf.kv_lora_rank), itemsize)
+
+
+def why_not_owner_capable(backends: set[str], model_kind: str, pcp: int) -> str | None:
+    """Why this engine's decode rows cannot go to the owner, or None when they can."""
+    if model_kind != "mla":
+        return (f"the model is {model_kind.upper()}: its indexer reads its own cache on every rank, and only "
+                "MLA decode rows are exchanged")
+    if pcp != 1:
+        return "prefill context parallelism splits the KVPP group beyond the heads' TP split"
+    unsupported = sorted(backends - set(OWNER_CAPABLE_BACKENDS))
+    if unsupported:
+        return (f"attention backend {unsupported[0]} builds its decode metadata for its own heads (owner mode "
+                f"runs on {list(OWNER_CAPABLE_BACKENDS)})")
+    return None
+
+
+def step_requests(attn_metadata: Any, layer_name: str, block_tables: Any, num_computed: np.ndarray,
+                  query_start: np.ndarray, num_reqs: int,
+                  owner_capable: bool) -> tuple[tuple[RequestRows, ...], int] | None:
+    """The step's requests for `KVPPRuntime.forward(requests=...)`: the decode rows (the first
+    ``num_decodes`` requests of the layer's MLA metadata) as one group, then each prefill request; and
+    the number of decode requests. None when the step has no MLA metadata for the layer."""
+    metadata = attn_metadata
+    if isinstance(metadata, list):  # speculative decoding: [0] is the target model's
+        metadata = metadata[0] if metadata else None
+    if isinstance(metadata, dict):
+        metadata = metadata.get(layer_name)
+    if metadata is None or getattr(metadata, "num_decodes", None) is None:
+        return None
+    num_decodes = int(metadata.num_decodes)
+    computed = np.asarray(num_computed[:num_reqs], dtype=np.int64)
+    query = np.diff(np.asarray(query_start[: num_reqs + 1], dtype=np.int64))
+    blocks = request_blocks(block_tables, computed, num_reqs)
+    pairs = query * (computed + query)
+    decode = range(num_decodes)
+    requests = []
+    if num_decodes:
+        requests.append(RequestRows(int(query[:num_decodes].sum()), int(pairs[:num_decodes].sum()),
+                                    tuple(sorted({b for i in decode for b in blocks[i]})), owner_capable))
+    requests += [RequestRows(int(query[i]), int(pairs[i]), tuple(blocks[i]), False) for i in range(num_decodes, num_reqs)]
+    return tuple(requests), num_decodes
+
+
+def request_blocks(block_tables: Any, computed: np.ndarray, num_reqs: int) -> list[list[int]]:
+    """Per request: the ids of its blocks holding tokens computed before the step, over every cache group
+    (see `specs.active_blocks`, their union)."""
+    out: list[set[int]] = [set() for _ in range(num_reqs)]
+    for table in getattr(block_tables, "block_tables", [block_tables]):
+        rows = np.asarray(table.block_table.np[:num_reqs])
+        counts = -(-computed // table.block_size)
+        for i in range(num_reqs):
+            out[i].update(rows[i, : counts[i]].tolist())
+    return [sorted(ids) for ids in out]
+
+
+def decode_rows_to_owner(runtime: KVPPRuntime | None, engine_runtime: KVPPRuntime) -> bool:
+    return runtime is not None and runtime is engine_runtime and runtime.owner_tokens > 0
+
+
+@functools.cache
+def owner_impl_class(cls: type) -> type:
+    """A subclass of an MLA impl class whose ``forward_mqa`` runs on the layer's owner when the forward
+    sends its decode rows there."""
+
+    def forward_mqa(self, q: Any, kv_cache: torch.Tensor, attn_metadata: Any, layer: Any) -> Any:
+        runtime = active_runtime()
+        if not decode_rows_to_owner(runtime, self._kvpp_engine.runtime):
+            return cls.forward_mqa(self, q, kv_cache, attn_metadata, layer)
+        query = torch.cat(q, dim=-1) if isinstance(q, tuple) else q
+        dtype = query.dtype
+        wire = query.view(torch.uint8) if query.element_size() == 1 else query  # fp8 queries travel as bytes
+        out_dtype = dtype if query.element_size() > 1 else self._kvpp_out_dtype
+        like = torch.empty(query.shape[0], query.shape[1], self.kv_lora_rank, dtype=out_dtype, device=query.device)
+
+        def on_owner(full: list[torch.Tensor]) -> torch.Tensor:
+            heads = full[0].view(dtype) if full[0].dtype != dtype else full[0]
+            out, _ = cls.forward_mqa(self, heads.contiguous(), kv_cache, attn_metadata, layer)
+            return out
+
+        part = runtime.owner_compute(self._kvpp_layer, MQA_RULE, [wire], on_owner, output_like=like)
+        return part, None
+
+    return type(f"KVPP{cls.__name__}", (cls,), {"forward_mqa": forward_mqa, "__module__": __name__})
+
+
+def hook_impl(layer: Any, engine: Any, index: int, out_dtype: torch.dtype) -> None:
+    impl = layer.impl
+    impl._kvpp_engine, impl._kvpp_layer, impl._kvpp_out_dtype = engine, index, out_dtype
+    impl.__class__ = owner_impl_class(type(impl))
+
+
+def skips_cache_write(layer: Any) -> bool:
+    """A non-owner in a forward whose decode rows go to the owner writes nothing for the layer."""
+    engine = layer._kvpp_engine
+    runtime = active_runtime()
+    return decode_rows_to_owner(runtime, engine.runtime) and not runtime.owns(layer._kvpp_layer)
+
