@@ -119,6 +119,16 @@ def rows() -> list[tuple[str, str, str]]:
                 f"{off['median_tpot_ms']:.0f} / {on['median_tpot_ms']:.0f} ms; greedy outputs "
                 f"{'equal' if vs['greedy_outputs_equal'] else 'DIFFER'} ({', '.join(vs['attention_backend'])})",
                 "`python benchmarks/vllm_serving.py`"))
+    hs = _load("hybrid_steps")
+    pr, ps = hs["per_request"], hs["per_step"]
+    out.append((f"reference engine, `{hs['preset']}` TP {hs['tp']}, a {hs['long']}-token prompt decoding next to "
+                f"a {hs['short']}-token prompt's prefill chunks, auto per request / per step",
+                f"mixed steps {pr['mixed_steps']}: {_mib(pr['mixed_bytes'])} / {_mib(ps['mixed_bytes'])} "
+                f"({hs['mixed_bytes_ratio']:.3f}x; modes {', '.join(pr['mixed_step_modes'])} / "
+                f"{', '.join(ps['mixed_step_modes'])}), step time {hs['mixed_step_time_ratio']:.2f}x; whole trace "
+                f"{_mib(pr['total_bytes'])} / {_mib(ps['total_bytes'])}; tokens "
+                f"{'equal' if pr['tokens_equal_kvpp_off'] and ps['tokens_equal_kvpp_off'] else 'DIFFER'} to KVPP off",
+                "`python benchmarks/hybrid_steps.py`"))
     vo = _load("vllm_owner_mode")
     contexts = vo["contexts"]
     by = {(r["mode"], r["context"]): r for r in vo["rows"]}

@@ -23,5 +23,5 @@ def test_readme_benchmark_table_matches_the_results():
 def test_every_result_file_is_in_the_table():
     report = load_report()
     used = {"capacity", "overlap", "overlap_model", "runtime_overhead", "decode_step", "active_blocks", "pass_time",
-            "owner_mode", "vllm_serving"}
+            "owner_mode", "vllm_serving", "vllm_owner_mode", "hybrid_steps"}
     assert {p.stem for p in (ROOT / "benchmarks" / "results").glob("*.json")} == used

@@ -170,17 +170,34 @@ class RowChoice:
         return sum(r.query_tokens for r, m in zip(requests, self.modes) if m == mode)
 
 
-def choose_rows(shape: AttentionShape, requests: tuple[RequestRows, ...], mode: str, block_bytes: int,
-                group_size: int, link: LinkModel) -> RowChoice:
+@dataclass(frozen=True)
+class BroadcastCost:
+    """What a broadcast of n blocks moves per layer: n blocks with their ids, or the whole layer once n
+    passes the active-block limit (the staging buffer, or the crossover fraction of the pool)."""
+
+    block_bytes: int  # one block of one layer, with its id (`KVPPPlan.active_broadcast_bytes` of one)
+    max_active_blocks: int
+    layer_bytes: int
+
+    def bytes(self, blocks: int) -> int:
+        if blocks == 0:
+            return 0
+        return blocks * self.block_bytes if blocks <= self.max_active_blocks else self.layer_bytes
+
+
+def choose_rows(shape: AttentionShape, requests: tuple[RequestRows, ...], mode: str,
+                broadcast: BroadcastCost | int, group_size: int, link: LinkModel) -> RowChoice:
     """Each request's path for one step: ``"broadcast"`` sends every request's history; ``"owner"``
     sends every owner-capable request to the owner; ``"auto"`` sends an owner-capable request to the
     owner when that costs less than broadcasting its blocks (bytes and the owner's extra attention;
     the fixed cost of the collectives is shared by the step), then keeps the hybrid only if it beats
-    broadcasting everything, collectives included. ``block_bytes``: a block's bytes in one layer's
-    broadcast (`KVPPPlan.active_broadcast_bytes` of one block)."""
+    broadcasting everything, collectives included. ``broadcast``: what a broadcast of n blocks moves
+    (a `BroadcastCost`, or one block's bytes when there is no whole-layer limit)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-    _check_count("block_bytes", block_bytes, minimum=1)
+    if not isinstance(broadcast, BroadcastCost):
+        _check_count("block_bytes", broadcast, minimum=1)
+        broadcast = BroadcastCost(broadcast, 1 << 62, 0)
     requests = tuple(requests)
 
     def owner_s(rows: RequestRows) -> float:
@@ -193,11 +210,11 @@ def choose_rows(shape: AttentionShape, requests: tuple[RequestRows, ...], mode: 
         modes = tuple(OWNER if r.owner_capable else BROADCAST for r in requests)
     else:
         modes = tuple(OWNER if r.owner_capable and r.query_tokens and
-                      owner_s(r) < len(set(r.blocks)) * block_bytes / link.bytes_per_s else BROADCAST
+                      owner_s(r) < broadcast.bytes(len(set(r.blocks))) / link.bytes_per_s else BROADCAST
                       for r in requests)
-    choice = _row_choice(shape, requests, modes, block_bytes, group_size)
+    choice = _row_choice(shape, requests, modes, broadcast, group_size)
     if mode == "auto" and OWNER in modes:
-        everything = _row_choice(shape, requests, (BROADCAST,) * len(requests), block_bytes, group_size)
+        everything = _row_choice(shape, requests, (BROADCAST,) * len(requests), broadcast, group_size)
         owner_total = 2 * link.latency_s + sum(owner_s(r) for r, m in zip(requests, modes) if m == OWNER)
         if owner_total + broadcast_seconds(choice.broadcast_bytes, link) >= \
                 broadcast_seconds(everything.broadcast_bytes, link):
@@ -206,9 +223,9 @@ def choose_rows(shape: AttentionShape, requests: tuple[RequestRows, ...], mode: 
 
 
 def _row_choice(shape: AttentionShape, requests: tuple[RequestRows, ...], modes: tuple[str, ...],
-                block_bytes: int, group_size: int) -> RowChoice:
+                broadcast: BroadcastCost, group_size: int) -> RowChoice:
     owners = [r for r, m in zip(requests, modes) if m == OWNER]
     blocks = tuple(sorted({b for r, m in zip(requests, modes) if m == BROADCAST for b in r.blocks}))
     owner_tokens = sum(r.query_tokens for r in owners)
-    return RowChoice(modes, owner_tokens, sum(r.attention_pairs for r in owners), blocks, len(blocks) * block_bytes,
-                     shape.owner_bytes_per_layer(owner_tokens, group_size))
+    return RowChoice(modes, owner_tokens, sum(r.attention_pairs for r in owners), blocks,
+                     broadcast.bytes(len(blocks)), shape.owner_bytes_per_layer(owner_tokens, group_size))

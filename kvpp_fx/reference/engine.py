@@ -54,7 +54,9 @@ class EngineConfig:
     speculative: bool = False      # MTP drafts (needs num_nextn_predict_layers >= 1)
     dump_dir: str | None = None
     active_blocks: bool = True     # pass each step's blocks with history to the runtime (else whole layers)
-    kvpp_mode: str = "broadcast"   # "broadcast", "owner" or "auto" (chosen per step by the cost model)
+    kvpp_mode: str = "broadcast"   # "broadcast", "owner" or "auto" (chosen by the cost model)
+    per_request_paths: bool = True  # owner/auto: each request's rows take their own path (hybrid steps);
+    #                                 False: one path for the whole step
     kvpp_link: LinkModel | None = None  # the cost model's link and owner throughput (default: gloo on one host)
     # "module:callable" building the runtime's DeviceAPI from the cache's device (the tests' fault seam;
     # a string, so that it reaches spawned ranks); None: the default DeviceAPI
@@ -367,7 +369,8 @@ class Engine:
         inputs = self._inputs(batch)
         blocks = self.active_blocks(batch) if self.config.active_blocks else None
         # owner and auto: per request (hybrid steps); broadcast, or whole layers: one path for the step
-        requests = self.request_rows(batch) if self.kvpp_mode != "broadcast" and blocks is not None else None
+        requests = (self.request_rows(batch) if self.kvpp_mode != "broadcast" and blocks is not None
+                    and self.config.per_request_paths else None)
         start = time.perf_counter()
         with torch.no_grad():
             logits, hidden = self._run_target(inputs, has_history, blocks, self.load(batch), requests)

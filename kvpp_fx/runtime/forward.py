@@ -36,7 +36,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvpp_fx.cache.cost import BROADCAST, OWNER, RequestRows, RowChoice, StepLoad, choose_mode, choose_rows
+from kvpp_fx.cache.cost import (
+    BROADCAST,
+    OWNER,
+    BroadcastCost,
+    RequestRows,
+    RowChoice,
+    StepLoad,
+    choose_mode,
+    choose_rows,
+)
 from kvpp_fx.runtime.active_blocks import ActiveBlocks, Shape
 from kvpp_fx.runtime.agreement import AgreementKey, ForwardPath
 from kvpp_fx.runtime.errors import (
@@ -130,14 +139,13 @@ class Forward:
         why = ""
         if mode == AUTO and runtime.layers_not_known_routed():
             mode, why = BROADCAST, f"layers {runtime.layers_not_known_routed()} are not known to be routed"
-        first = self.routes[0] if self.routes else None
-        block_bytes = runtime.plan.active_broadcast_bytes(first.layer, 1) if first is not None else 1
         attention = runtime.attention
-        if attention is None:
+        if attention is None or not self.routes:
             self.rows = RowChoice((BROADCAST,) * len(requests), 0, 0,
                                   tuple(sorted({b for r in requests for b in r.blocks})), 0, 0)
         else:
-            self.rows = choose_rows(attention, requests, mode, block_bytes, runtime.plan.group_size, runtime.link)
+            self.rows = choose_rows(attention, requests, mode, self._broadcast_cost(), runtime.plan.group_size,
+                                    runtime.link)
         rows = self.rows
         self.choice = {"modes": list(rows.modes), "broadcast_bytes": rows.broadcast_bytes,
                        "owner_bytes": rows.owner_bytes, "why": rows.why or why}
@@ -148,6 +156,15 @@ class Forward:
         else:
             self.load = StepLoad(rows.owner_tokens, rows.owner_pairs)
             self.mode = OWNER if BROADCAST not in rows.modes else HYBRID
+
+    def _broadcast_cost(self) -> BroadcastCost:
+        """What the first layer's broadcast of n blocks moves: the blocks, or the whole layer past the
+        limit `ActiveBlocks.prepare` applies (`KVPPPlan.uses_active_blocks`, monotone in n)."""
+        runtime, first = self.runtime, self.routes[0]
+        plan, num_blocks = runtime.plan, runtime.storage.num_blocks
+        limit = plan.staging_blocks(num_blocks) if plan.staging_fraction > 0 else 0
+        limit = min(limit, int(runtime.crossover * num_blocks))
+        return BroadcastCost(plan.active_broadcast_bytes(first.layer, 1), limit, first.nbytes)
 
     def _prepare_active_blocks(self) -> None:
         """Active blocks or whole layers; invalid ids raise here, on every rank, before the agreement."""

@@ -11,6 +11,9 @@ head-separable op gathers every rank's query heads to the layer's owner, runs th
 against the persistent cache, and scatters each rank its part of the output (`owner_compute`);
 owner-local ops (the writes) run on the owner only. ``mode="auto"`` picks per forward with the cost
 model (`kvpp_fx.cache.cost`), and owner mode only for layers known to be routed (`note_routing`).
+A forward given ``requests=`` picks per request instead: a hybrid forward broadcasts the blocks of its
+broadcast requests and exchanges the rows of its owner requests, layer by layer (`request_paths`,
+`owner_tokens`).
 
 The runtime is a facade over its parts, each in its own module:
 

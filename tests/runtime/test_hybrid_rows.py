@@ -177,7 +177,7 @@ def test_hybrid_forwards(world):
 
 
 def test_choose_rows_sends_long_decodes_to_the_owner_and_prefills_to_the_broadcast():
-    from kvpp_fx.cache.cost import AttentionShape, LinkModel, choose_rows
+    from kvpp_fx.cache.cost import AttentionShape, BroadcastCost, LinkModel, choose_rows
 
     # DeepSeek-V3 at TP 8: 128 heads, 576 values in and 512 out per head, bf16; 128-token blocks of 1152 B
     # per token (plus the id)
@@ -202,6 +202,12 @@ def test_choose_rows_sends_long_decodes_to_the_owner_and_prefills_to_the_broadca
     assert choose_rows(shape, (long_decode,), "broadcast", block, 8, link).modes == (BROADCAST,)
     with pytest.raises(ValueError, match="mode must be one of"):
         choose_rows(shape, (long_decode,), "sideways", block, 8, link)
+    # past the active-block limit a broadcast moves the whole layer, and the choice weighs that
+    limited = BroadcastCost(block, 1, 40_000 * block)
+    assert (limited.bytes(0), limited.bytes(1), limited.bytes(2)) == (0, block, 40_000 * block)
+    over = RequestRows(1, 30, (1, 2))
+    assert choose_rows(shape, (over,), "auto", block, 8, link).modes == (BROADCAST,)
+    assert choose_rows(shape, (over,), "auto", limited, 8, link).modes == (OWNER,)
 
 
 def test_requests_exclude_blocks_and_load():
