@@ -249,9 +249,12 @@ class RoutedOp:
         paths = runtime.request_paths()
         query_lens = _read_arg(args, kwargs, self.rows.query_lens)
         lens = [int(n) for n in query_lens.tolist()]
-        if len(lens) != len(paths):
-            raise OwnerRoutingError(f"{self._schema.name} of layer {self.layer}: {len(lens)} requests in the call, "
-                                    f"{len(paths)} in the forward's requests.")
+        like = _read(args, kwargs, self.heads[self.output_like][0])
+        if len(lens) != len(paths) or sum(lens) != like.shape[0]:
+            raise OwnerRoutingError(
+                f"{self._schema.name} of layer {self.layer}: the call holds {len(lens)} requests of {sum(lens)} "
+                f"query tokens and {like.shape[0]} token rows; the forward names {len(paths)} requests. A hybrid "
+                "forward cuts the call by request, so they must agree.")
         starts = [sum(lens[:k]) for k in range(len(lens))]
         owner = [k for k, path in enumerate(paths) if path == "owner"]
         local = [k for k, path in enumerate(paths) if path != "owner"]
@@ -263,7 +266,7 @@ class RoutedOp:
         owner_part = self._on_owner(runtime, *self._cut(args, kwargs, owner, owner_tokens, device))
         local_args, local_kwargs = self._cut(args, kwargs, local, local_tokens, device)
         local_part = op(*local_args, **local_kwargs)
-        out = owner_part.new_empty((sum(lens), *owner_part.shape[1:]))
+        out = torch.empty_like(like)  # the op's output has the shape and strides of its head operand
         out[owner_tokens] = owner_part
         out[local_tokens] = local_part
         return out

@@ -80,6 +80,11 @@ class HeadSeparable:
         if not 0 <= self.output_like < len(self.operands):
             raise ValueError(f"output_like {self.output_like} is not an index into the {len(self.operands)} "
                              "head operands.")
+        if self.rows is not None:  # the rows are cut on dimension 0: every head operand holds its tokens there
+            for operand in self.operands:
+                if operand.arg not in self.rows.token_operands or operand.token_dim != 0:
+                    raise ValueError(f"head operand {operand.arg!r} must be a token operand of rows= with its "
+                                     "tokens on dimension 0 (token_dim=0): a hybrid forward cuts it by token.")
 
 
 @dataclass(frozen=True)

@@ -86,8 +86,10 @@ class OwnerExchange:
                          for _ in range(self.group_size)]
         self._run(lambda: self.api.scatter(received, parts, owner, self.group), "owner-mode scatter of layer %d",
                   layer)
-        if failure is not None:
-            raise failure
+        if failure is not None:  # every rank raises the same named error: here with the op's own as its cause
+            raise OwnerRoutingError(f"layer {layer}: the op failed on this rank, the layer's owner "
+                                    f"({type(failure).__name__}: {failure}); the other ranks received zeros and "
+                                    "a failure status.") from failure
         self._check_status(layer, received[-1:])
         self.stats.record_exchange(position, nbytes * (self.group_size - 1) if owned else nbytes)
         if self.timeline is not None:

@@ -162,9 +162,12 @@ def test_step_requests_group_the_decode_rows_and_name_each_prefill():
     assert [(r.query_tokens, r.attention_pairs, r.blocks, r.owner_capable) for r in requests] == [
         (2, 41 + 18, (3, 4, 7, 9), True), (30, 900, (), False)]
     assert step_requests({}, "model.layers.0.self_attn.attn", table, computed, query_start, 3, True) is None
-    # a speculative-decoding step's list of metadata dicts: the target model's is the first
-    assert step_requests([metadata], "model.layers.0.self_attn.attn", table, computed, query_start, 3,
+    assert step_requests(metadata, "model.layers.0.self_attn.attn", table, computed, query_start, 3,
                          False)[0][0].owner_capable is False
+    # micro-batches (DBO) come as a list of metadata dicts, whose rows are not the batch's: no requests,
+    # so the step broadcasts every row's blocks
+    assert step_requests([metadata, metadata], "model.layers.0.self_attn.attn", table, computed, query_start, 3,
+                         True) is None
 
 
 def test_owner_rows_are_refused_where_vllm_cannot_run_them():
@@ -173,7 +176,8 @@ def test_owner_rows_are_refused_where_vllm_cannot_run_them():
     from kvpp_fx.integrations.vllm.state import EngineState
     from kvpp_fx.integrations.vllm.worker import _set_mode
 
-    assert why_not_owner_capable({"CPU_MLA"}, "mla", 1) is None and "CPU_MLA" in OWNER_CAPABLE_BACKENDS
+    assert why_not_owner_capable({"CPU_MLA"}, "mla", 1) is None and OWNER_CAPABLE_BACKENDS == ("CPU_MLA",)
+    assert "TRITON_MLA builds its decode metadata" in why_not_owner_capable({"TRITON_MLA"}, "mla", 1)
     assert "AMX_MLA builds its decode metadata" in why_not_owner_capable({"AMX_MLA", "CPU_MLA"}, "mla", 1)
     assert "SFA" in why_not_owner_capable({"CPU_MLA"}, "sfa", 1)
     assert "prefill context parallelism" in why_not_owner_capable({"CPU_MLA"}, "mla", 2)

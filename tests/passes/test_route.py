@@ -103,6 +103,15 @@ def test_declarations_are_validated():
         HeadSeparable((HeadOperand(0, 1),), output_dim=1, output_like=2)
     with pytest.raises(ValueError, match="a HeadSeparable, an OwnerLocal or a RoutesItself"):
         AttentionOpSpec("ns::op", 0, owner="heads")
+    from kvpp_fx.passes.registry import RowOperands
+
+    with pytest.raises(ValueError, match="query_lens 'lens' must be one of the request operands"):
+        RowOperands(("q",), ("table",), "lens")
+    with pytest.raises(ValueError, match="head operand 'k' must be a token operand of rows="):
+        HeadSeparable((HeadOperand("q", 1), HeadOperand("k", 1)), output_dim=1,
+                      rows=RowOperands(("q",), ("lens",), "lens"))
+    with pytest.raises(ValueError, match="tokens on dimension 0"):
+        HeadSeparable((HeadOperand("q", 0, token_dim=1),), output_dim=0, rows=RowOperands(("q",), ("lens",), "lens"))
 
 
 def test_routed_ops_land_in_eager_pieces():

@@ -109,8 +109,9 @@ def hybrid_ranks(rank: int, world: int):
     except E.OwnerRoutingError as exc:
         out["skipped_exchange"] = str(exc)
 
-    # 5. the owner of layer 1 fails inside the op in the middle of the forward: every rank gets a named
-    # error at once (the owner its own, the others OwnerRoutingError from the scatter's status)
+    # 5. the owner of layer 1 fails inside the op in the middle of the forward: every rank gets
+    # OwnerRoutingError at once (the owner's caused by the op's own error, the others' from the scatter's
+    # status)
     rt = owner_runtime(world, attention=shape)
     write_owned(rt, 1)
     out["owner_of_1"] = rt.plan.owners[1]
@@ -119,7 +120,8 @@ def hybrid_ranks(rank: int, world: int):
         hybrid_forward(rt, rank, failing_layer=1)
         out["owner_failure"] = None
     except Exception as exc:  # noqa: BLE001 - the test compares the kinds
-        out["owner_failure"] = (type(exc).__name__, time.monotonic() - start, rt.broken is not None)
+        out["owner_failure"] = (type(exc).__name__, time.monotonic() - start, rt.broken is not None,
+                                type(exc.__cause__).__name__ if exc.__cause__ is not None else None)
 
     # 6. ranks that disagree on a request's path refuse the forward together, before anything moves
     rt = owner_runtime(world, attention=shape)
@@ -168,8 +170,9 @@ def test_hybrid_forwards(world):
             assert not all(owner_rows), (name, rank)
         assert "layer 0's attention ran in a forward with 1 owner rows without exchanging them" \
             in res["skipped_exchange"]
-        name, elapsed, broken = res["owner_failure"]
-        assert name == ("IndexError" if rank == res["owner_of_1"] else "OwnerRoutingError") and broken, res["owner_failure"]
+        name, elapsed, broken, cause = res["owner_failure"]
+        assert name == "OwnerRoutingError" and broken, res["owner_failure"]
+        assert cause == ("IndexError" if rank == res["owner_of_1"] else None), res["owner_failure"]
         assert elapsed < 10.0  # from the scatter's status, not the 20 s timeout
         message, broken = res["disagree"]
         assert "requests' paths (owner or broadcast)" in message and not broken

@@ -242,8 +242,9 @@ def owner_failures_ranks(rank: int, world: int):
     try:
         owner_forward(rt, attend=failing)
         out["owner_failure"] = None
-    except Exception as exc:  # the owner: the op's own error; the others: OwnerRoutingError
-        out["owner_failure"] = (type(exc).__name__, time.monotonic() - start, rt.broken is not None)
+    except Exception as exc:  # every rank: OwnerRoutingError (the owner's caused by the op's own error)
+        out["owner_failure"] = (type(exc).__name__, time.monotonic() - start, rt.broken is not None,
+                                type(exc.__cause__).__name__ if exc.__cause__ is not None else None)
 
     # 3. layers whose compiled graph is not routed: owner mode is refused up front, auto broadcasts
     rt = owner_runtime(world, attention=shape)
@@ -281,8 +282,8 @@ def test_owner_mode_failures_are_named_and_prompt():
     for rank, res in enumerate(results):
         # a non-owner's scratch slot is not written in owner mode; the owner's persistent cache is
         assert res["written"] == {layer: layer in res["owned"] for layer in range(4)}, res["written"]
-        name, elapsed, broken = res["owner_failure"]
-        assert name == ("IndexError" if rank == 0 else "OwnerRoutingError") and broken
+        name, elapsed, broken, cause = res["owner_failure"]
+        assert name == "OwnerRoutingError" and broken and cause == ("IndexError" if rank == 0 else None)
         assert elapsed < 10.0  # from the scatter's status, not the 20 s timeout
         message, broken = res["unrouted_owner"]
         assert "layers [2, 3] is not routed" in message and not broken

@@ -12,9 +12,9 @@ In a forward whose decode rows go to the owner (`KVPPRuntime.owner_tokens` > 0),
 ``forward_mqa`` sends this rank's absorbed queries to the layer's owner (`KVPPRuntime.owner_compute`);
 the owner concatenates every rank's heads in rank order, runs the backend's own ``forward_mqa`` for
 all heads against its persistent cache with the step's metadata, and returns each rank the latent of
-its heads; every rank then applies its own ``W_UV``. The non-owners skip the layer's cache write: no
-row of such a step reads their copy (the prefill rows take their own tokens from the op's inputs and
-their history from the broadcast).
+its heads; every rank then applies its own ``W_UV``. In a forward whose every row goes to the owner,
+the non-owners skip the layer's cache write: nothing in it reads their copy. A hybrid forward writes on
+every rank, since a prefill row may read a block that this step's rows fill (a same-step prefix hit).
 
 Bytes per layer and decode step, T decode tokens, H heads over N ranks, s bytes per value: each
 non-owner sends ``T x H/N x (kv_lora_rank + rope) x s`` and receives ``T x H/N x kv_lora_rank x s``
@@ -24,9 +24,9 @@ Which steps and rows: `step_requests` reads the step's MLA metadata: the decode 
 group (one kernel call serves them, so they take one path together), each prefill request one more,
 never owner-capable. The runtime's cost model (``kvpp_mode="auto"``) or the configured mode picks.
 
-Where the decode metadata depends on the head count, owner mode cannot run: only backends that take
-the heads from the query (`OWNER_CAPABLE_BACKENDS`) are hooked; elsewhere "auto" broadcasts and
-"owner" is refused when the model loads.
+Where the decode kernel's metadata or workspace depends on the head count, owner mode cannot run:
+only `OWNER_CAPABLE_BACKENDS` are hooked; elsewhere "auto" broadcasts and "owner" is refused when the
+model loads.
 """
 
 from __future__ import annotations
@@ -39,10 +39,13 @@ import numpy as np
 import torch
 
 from kvpp_fx.cache.cost import AttentionShape, LinkModel, RequestRows
+from kvpp_fx.runtime.errors import OwnerRoutingError
 from kvpp_fx.runtime.runtime import KVPPRuntime, active_runtime
 
-# forward_mqa takes the number of heads from the query and builds no per-head metadata.
-OWNER_CAPABLE_BACKENDS = ("CPU_MLA", "TRITON_MLA")
+# forward_mqa takes the number of heads from the query and sizes nothing by the rank's heads. GPU
+# kernels size metadata (FlashMLA's tile scheduler) or workspaces (TRITON_MLA's, reserved at warm-up
+# for the rank's heads) by their own head count, so the owner could not run all heads there.
+OWNER_CAPABLE_BACKENDS = ("CPU_MLA",)
 
 # The cost model's link per platform. CPU: measured on the bench (gloo, 2 processes, 2 cores). CUDA
 # and NPU: estimates, not measured here (NVLink at about half its peak per rank; HCCS likewise).
@@ -87,8 +90,8 @@ def why_not_owner_capable(backends: set[str], model_kind: str, pcp: int) -> str 
         return "prefill context parallelism splits the KVPP group beyond the heads' TP split"
     unsupported = sorted(backends - set(OWNER_CAPABLE_BACKENDS))
     if unsupported:
-        return (f"attention backend {unsupported[0]} builds its decode metadata for its own heads (owner mode "
-                f"runs on {list(OWNER_CAPABLE_BACKENDS)})")
+        return (f"attention backend {unsupported[0]} builds its decode metadata or workspace for its own heads "
+                f"(owner mode runs on {list(OWNER_CAPABLE_BACKENDS)})")
     return None
 
 
@@ -99,8 +102,8 @@ def step_requests(attn_metadata: Any, layer_name: str, block_tables: Any, num_co
     ``num_decodes`` requests of the layer's MLA metadata) as one group, then each prefill request; and
     the number of decode requests. None when the step has no MLA metadata for the layer."""
     metadata = attn_metadata
-    if isinstance(metadata, list):  # speculative decoding: [0] is the target model's
-        metadata = metadata[0] if metadata else None
+    if isinstance(metadata, list):  # micro-batches (DBO): their rows are not the batch's; broadcast instead
+        return None
     if isinstance(metadata, dict):
         metadata = metadata.get(layer_name)
     if metadata is None or getattr(metadata, "num_decodes", None) is None:
@@ -145,31 +148,31 @@ def owner_impl_class(cls: type) -> type:
         if not decode_rows_to_owner(runtime, self._kvpp_engine.runtime):
             return cls.forward_mqa(self, q, kv_cache, attn_metadata, layer)
         query = torch.cat(q, dim=-1) if isinstance(q, tuple) else q
-        dtype = query.dtype
-        wire = query.view(torch.uint8) if query.element_size() == 1 else query  # fp8 queries travel as bytes
-        out_dtype = dtype if query.element_size() > 1 else self._kvpp_out_dtype
-        like = torch.empty(query.shape[0], query.shape[1], self.kv_lora_rank, dtype=out_dtype, device=query.device)
+        if query.element_size() == 1:
+            # quantized queries carry per-rank scales the owner does not have
+            raise OwnerRoutingError(f"layer {self._kvpp_layer}: owner mode does not exchange quantized (fp8) "
+                                    "queries; set kvpp_mode to 'broadcast'.")
+        like = torch.empty(query.shape[0], query.shape[1], self.kv_lora_rank, dtype=query.dtype, device=query.device)
 
         def on_owner(full: list[torch.Tensor]) -> torch.Tensor:
-            heads = full[0].view(dtype) if full[0].dtype != dtype else full[0]
-            out, _ = cls.forward_mqa(self, heads.contiguous(), kv_cache, attn_metadata, layer)
+            out, _ = cls.forward_mqa(self, full[0].contiguous(), kv_cache, attn_metadata, layer)
             return out
 
-        part = runtime.owner_compute(self._kvpp_layer, MQA_RULE, [wire], on_owner, output_like=like)
+        part = runtime.owner_compute(self._kvpp_layer, MQA_RULE, [query], on_owner, output_like=like)
         return part, None
 
     return type(f"KVPP{cls.__name__}", (cls,), {"forward_mqa": forward_mqa, "__module__": __name__})
 
 
-def hook_impl(layer: Any, engine: Any, index: int, out_dtype: torch.dtype) -> None:
+def hook_impl(layer: Any, engine: Any, index: int) -> None:
     impl = layer.impl
-    impl._kvpp_engine, impl._kvpp_layer, impl._kvpp_out_dtype = engine, index, out_dtype
+    impl._kvpp_engine, impl._kvpp_layer = engine, index
     impl.__class__ = owner_impl_class(type(impl))
 
 
 def skips_cache_write(layer: Any) -> bool:
-    """A non-owner in a forward whose decode rows go to the owner writes nothing for the layer."""
-    engine = layer._kvpp_engine
+    """A non-owner in a forward whose every row goes to the owner writes nothing for the layer."""
     runtime = active_runtime()
-    return decode_rows_to_owner(runtime, engine.runtime) and not runtime.owns(layer._kvpp_layer)
+    return (runtime is not None and runtime is layer._kvpp_engine.runtime and runtime.owner_mode
+            and not runtime.owns(layer._kvpp_layer))
 

@@ -418,7 +418,7 @@ def breakable_capture() -> Any:
 @functools.cache
 def _waiting_class(cls: type, writes: bool = False) -> type:
     """`cls` whose forward waits for its layer first; with ``writes`` (an MLA attention layer), whose cache
-    write is skipped on a non-owner when the step's decode rows go to the owner."""
+    write is skipped on a non-owner when every row of the step goes to the owner."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Traced by Dynamo in the compiled path, where the graph pass places the ops instead.
@@ -470,7 +470,7 @@ def _hook_attention(runner: Any, state: EngineState) -> int:
                 raise hook_error(f"attention layer {name!r}", f"expected an MLAAttention, got {type(reader).__name__}.")
             state.metadata_layer = state.metadata_layer or name
             if state.owner_blocker is None:
-                owner_rows.hook_impl(reader, state, index, runner.model_config.dtype)
+                owner_rows.hook_impl(reader, state, index)
         if reader is None:
             raise hook_error(f"cache reader of {name!r}", "no module of the model reads this cache.")
         reader._kvpp_engine, reader._kvpp_layer = state, index
