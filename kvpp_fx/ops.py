@@ -275,14 +275,11 @@ class RoutedOp:
              device: torch.device) -> tuple[tuple, dict]:
         call_args, call_kwargs = list(args), dict(kwargs)
         index = torch.tensor(requests, dtype=torch.long, device=device)
-        for where, rows in ((w, tokens) for w in self.rows.token_operands):
-            value = _read_arg(args, kwargs, where)
-            if isinstance(value, torch.Tensor):
-                _write_arg(call_args, call_kwargs, where, value.index_select(0, rows))
-        for where in self.rows.request_operands:
-            value = _read_arg(args, kwargs, where)
-            if isinstance(value, torch.Tensor):
-                _write_arg(call_args, call_kwargs, where, value.index_select(0, index))
+        for operands, rows in ((self.rows.token_operands, tokens), (self.rows.request_operands, index)):
+            for where in operands:
+                value = _read_arg(args, kwargs, where)
+                if isinstance(value, torch.Tensor):
+                    _write_arg(call_args, call_kwargs, where, value.index_select(0, rows))
         return tuple(call_args), call_kwargs
 
 

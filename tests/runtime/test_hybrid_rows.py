@@ -84,7 +84,6 @@ def hybrid_ranks(rank: int, world: int):
     out["last"]["modes"] = last["choice"]["modes"]
     # only request 1's blocks move: 2 blocks of 4 tokens x 8 float32 values, plus their ids, per layer
     out["broadcast_bytes"] = last["broadcast_bytes"]
-    out["paths_inside"] = None
 
     # 2. broadcast for every request: the same rows, now all over the slot
     rt = owner_runtime(world, attention=shape)
