@@ -19,7 +19,8 @@ from kvpp_fx.cache.allocate import allocate_cache
 from kvpp_fx.cache.cost import AttentionShape, StepLoad
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
-from kvpp_fx.passes.registry import AttentionOpSpec, CacheOperand, HeadOperand, HeadSeparable, OwnerLocal
+from kvpp_fx.passes.registry import (AttentionOpSpec, CacheOperand, HeadOperand, HeadSeparable, OwnerLocal,
+                                    TableOperand)
 from kvpp_fx.runtime.device import default_device, process_group_backend, resolve_device_api
 from kvpp_fx.runtime.runtime import KVPPRuntime
 
@@ -46,7 +47,8 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
     if 0 in cache.stride():
         raise UnboundCacheError(f"layer {layer}: is the model compiled with kvpp_backend?")
     tokens, heads, length = q.shape[0], q.shape[1], int(seq_len)
-    context = cache[block_table].view(-1, WIDTH)[:length].expand(heads, -1, -1)
+    blocks = block_table[: (length + BLOCK_SIZE - 1) // BLOCK_SIZE]  # only the blocks that hold the context
+    context = cache[blocks].view(-1, WIDTH)[:length].expand(heads, -1, -1)
     # Batched over heads: a head's result does not depend on how many heads share the call, so owner
     # mode (every rank's heads in one call on the layer's owner) is bit-identical too.
     scores = torch.bmm(q.transpose(0, 1), context.transpose(1, 2)) * WIDTH ** -0.5
@@ -58,13 +60,15 @@ def mla_attention(q: torch.Tensor, cache: torch.Tensor, block_table: torch.Tenso
 write_kv.register_fake(lambda cache, latent, slot_mapping, layer: None)
 mla_attention.register_fake(lambda q, cache, block_table, seq_len, layer: torch.empty_like(q))
 
-# Each op's layer argument and cache operand, and how owner mode runs it: attention on the layer's owner
-# over every rank's heads (q's dimension 1, and the output's), the write on the owner only.
+# Each op's layer argument, cache operand and block ids (a rank that reads a layer from its scratch slot
+# gets them remapped to the blocks the slot holds), and how owner mode runs it: attention on the layer's
+# owner over every rank's heads (q's dimension 1, and the output's), the write on the owner only.
 SPECS = (
     AttentionOpSpec("example::write_kv", ("layer", 3), cache_operands=(CacheOperand(("cache", 0)),),
-                    owner=OwnerLocal()),
+                    owner=OwnerLocal(), tables=(TableOperand(("slot_mapping", 2), "slot_mapping"),)),
     AttentionOpSpec("example::mla_attention", ("layer", 4), cache_operands=(CacheOperand(("cache", 1)),),
-                    owner=HeadSeparable((HeadOperand(("q", 0), dim=1),), output_dim=1)),
+                    owner=HeadSeparable((HeadOperand(("q", 0), dim=1),), output_dim=1),
+                    tables=(TableOperand(("block_table", 2), "block_table"),)),
 )
 
 
@@ -143,8 +147,10 @@ def main() -> int:
     def kvpp_step(computed: int, new: int):
         for record in backend.records:  # "auto" picks owner mode only for layers compiled with routed ops
             runtime.note_routing(*record.routed_layers(plan.target_layers))
-        history = block_table[:(computed + BLOCK_SIZE - 1) // BLOCK_SIZE]  # the blocks holding computed tokens
-        return runtime.forward(has_history=computed > 0, blocks=history, mode=args.kvpp_mode,
+        filled = (computed + BLOCK_SIZE - 1) // BLOCK_SIZE
+        history = block_table[:filled]  # the blocks holding computed tokens
+        written = block_table[filled:(computed + new + BLOCK_SIZE - 1) // BLOCK_SIZE]  # and the ones it fills
+        return runtime.forward(has_history=computed > 0, blocks=history, written=written, mode=args.kvpp_mode,
                                load=StepLoad(new, new * (computed + new)))
 
     with torch.no_grad():

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from kvpp_fx.argtypes import fraction, non_negative_float, non_negative_int, positive_float, positive_int
-from kvpp_fx.cache.placement import DEFAULT_DEPTH, DEFAULT_STAGING_FRACTION, MIN_DEPTH
+from kvpp_fx.cache.placement import DEFAULT_DEPTH, MIN_DEPTH
 from kvpp_fx.cache.spec import KV_DTYPES, QUERY_DTYPES, UnknownModelError
 
 
@@ -40,8 +40,8 @@ _STEP_OPTIONS = ("batch_tokens", "requests", "link_latency_us", "attention_tflop
 def _cmd_plan(args: argparse.Namespace) -> int:
     from kvpp_fx.cache.cost import LinkModel
     from kvpp_fx.cache.spec import attention_shape_from_hf_config, load_hf_config
-    from kvpp_fx.plan_report import (build_plan, format_plan_table, owner_cost, parse_bytes, plan_report,
-                                     transfer_cost)
+    from kvpp_fx.plan_report import (DEFAULT_TOKEN_BUDGET, build_plan, format_plan_table, owner_cost,
+                                     parse_bytes, plan_report, transfer_cost)
 
     if args.context_tokens is None:
         given = [f"--{name.replace('_', '-')}" for name in _STEP_OPTIONS if getattr(args, name) is not None]
@@ -53,10 +53,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--requests {requests} exceeds --batch-tokens {batch_tokens}: every request of a step "
                          "has at least one query token")
     available = parse_bytes(args.kv_memory)
+    if args.max_batched_tokens is not None and args.max_model_len is None:
+        raise UsageError("--max-batched-tokens: only used with --max-model-len (together they bound the "
+                         "scratch slots)")
+    token_budget = args.max_batched_tokens
+    if args.max_model_len is not None and token_budget is None:
+        token_budget = DEFAULT_TOKEN_BUDGET
     plan = build_plan(args.model, tp=args.tp, pcp=args.pcp, block_size=args.block_size,
                       kv_dtype=args.kv_dtype, mtp=args.mtp, shard_draft=args.shard_draft, depth=args.depth,
-                      staging_fraction=args.staging_fraction)
-    report = plan_report(plan, available)
+                      max_model_len=args.max_model_len, token_budget=token_budget,
+                      scratch_blocks=args.scratch_blocks)
+    report = plan_report(plan, available, max_model_len=args.max_model_len, token_budget=token_budget)
     if args.context_tokens is not None:
         _, config = load_hf_config(args.model)
         shape = attention_shape_from_hf_config(config, args.query_dtype or "bf16")
@@ -110,8 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"scratch buffers per rank (at least {MIN_DEPTH})")
     plan.add_argument("--mtp", action="store_true", help="include the config's nextn layers as drafts")
     plan.add_argument("--shard-draft", action="store_true", help="give draft layers owners too")
-    plan.add_argument("--staging-fraction", type=fraction, default=DEFAULT_STAGING_FRACTION,
-                      help="active-block staging as a fraction of the pool (0 disables active blocks)")
+    plan.add_argument("--max-model-len", type=positive_int, default=None,
+                      help="the longest request in tokens: scratch slots then hold what one step can read "
+                           "(compact scratch) instead of whole layers")
+    plan.add_argument("--max-batched-tokens", type=positive_int, default=None,
+                      help="the token budget of one step, with --max-model-len (default 8192)")
+    plan.add_argument("--scratch-blocks", type=positive_int, default=None,
+                      help="blocks per scratch slot, overriding what --max-model-len gives")
     plan.add_argument("--context-tokens", type=non_negative_int, default=None,
                       help="total tokens of history one step reads: prints broadcast and owner-mode bytes and "
                            "link time per layer and forward, and the mode the cost model picks")

@@ -1,14 +1,19 @@
 """The KVPP graph ops, registered with torch.library in the ``kvpp`` namespace.
 
     kvpp::prefetch(int layer, int slot) -> ()
-    kvpp::wait(int layer, int slot, Tensor[] caches, str[] components, bool routed=False) -> Tensor[]
-    kvpp::enter_layer(SymInt layer, Tensor[] caches, str[] components) -> Tensor[]
+    kvpp::wait(int layer, int slot, Tensor[] caches, str[] components, bool routed=False,
+               Tensor[]? tables=None, str[]? table_kinds=None) -> Tensor[]
+    kvpp::enter_layer(SymInt layer, Tensor[] caches, str[] components, Tensor[]? tables=None,
+                      str[]? table_kinds=None) -> Tensor[]
 
 ``wait`` takes the cache tensors the graph had for the layer before the rewrite (one per cache
 component its attention/cache ops read) and returns, in the same order, the views those ops must read
 instead: persistent on the owner rank, the layer's scratch slot elsewhere. The component names let the
 runtime pick the right typed view of the layer's bundle (an SFA layer has the latent cache, the
-indexer keys and their scales). ``routed=True`` says the layer's cache ops were routed for owner mode
+indexer keys and their scales). After the views come the layer's block tables and slot mappings
+(``tables``, each of a ``table_kinds`` kind), as the ops must read them: remapped to the packed slot
+where the rank reads the layer from one, unchanged elsewhere (`KVPPRuntime.tables`).
+``routed=True`` says the layer's cache ops were routed for owner mode
 (each is a `RoutedOp`); a wait without it refuses an owner-mode forward. See docs/graph-contract.md.
 
 ``enter_layer`` serves a graph that Dynamo compiled once for several layers, whose layer index is a
@@ -42,8 +47,10 @@ NAMESPACE = "kvpp"
 
 _lib = torch.library.Library(NAMESPACE, "DEF")
 _lib.define("prefetch(int layer, int slot) -> ()")
-_lib.define("wait(int layer, int slot, Tensor[] caches, str[] components, bool routed=False) -> Tensor[]")
-_lib.define("enter_layer(SymInt layer, Tensor[] caches, str[] components) -> Tensor[]")
+_lib.define("wait(int layer, int slot, Tensor[] caches, str[] components, bool routed=False, "
+            "Tensor[]? tables=None, str[]? table_kinds=None) -> Tensor[]")
+_lib.define("enter_layer(SymInt layer, Tensor[] caches, str[] components, Tensor[]? tables=None, "
+            "str[]? table_kinds=None) -> Tensor[]")
 
 
 _PASSTHROUGH: contextvars.ContextVar[bool] = contextvars.ContextVar("kvpp_passthrough", default=False)
@@ -74,27 +81,37 @@ def _prefetch_impl(layer: int, slot: int) -> None:
     current_runtime().prefetch(layer, slot)
 
 
-def _wait_impl(layer: int, slot: int, caches: list[torch.Tensor], components: list[str],
-               routed: bool = False) -> list[torch.Tensor]:
+def _check_lists(op: str, layer: int, caches: list, components: list, tables: list, kinds: list) -> None:
     if len(caches) != len(components):
-        raise ValueError(f"kvpp.wait for layer {layer}: {len(caches)} caches but {len(components)} component names.")
+        raise ValueError(f"{op} for layer {layer}: {len(caches)} caches but {len(components)} component names.")
+    if len(tables) != len(kinds):
+        raise ValueError(f"{op} for layer {layer}: {len(tables)} tables but {len(kinds)} table kinds.")
+
+
+def _wait_impl(layer: int, slot: int, caches: list[torch.Tensor], components: list[str],
+               routed: bool = False, tables: list[torch.Tensor] | None = None,
+               table_kinds: list[str] | None = None) -> list[torch.Tensor]:
+    tables, table_kinds = list(tables or ()), list(table_kinds or ())
+    _check_lists("kvpp.wait", layer, caches, components, tables, table_kinds)
     if passing_through():
-        return list(caches)
+        return [*caches, *tables]
     runtime = current_runtime()
     runtime.wait(layer, slot, routed=routed)
-    return _views("kvpp.wait", runtime, layer, caches, components)
+    return [*_views("kvpp.wait", runtime, layer, caches, components), *runtime.tables(layer, tables, table_kinds)]
 
 
-def _enter_layer_impl(layer: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
-    if len(caches) != len(components):
-        raise ValueError(f"kvpp.enter_layer for layer {layer}: {len(caches)} caches but {len(components)} "
-                         "component names.")
+def _enter_layer_impl(layer: int, caches: list[torch.Tensor], components: list[str],
+                      tables: list[torch.Tensor] | None = None,
+                      table_kinds: list[str] | None = None) -> list[torch.Tensor]:
+    tables, table_kinds = list(tables or ()), list(table_kinds or ())
+    _check_lists("kvpp.enter_layer", layer, caches, components, tables, table_kinds)
     if passing_through():
-        return list(caches)
+        return [*caches, *tables]
     runtime = current_runtime()
-    if not runtime.enter_layer(layer):  # a local draft layer: the graph's caches are its own
-        return list(caches)
-    return _views("kvpp.enter_layer", runtime, layer, caches, components)
+    if not runtime.enter_layer(layer):  # a local draft layer: the graph's caches and tables are its own
+        return [*caches, *tables]
+    return [*_views("kvpp.enter_layer", runtime, layer, caches, components),
+            *runtime.tables(layer, tables, table_kinds)]
 
 
 def _views(op: str, runtime, layer: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
@@ -123,16 +140,24 @@ def _prefetch_fake(layer: int, slot: int) -> None:
     return None
 
 
+def _contiguous(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    # The real cache outputs are contiguous views of the runtime's storage, and remapped tables are new
+    # contiguous tensors, whatever the inputs' strides.
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+
+
 @torch.library.register_fake(f"{NAMESPACE}::wait", lib=_lib)
 def _wait_fake(layer: int, slot: int, caches: list[torch.Tensor], components: list[str],
-               routed: bool = False) -> list[torch.Tensor]:
-    # The real outputs are contiguous views of the runtime's storage, whatever the inputs' strides.
-    return [torch.empty(cache.shape, dtype=cache.dtype, device=cache.device) for cache in caches]
+               routed: bool = False, tables: list[torch.Tensor] | None = None,
+               table_kinds: list[str] | None = None) -> list[torch.Tensor]:
+    return _contiguous([*caches, *(tables or ())])
 
 
 @torch.library.register_fake(f"{NAMESPACE}::enter_layer", lib=_lib)
-def _enter_layer_fake(layer: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
-    return [torch.empty(cache.shape, dtype=cache.dtype, device=cache.device) for cache in caches]
+def _enter_layer_fake(layer: int, caches: list[torch.Tensor], components: list[str],
+                      tables: list[torch.Tensor] | None = None,
+                      table_kinds: list[str] | None = None) -> list[torch.Tensor]:
+    return _contiguous([*caches, *(tables or ())])
 
 
 # torch 2.13 has no public effect registration for ops defined with `torch.library.Library`: the public

@@ -6,11 +6,12 @@ owner-mode bytes, and the mode `kvpp_fx.cache.cost.choose_mode` picks.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
-from kvpp_fx.cache.cost import AttentionShape, LinkModel, StepLoad, choose_mode
-from kvpp_fx.cache.placement import DEFAULT_STAGING_FRACTION, KVPPPlan
+from kvpp_fx.cache.cost import OWNER, AttentionShape, LinkModel, StepLoad, choose_mode
+from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.cache.spec import ModelCacheSpec, load_hf_config
 
 _UNITS = {
@@ -51,14 +52,22 @@ def layer_ranges(layers: tuple[int, ...] | list[int]) -> str:
     return ",".join(parts)
 
 
+# vLLM's max_num_batched_tokens when chunked prefill is on and nothing else sets it (a serving default).
+DEFAULT_TOKEN_BUDGET = 8192
+
+
 def build_plan(model: str, *, tp: int, pcp: int = 1, block_size: int = 128, kv_dtype: str = "bf16",
-               mtp: bool = False, shard_draft: bool = False, depth: int = 2,
-               staging_fraction: float = DEFAULT_STAGING_FRACTION) -> KVPPPlan:
+               mtp: bool = False, shard_draft: bool = False, depth: int = 2, max_model_len: int | None = None,
+               token_budget: int | None = None, scratch_blocks: int | None = None) -> KVPPPlan:
+    """The plan of a preset or HF config. With `max_model_len` the scratch slots are compact (S blocks
+    from it and the token budget, `DEFAULT_TOKEN_BUDGET` unless given); `scratch_blocks` sets S."""
     name, config = load_hf_config(model)
     spec = ModelCacheSpec.from_hf_config(config, name=name, block_size=block_size, kv_dtype=kv_dtype,
                                          include_mtp=mtp)
-    return KVPPPlan(spec, group_size=tp * pcp, depth=depth, shard_draft_layers=shard_draft,
-                    staging_fraction=staging_fraction)
+    if max_model_len is not None and token_budget is None:
+        token_budget = DEFAULT_TOKEN_BUDGET
+    return KVPPPlan.for_requests(spec, tp * pcp, max_model_len=max_model_len, token_budget=token_budget,
+                                 scratch_blocks=scratch_blocks, depth=depth, shard_draft_layers=shard_draft)
 
 
 class KVMemoryTooSmallError(ValueError):
@@ -80,7 +89,8 @@ def min_kv_memory(plan: KVPPPlan) -> int:
     return high
 
 
-def plan_report(plan: KVPPPlan, available_bytes: int) -> dict[str, Any]:
+def plan_report(plan: KVPPPlan, available_bytes: int, *, max_model_len: int | None = None,
+                token_budget: int | None = None) -> dict[str, Any]:
     block_size = plan.spec.block_size
     blocks = plan.num_blocks(available_bytes)
     if blocks == 0 or plan.replicated_num_blocks(available_bytes) == 0:
@@ -89,9 +99,10 @@ def plan_report(plan: KVPPPlan, available_bytes: int) -> dict[str, Any]:
         raise KVMemoryTooSmallError(
             f"KV memory {format_bytes(available_bytes)} per rank holds no block of {block_size} tokens on {where}; "
             f"the minimum is {format_bytes(min_kv_memory(plan))} ({min_kv_memory(plan):,} bytes) per rank.")
+    plan.check_pool(blocks)
     ranks = []
     for rank in range(plan.group_size):
-        rank_blocks = plan.num_blocks(available_bytes, rank)
+        rank_blocks = min(plan.num_blocks(available_bytes, rank), blocks)  # a rank may hold no per-block bytes
         ranks.append({
             "rank": rank,
             "owned_layers": list(plan.owned_layers(rank)),
@@ -99,9 +110,8 @@ def plan_report(plan: KVPPPlan, available_bytes: int) -> dict[str, Any]:
             "local_draft_layers": list(plan.local_draft_layers),
             "persistent_bytes_per_block": plan.persistent_bytes_per_block(rank),
             "scratch_bytes_per_block": plan.scratch_bytes_per_block(rank),
-            "staging_bytes_per_block": plan.staging_bytes_per_block(rank),
-            "bytes_per_block": (plan.persistent_bytes_per_block(rank) + plan.scratch_bytes_per_block(rank)
-                                + plan.staging_bytes_per_block(rank)),
+            "scratch_fixed_bytes": plan.fixed_bytes(rank),
+            "bytes_per_block": plan.persistent_bytes_per_block(rank) + plan.scratch_bytes_per_block(rank),
             "blocks": rank_blocks,
             "tokens": rank_blocks * block_size,
             "allocated_bytes": plan.bytes_for(rank_blocks, rank),
@@ -126,10 +136,17 @@ def plan_report(plan: KVPPPlan, available_bytes: int) -> dict[str, Any]:
         "engine_blocks": blocks,
         "worst_rank": worst["rank"],
         "capacity_ratio": plan.capacity_ratio(available_bytes),
-        "formula_capacity_ratio": plan.formula_capacity_ratio(),
-        "staging_fraction": plan.staging_fraction,
-        "staging_blocks": plan.staging_blocks(blocks),
-        "capacity_ratio_without_staging": plan.without_staging().capacity_ratio(available_bytes),
+        "formula_capacity_ratio": plan.formula_capacity_ratio(available_bytes),
+        "max_model_len": max_model_len,
+        "token_budget": token_budget if max_model_len is not None else None,
+        "scratch": {
+            "compact": plan.compact,
+            "slot_blocks": plan.slot_blocks(blocks),
+            "slot_tokens": plan.slot_blocks(blocks) * block_size,
+            "request_blocks": plan.request_blocks,
+            "slot_bytes": plan.fixed_bytes(worst["rank"]) // plan.depth if plan.compact else None,
+        },
+        "capacity_ratio_whole_layer_slots": plan.whole_layer().capacity_ratio(available_bytes),
         "broadcast_bytes_per_forward": plan.broadcast_bytes_per_forward(blocks),
     }
     if plan.shard_draft_layers and plan.spec.draft_layers:
@@ -145,12 +162,14 @@ def transfer_cost(plan: KVPPPlan, num_blocks: int, context_tokens: int, link_gb_
     The step reads ``ceil(context_tokens / block_size)`` blocks (its requests' contexts packed into
     whole blocks, a lower bound), capped at the pool. Whole-layer broadcasts move every block of every
     target layer; active-block broadcasts move the read blocks and their ids, unless the set exceeds
-    the staging capacity or the crossover fraction, where the runtime sends whole layers too.
+    the crossover fraction of whole-layer slots, where the runtime sends whole layers too. With compact
+    slots a set wider than a slot takes the owner path (its rows go to their owners).
     """
     if context_tokens < 0 or link_gb_per_s <= 0:
         raise ValueError("context tokens must be >= 0 and the link bandwidth > 0.")
     active = min(num_blocks, -(-context_tokens // plan.spec.block_size))
     uses_active = plan.uses_active_blocks(active, num_blocks)
+    fits = active <= plan.slot_blocks(num_blocks)
     per_layer_whole = [num_blocks * plan.bundle_bytes_per_block(i) for i in plan.target_layers]
     per_layer_active = ([plan.active_broadcast_bytes(i, active) for i in plan.target_layers] if uses_active
                         else per_layer_whole)
@@ -159,7 +178,8 @@ def transfer_cost(plan: KVPPPlan, num_blocks: int, context_tokens: int, link_gb_
     return {
         "context_tokens": context_tokens, "active_blocks": active, "pool_blocks": num_blocks,
         "active_fraction": active / num_blocks if num_blocks else 0.0, "link_gb_per_s": link_gb_per_s,
-        "path": "active-block" if uses_active else "whole-layer",
+        "path": ("active-block" if uses_active and fits else "owner" if uses_active else "whole-layer"),
+        "fits_slot": fits,
         "whole_layer": {"bytes_per_layer": max(per_layer_whole, default=0), "bytes_per_forward": whole,
                         "seconds_per_layer": max(per_layer_whole, default=0) / bandwidth,
                         "seconds_per_forward": whole / bandwidth},
@@ -178,26 +198,32 @@ def format_plan_table(report: dict[str, Any]) -> str:
         + (" (sharded)" if report["shard_draft_layers"] and report["draft_layers"] else
            " (local on every rank)" if report["draft_layers"] else ""),
         "",
-        f"{'rank':>4}  {'owned layers':<16} {'persist B/blk':>14} {'scratch B/blk':>14} {'staging B/blk':>14} "
+        f"{'rank':>4}  {'owned layers':<16} {'persist B/blk':>14} {'scratch B/blk':>14} {'scratch fixed':>14} "
         f"{'blocks':>10} {'tokens':>12}",
     ]
     for r in report["ranks"]:
         owned = f"{r['owned_ranges']} ({len(r['owned_layers'])})"
         lines.append(
             f"{r['rank']:>4}  {owned:<16} {r['persistent_bytes_per_block']:>14,} "
-            f"{r['scratch_bytes_per_block']:>14,} {r['staging_bytes_per_block']:>14,.0f} {r['blocks']:>10,} "
+            f"{r['scratch_bytes_per_block']:>14,} {format_bytes(r['scratch_fixed_bytes']):>14} {r['blocks']:>10,} "
             f"{r['tokens']:>12,}"
         )
-    rep = report["replicated"]
+    rep, scratch = report["replicated"], report["scratch"]
+    if scratch["compact"]:
+        bound = (f"max_model_len {report['max_model_len']:,} + token budget {report['token_budget']:,}"
+                 if report["max_model_len"] is not None else "scratch_blocks")
+        slots = (f"scratch slots: {report['depth']} x {scratch['slot_blocks']:,} blocks "
+                 f"({scratch['slot_tokens']:,} tokens, {format_bytes(scratch['slot_bytes'])} each), from {bound}")
+    else:
+        slots = "scratch slots: whole layers (give --max-model-len for compact slots)"
     lines += [
-        f"{'repl':>4}  {'all':<16} {rep['bytes_per_block']:>14,} {0:>14,} {0:>14,} {rep['blocks']:>10,} "
+        f"{'repl':>4}  {'all':<16} {rep['bytes_per_block']:>14,} {0:>14,} {format_bytes(0):>14} {rep['blocks']:>10,} "
         f"{rep['tokens']:>12,}",
         "",
         f"capacity ratio (worst rank {report['worst_rank']}): {report['capacity_ratio']:.3f}x"
         f"   formula: {report['formula_capacity_ratio']:.3f}x"
-        f"   without staging: {report['capacity_ratio_without_staging']:.3f}x",
-        f"active-block staging: {report['staging_fraction']:.0%} of the pool = "
-        f"{report['staging_blocks']:,} blocks per broadcast at most",
+        f"   with whole-layer slots: {report['capacity_ratio_whole_layer_slots']:.3f}x",
+        slots,
         f"broadcast per forward at full occupancy: {format_bytes(report['broadcast_bytes_per_forward'])}",
     ]
     cost = report.get("transfer_cost")
@@ -206,7 +232,8 @@ def format_plan_table(report: dict[str, Any]) -> str:
         lines += [
             "",
             f"transfer for a step reading {cost['context_tokens']:,} tokens = {cost['active_blocks']:,} blocks "
-            f"({cost['active_fraction']:.1%} of the pool) at {gbps:g} GB/s: {cost['path']} path",
+            f"({cost['active_fraction']:.1%} of the pool) at {gbps:g} GB/s: {cost['path']} path"
+            + ("" if cost["fits_slot"] else " (more blocks than a scratch slot holds)"),
             f"{'':>14} {'bytes/layer':>14} {'ms/layer':>10} {'bytes/forward':>15} {'ms/forward':>11}",
         ]
         for key, label in (("whole_layer", "whole-layer"), ("active_block", "active-block")):
@@ -275,6 +302,8 @@ def owner_cost(plan: KVPPPlan, transfer: dict[str, Any], shape: AttentionShape, 
         raise ValueError(f"owner mode splits the heads over the KVPP group: {exc}") from None
     owner_per_layer = shape.owner_bytes_per_layer(load.query_tokens, plan.group_size)
     choice = choose_mode(shape, load, transfer["active_block"]["bytes_per_layer"], plan.group_size, link)
+    if not transfer["fits_slot"]:  # wider than a compact slot: the rows go to their owners
+        choice = dataclasses.replace(choice, mode=OWNER)
     extra_heads = shape.num_heads - heads_per_rank
     return {
         "group_size": plan.group_size, "batch_tokens": batch_tokens, "requests": requests,

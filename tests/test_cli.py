@@ -16,7 +16,7 @@ def run_cli(*args):
 
 def test_plan_deepseek_v3_tp8_ratio_matches_formula(capsys):
     assert main(["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "64GiB",
-                 "--block-size", "128", "--staging-fraction", "0", "--json"]) == 0
+                 "--block-size", "128", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     formula = 61 / (math.ceil(61 / 8) + 2)
     assert abs(report["capacity_ratio"] - formula) / formula < 1e-3
@@ -24,7 +24,8 @@ def test_plan_deepseek_v3_tp8_ratio_matches_formula(capsys):
     assert [len(r["owned_layers"]) for r in report["ranks"]] == [8, 8, 8, 8, 8, 7, 7, 7]
     bpb = 576 * 2 * 128
     assert report["replicated"]["bytes_per_block"] == 61 * bpb
-    assert report["ranks"][0]["bytes_per_block"] == (8 + 2) * bpb
+    assert report["ranks"][0]["bytes_per_block"] == (8 + 2) * bpb + 2 * 8  # each slot block carries its id
+    assert report["scratch"]["compact"] is False and report["capacity_ratio"] >= 6.10
     for r in report["ranks"]:
         assert r["tokens"] == r["blocks"] * 128
         assert r["allocated_bytes"] <= 64 * 2**30
@@ -33,10 +34,39 @@ def test_plan_deepseek_v3_tp8_ratio_matches_formula(capsys):
 def test_plan_table_names_the_ratio():
     out = run_cli("plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "64GiB")
     assert out.returncode == 0, out.stderr
-    # 25 % staging (default) costs a quarter of a layer per rank: 61 / (8 + 2 + 0.25 * (1 + 8/bpb))
-    assert "capacity ratio (worst rank 0): 5.95" in out.stdout
-    assert "without staging: 6.10" in out.stdout
+    # whole-layer slots, nothing else: 61 / (8 + 2)
+    assert "capacity ratio (worst rank 0): 6.10" in out.stdout
+    assert "scratch slots: whole layers (give --max-model-len for compact slots)" in out.stdout
     assert "repl" in out.stdout and "0-7 (8)" in out.stdout
+    out = run_cli("plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "64GiB", "--max-model-len", "131072")
+    assert out.returncode == 0, out.stderr
+    assert "capacity ratio (worst rank 0): 7.59" in out.stdout and "with whole-layer slots: 6.10" in out.stdout
+    assert ("scratch slots: 2 x 1,088 blocks (139,264 tokens, 154.00 MiB each), from max_model_len 131,072 + "
+            "token budget 8,192") in out.stdout
+
+
+@pytest.mark.parametrize("mtp,compact,whole", [(False, 7.4, 6.10), (True, 6.7, 5.64)])
+def test_compact_scratch_lifts_deepseek_v3_at_tp8(capsys, mtp, compact, whole):
+    """The issue's targets: >= 7.4x (6.7x with MTP) with a 128K max model length, and without a bound at
+    least the seed's whole-layer layout, 6.10x (5.64x)."""
+    base = ["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "64GiB", "--block-size", "128", "--json"]
+    base += ["--mtp"] if mtp else []
+    assert main([*base, "--max-model-len", "131072"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["capacity_ratio"] >= compact
+    assert report["scratch"] == {"compact": True, "slot_blocks": 1024 + 64, "slot_tokens": (1024 + 64) * 128,
+                                 "request_blocks": 1024, "slot_bytes": 154 * 2**20}
+    assert (report["max_model_len"], report["token_budget"]) == (131072, 8192)
+    # L / ceil(L/N) x (1 - 2 S b / M), drafts local: (61 + d) / (8 + d) with d = 1 with MTP
+    bpb, drafts = 576 * 2 * 128, int(mtp)
+    formula = (61 + drafts) / (8 + drafts) * (1 - 2 * 1088 * bpb / 2**36)
+    assert report["formula_capacity_ratio"] == pytest.approx(formula)
+    assert abs(report["capacity_ratio"] - formula) / formula < 2e-3
+    assert report["capacity_ratio_whole_layer_slots"] >= whole
+    assert main(base) == 0
+    assert json.loads(capsys.readouterr().out)["capacity_ratio"] >= whole
+    assert main([*base, "--max-model-len", "131072", "--max-batched-tokens", "16384", "--scratch-blocks", "2000"]) == 0
+    assert json.loads(capsys.readouterr().out)["scratch"]["slot_blocks"] == 2000
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -46,11 +76,17 @@ def test_plan_table_names_the_ratio():
     (["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-dtype", "fp4"], "--kv-dtype"),
     (["plan", "--tp", "8"], "--model"),
     (["plan", "--model", "deepseek-v3", "--tp", "8", "--depth", "1"], "scratch depth must be at least 2"),
-    (["plan", "--model", "deepseek-v3", "--tp", "8", "--staging-fraction", "1.5"], "fraction in [0, 1]"),
+    (["plan", "--model", "deepseek-v3", "--tp", "8", "--max-batched-tokens", "4096"],
+     "--max-batched-tokens: only used with --max-model-len"),
+    (["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "1GiB", "--max-model-len", "131072"],
+     "holds no other request next to one of max_model_len (1,024 blocks)"),
+    (["plan", "--model", "deepseek-v3", "--tp", "8", "--max-model-len", "0"], "--max-model-len"),
     (["plan", "--model", "deepseek-v3", "--tp", "8", "--context-tokens", "-5"], "non-negative"),
     (["plan", "--model", "deepseek-v3", "--tp", "8", "--context-tokens", "5", "--link-gbps", "0"], "positive"),
     (["frobnicate"], "invalid choice"),
     (["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "1KiB"], "holds no block of 128 tokens on rank"),
+    (["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "1KiB", "--max-model-len", "4096"],
+     "holds no block of 128 tokens on rank"),
 ])
 def test_bad_options_exit_2_with_one_line(args, needle):
     out = run_cli(*args)
@@ -82,9 +118,10 @@ def test_graph_command_prints_the_rewritten_reference_graph():
     assert text.splitlines()[1].strip() == "kvpp_prefetch_L0 = torch.ops.kvpp.prefetch.default(0, 0)"
     assert "kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L0(kv_L0," in text
     assert "kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L0(q_latent, q_pe_1, kv_L0," in text
-    assert ("submod_2 [eager]: kvpp.wait(0, 0, [l_caches_0_0_], ['kv'], routed=True); kvpp.prefetch(1, 1); "
-            "routed[owner] kvpp_ref.write_kv(getitem, kv_c_1, k_pe_1, l_slot_mapping_, 0); "
-            "routed[heads 0@1,1@1->@1] kvpp_ref.mla_attention(q_latent, q_pe_1, getitem,") in text
+    assert ("submod_2 [eager]: kvpp.wait(0, 0, [l_caches_0_0_], ['kv'], tables=[l_slot_mapping_, "
+            "l_block_table_], table_kinds=['slot_mapping', 'block_table'], routed=True); kvpp.prefetch(1, 1); "
+            "routed[owner] kvpp_ref.write_kv(getitem, kv_c_1, k_pe_1, getitem_1, 0); "
+            "routed[heads 0@1,1@1->@1] kvpp_ref.mla_attention(q_latent, q_pe_1, getitem, getitem_2,") in text
     assert "kvpp.prefetch(2" not in text
 
 
@@ -105,7 +142,7 @@ def test_plan_prints_the_transfer_cost_of_a_step(capsys):
     assert cost["whole_layer"]["seconds_per_forward"] > 50 * cost["active_block"]["seconds_per_forward"]
 
 
-def test_a_step_beyond_the_staging_capacity_is_costed_whole_layer(capsys):
+def test_a_step_beyond_the_crossover_is_costed_whole_layer(capsys):
     assert main(["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "64GiB", "--json",
                  "--context-tokens", str(128 * 30_000)]) == 0
     cost = json.loads(capsys.readouterr().out)["transfer_cost"]
@@ -113,6 +150,11 @@ def test_a_step_beyond_the_staging_capacity_is_costed_whole_layer(capsys):
     assert cost["active_block"] == cost["whole_layer"]
     out = run_cli("plan", "--model", "deepseek-v3", "--tp", "8", "--context-tokens", "1000")
     assert "active-block path" in out.stdout and "ms/forward" in out.stdout
+    # compact slots never send whole layers; a step wider than a slot sends its rows to the owners
+    assert main(["plan", "--model", "deepseek-v3", "--tp", "8", "--kv-memory", "64GiB", "--json",
+                 "--max-model-len", "32768", "--context-tokens", str(128 * 2000)]) == 0
+    cost = json.loads(capsys.readouterr().out)["transfer_cost"]
+    assert (cost["path"], cost["fits_slot"], cost["mode_choice"]["mode"]) == ("owner", False, "owner")
 
 
 V3_OWNER_BYTES_PER_TOKEN = 7 * 16 * (576 + 512) * 2    # 7 of 8 ranks x 16 heads x (q + out) values x bf16

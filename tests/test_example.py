@@ -19,9 +19,9 @@ README_COMMAND = f"torchrun --nproc-per-node 2 {EXAMPLE}"
 STEPS = 5  # the prefill and 4 decode steps
 
 # 8 layers, one fp32 component of 32 values per token, 16 tokens per block: 2 KiB per layer and block, in
-# 64 MiB per rank. Replicated: 8 buffers of 8 MiB, 4096 blocks. KVPP on 2 ranks: 4 owned and 2 scratch
-# buffers of 10 MiB (5120 blocks), and staging for 1280 blocks of 2 KiB + an 8-byte id (2.51 MiB, padded
-# to 4 MiB): 64 MiB; one block more pads every 10 MiB buffer to 12 MiB.
+# 64 MiB per rank. Replicated: 8 buffers of 8 MiB, 4096 blocks. KVPP on 2 ranks: 4 owned buffers of
+# 10 MiB (5120 blocks) and 2 whole-layer scratch slots of 5120 blocks of 2 KiB + an 8-byte id (10.04 MiB,
+# padded to 12 MiB): 64 MiB; one block more pads every owned buffer to 12 MiB.
 CAPACITY = "5120 blocks vs 4096 replicated in 64 MiB (1.25x)"
 LINE = re.compile(r"rank (\d): logits of (\d+) steps \(([a-z0-9, ]+)\) (.+); (.+)")
 

@@ -135,19 +135,27 @@ class RequestRows:
     decode rows: one attention call serves them all).
 
     ``blocks``: the ids of the blocks with history the rows read (what broadcast mode would move for
-    them); ``owner_capable``: whether their attention can run on the layer's owner (vLLM: its decode
-    rows, not its prefill rows).
+    them); ``written``: the blocks they write that hold no history (a position in a non-owner's packed
+    slot, no bytes); ``owner_capable``: whether their attention can run on the layer's owner (vLLM: its
+    decode rows, not its prefill rows).
     """
 
     query_tokens: int
     attention_pairs: int
     blocks: tuple[int, ...] = ()
     owner_capable: bool = True
+    written: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         StepLoad(self.query_tokens, self.attention_pairs)  # the same checks
-        if not all(isinstance(b, int) and not isinstance(b, bool) for b in self.blocks):
-            raise ValueError(f"RequestRows.blocks must be int block ids, got {self.blocks!r}.")
+        for name in ("blocks", "written"):
+            if not all(isinstance(b, int) and not isinstance(b, bool) for b in getattr(self, name)):
+                raise ValueError(f"RequestRows.{name} must be int block ids, got {getattr(self, name)!r}.")
+
+    @property
+    def footprint(self) -> frozenset[int]:
+        """Every block the rows touch: what they take of a packed slot."""
+        return frozenset(self.blocks) | frozenset(self.written)
 
 
 @dataclass(frozen=True)
@@ -161,6 +169,7 @@ class RowChoice:
     broadcast_bytes: int  # per layer
     owner_bytes: int  # per layer, on the owner's link
     why: str = ""
+    broadcast_written: tuple[int, ...] = ()  # sorted union of the broadcast requests' written blocks
 
     @property
     def hybrid(self) -> bool:
@@ -173,11 +182,13 @@ class RowChoice:
 @dataclass(frozen=True)
 class BroadcastCost:
     """What a broadcast of n blocks moves per layer: n blocks with their ids, or the whole layer once n
-    passes the active-block limit (the staging buffer, or the crossover fraction of the pool)."""
+    passes the active-block limit (the crossover fraction of the pool, with whole-layer slots).
+    ``slot_blocks``: with compact slots, S, the most blocks the broadcast rows of a step may touch."""
 
     block_bytes: int  # one block of one layer, with its id (`KVPPPlan.active_broadcast_bytes` of one)
     max_active_blocks: int
     layer_bytes: int
+    slot_blocks: int | None = None
 
     def bytes(self, blocks: int) -> int:
         if blocks == 0:
@@ -212,8 +223,14 @@ def choose_rows(shape: AttentionShape, requests: tuple[RequestRows, ...], mode: 
         modes = tuple(OWNER if r.owner_capable and r.query_tokens and
                       owner_s(r) < broadcast.bytes(len(set(r.blocks))) / link.bytes_per_s else BROADCAST
                       for r in requests)
+    fitted = fit_rows(requests, modes, broadcast.slot_blocks)
+    if fitted != modes:
+        choice = _row_choice(shape, requests, fitted, broadcast, group_size)
+        return dataclasses.replace(choice, why=f"the broadcast rows touch more blocks than a scratch slot's "
+                                               f"{broadcast.slot_blocks}: the rows that do not fit go to the owner")
     choice = _row_choice(shape, requests, modes, broadcast, group_size)
-    if mode == "auto" and OWNER in modes:
+    if mode == "auto" and OWNER in modes and fit_rows(requests, (BROADCAST,) * len(requests),
+                                                      broadcast.slot_blocks) == (BROADCAST,) * len(requests):
         everything = _row_choice(shape, requests, (BROADCAST,) * len(requests), broadcast, group_size)
         owner_total = 2 * link.latency_s + sum(owner_s(r) for r, m in zip(requests, modes) if m == OWNER)
         if owner_total + broadcast_seconds(choice.broadcast_bytes, link) >= \
@@ -222,10 +239,33 @@ def choose_rows(shape: AttentionShape, requests: tuple[RequestRows, ...], mode: 
     return choice
 
 
+def fit_rows(requests: tuple[RequestRows, ...], modes: tuple[str, ...], slot_blocks: int | None) -> tuple[str, ...]:
+    """`modes` with owner-capable broadcast requests sent to the owner, the widest first, until the
+    broadcast requests' blocks fit in a slot of `slot_blocks` (None: no bound). What cannot move stays:
+    a set still too wide is refused where the slot is packed (`ScratchOverflowError`)."""
+    if slot_blocks is None:
+        return modes
+    modes = list(modes)
+
+    def touched() -> int:
+        return len(frozenset().union(*(r.footprint for r, m in zip(requests, modes) if m == BROADCAST)))
+
+    movable = sorted((k for k, r in enumerate(requests) if modes[k] == BROADCAST and r.owner_capable),
+                     key=lambda k: (-len(requests[k].footprint), k))
+    for k in movable:
+        if touched() <= slot_blocks:
+            break
+        modes[k] = OWNER
+    return tuple(modes)
+
+
 def _row_choice(shape: AttentionShape, requests: tuple[RequestRows, ...], modes: tuple[str, ...],
                 broadcast: BroadcastCost, group_size: int) -> RowChoice:
     owners = [r for r, m in zip(requests, modes) if m == OWNER]
     blocks = tuple(sorted({b for r, m in zip(requests, modes) if m == BROADCAST for b in r.blocks}))
+    written = tuple(sorted({b for r, m in zip(requests, modes) if m == BROADCAST for b in r.written}
+                           - set(blocks)))
     owner_tokens = sum(r.query_tokens for r in owners)
     return RowChoice(modes, owner_tokens, sum(r.attention_pairs for r in owners), blocks,
-                     broadcast.bytes(len(blocks)), shape.owner_bytes_per_layer(owner_tokens, group_size))
+                     broadcast.bytes(len(blocks)), shape.owner_bytes_per_layer(owner_tokens, group_size),
+                     broadcast_written=written)

@@ -11,9 +11,13 @@ Invariants (from the reference implementation unless marked):
   back.
 - Every buffer (each owned bundle, each local draft cache, each scratch slot) is 2 MiB aligned, and
   (ours) the padding is counted in the budget: ``bytes_for(num_blocks(a)) <= a`` always holds.
-- (ours) A rank of an enabled group also holds one staging buffer for active-block broadcasts:
-  ``staging_blocks(num_blocks) = ceil(staging_fraction * num_blocks)`` blocks of the largest target
-  bundle plus their block ids. It is counted in the budget like every other buffer.
+- (ours) A scratch slot holds ``scratch_blocks`` blocks of the largest target bundle (S, compact
+  scratch), or the whole pool where no bound is given, plus one 8-byte id per block in front of them.
+  A step's broadcast is packed into the front of the slot and attention reads it through remapped
+  block tables, so no other buffer holds cache bytes. S is a fixed cost: it does not grow with the pool.
+- (ours) ``scratch_blocks_for(max_model_len, token_budget, block_size)``: the blocks of the longest
+  request plus those of one full token budget; a step whose broadcast set does not fit sends the rows
+  that do not fit to their owners.
 """
 
 from __future__ import annotations
@@ -30,14 +34,30 @@ ALIGNMENT = 2 * 1024 * 1024
 DEFAULT_DEPTH = 2
 # With one slot, layer k+1's broadcast would overwrite the slot layer k's attention is still reading.
 MIN_DEPTH = 2
-# Staging for active-block broadcasts, as a fraction of the pool (see docs/design.md, "Active blocks").
-DEFAULT_STAGING_FRACTION = 0.25
-# Above this fraction of the pool a step sends whole layers: gather + broadcast + scatter of the listed
-# blocks stops being cheaper than one broadcast of the layer. benchmarks/active_blocks.py measured the
-# crossover between 0.2 and 0.3 on a 2-core CPU host with gloo (docs/design.md, "The crossover").
+# With whole-layer slots, above this fraction of the pool a step sends whole layers: the owner's gather
+# of the listed blocks stops paying for itself. benchmarks/active_blocks.py measured the crossover
+# between 0.2 and 0.3 on a 2-core CPU host with gloo (docs/design.md, "The crossover"). Compact slots
+# never send whole layers: a whole layer does not fit.
 DEFAULT_CROSSOVER_FRACTION = 0.25
-# Each staged block travels with its id (int64), so receivers can check they scatter the owner's set.
+# Each packed block travels with its id (int64), so receivers can check they hold the owner's set.
 BLOCK_ID_BYTES = 8
+# `KVPPPlan.num_blocks` of a rank whose buffers do not grow with the pool (it owns no layer and its
+# slots are compact): the group's pool is then bounded by the other ranks.
+UNBOUNDED_BLOCKS = 1 << 62
+
+
+def scratch_blocks_for(max_model_len: int, token_budget: int, block_size: int) -> int:
+    """S: the blocks one step's broadcast needs at most: the longest request's blocks, and the blocks a
+    full token budget of other requests' new tokens fills."""
+    for name, value in (("max_model_len", max_model_len), ("token_budget", token_budget),
+                        ("block_size", block_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    return -(-max_model_len // block_size) + -(-token_budget // block_size)
+
+
+class PoolTooSmallError(ValueError):
+    """The pool cannot hold the longest request next to another, or is narrower than a scratch slot."""
 
 
 def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
@@ -111,31 +131,26 @@ class BroadcastSchedule:
             getattr(runtime, step.kind)(step.layer, step.slot)
 
 
-def staging_blocks(num_blocks: int, fraction: float) -> int:
-    """Blocks the staging buffer holds for a pool of `num_blocks`: ``ceil(fraction * num_blocks)``."""
-    return min(num_blocks, math.ceil(fraction * num_blocks - 1e-9)) if fraction > 0 else 0
-
-
 @dataclass(frozen=True)
 class BufferPlan:
-    """One physical buffer of a rank: ``kind`` is "persistent", "draft", "scratch" or "staging".
+    """One physical buffer of a rank: ``kind`` is "persistent", "draft" or "scratch".
 
-    A staging buffer holds ``staging_blocks(num_blocks, fraction)`` blocks; the others ``num_blocks``.
+    It holds ``fixed_blocks`` blocks where given (a compact scratch slot), else one per pool block.
     """
 
     kind: str
     key: int  # the layer index for persistent/draft buffers, the slot for scratch buffers
     bytes_per_block: int
-    fraction: float = 1.0
+    fixed_blocks: int | None = None
 
     @property
     def name(self) -> str:
-        if self.kind in ("scratch", "staging"):
-            return f"{self.kind}[{self.key}]"
+        if self.kind == "scratch":
+            return f"scratch[{self.key}]"
         return f"{self.kind}[layer {self.key}]"
 
     def blocks(self, num_blocks: int) -> int:
-        return num_blocks if self.fraction == 1.0 else staging_blocks(num_blocks, self.fraction)
+        return num_blocks if self.fixed_blocks is None else self.fixed_blocks
 
     def nbytes(self, num_blocks: int) -> int:
         return align_up(self.blocks(num_blocks) * self.bytes_per_block)
@@ -153,6 +168,8 @@ class KVPPPlan:
     """Where each layer's cache lives within one KVPP group.
 
     ``layers`` restricts the plan to a pipeline stage's local layers (default: all of ``spec``).
+    ``scratch_blocks``: S, the blocks of each scratch slot (compact scratch; `scratch_blocks_for`);
+    None keeps whole-layer slots, one block per pool block.
     """
 
     spec: ModelCacheSpec
@@ -160,7 +177,8 @@ class KVPPPlan:
     depth: int = DEFAULT_DEPTH
     shard_draft_layers: bool = False
     layers: tuple[int, ...] | None = None
-    staging_fraction: float = DEFAULT_STAGING_FRACTION
+    scratch_blocks: int | None = None
+    request_blocks: int | None = None  # the longest request's blocks (from max_model_len), if bounded
     owners: Mapping[int, int] = field(init=False, compare=False, repr=False)
     target_layers: tuple[int, ...] = field(init=False, compare=False)
     local_draft_layers: tuple[int, ...] = field(init=False, compare=False)
@@ -170,10 +188,12 @@ class KVPPPlan:
             raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}.")
         if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < MIN_DEPTH:
             raise ValueError(f"scratch depth must be at least {MIN_DEPTH}, got {self.depth!r}.")
-        if (isinstance(self.staging_fraction, bool) or not isinstance(self.staging_fraction, (int, float))
-                or not 0.0 <= self.staging_fraction <= 1.0):
-            raise ValueError(f"staging_fraction must be a number in [0, 1], got {self.staging_fraction!r}.")
-        object.__setattr__(self, "staging_fraction", float(self.staging_fraction))
+        if self.scratch_blocks is not None and (isinstance(self.scratch_blocks, bool)
+                                                or not isinstance(self.scratch_blocks, int) or self.scratch_blocks < 1):
+            raise ValueError(f"scratch_blocks must be None or a positive int, got {self.scratch_blocks!r}.")
+        if self.request_blocks is not None and (isinstance(self.request_blocks, bool)
+                                                or not isinstance(self.request_blocks, int) or self.request_blocks < 1):
+            raise ValueError(f"request_blocks must be None or a positive int, got {self.request_blocks!r}.")
         local = self._local_layer_specs()
         targets = tuple(l.index for l in local if not l.is_draft or self.shard_draft_layers)
         drafts = tuple(l.index for l in local if l.is_draft and not self.shard_draft_layers)
@@ -181,6 +201,21 @@ class KVPPPlan:
         object.__setattr__(self, "target_layers", targets)
         object.__setattr__(self, "local_draft_layers", drafts)
         object.__setattr__(self, "owners", MappingProxyType(assign_owners(targets, self.group_size)))
+
+    @classmethod
+    def for_requests(cls, spec: ModelCacheSpec, group_size: int, *, max_model_len: int | None = None,
+                     token_budget: int | None = None, scratch_blocks: int | None = None,
+                     **options: Any) -> KVPPPlan:
+        """A plan whose slots hold what a step can read: S from `max_model_len` and `token_budget`
+        (`scratch_blocks_for`), or `scratch_blocks` if given; whole-layer slots when neither is."""
+        request_blocks = None
+        if max_model_len is not None:
+            if token_budget is None:
+                raise ValueError("max_model_len bounds the scratch slots only with the token budget.")
+            request_blocks = -(-max_model_len // spec.block_size)
+            if scratch_blocks is None:
+                scratch_blocks = scratch_blocks_for(max_model_len, token_budget, spec.block_size)
+        return cls(spec, group_size, scratch_blocks=scratch_blocks, request_blocks=request_blocks, **options)
 
     def _local_layer_specs(self) -> tuple[LayerCacheSpec, ...]:
         if self.layers is None:
@@ -252,21 +287,35 @@ class KVPPPlan:
         drafts = [BufferPlan("draft", i, self.bundle_bytes_per_block(i)) for i in self.local_draft_layers]
         scratch = []
         if self.needs_scratch(rank):
-            scratch = [BufferPlan("scratch", s, self.largest_target_bytes_per_block) for s in range(self.depth)]
-        staging = []
-        if self.enabled and self.staging_fraction > 0 and self.target_layers:
-            staging = [BufferPlan("staging", 0, self.largest_target_bytes_per_block + BLOCK_ID_BYTES,
-                                  self.staging_fraction)]
-        return tuple(owned + drafts + scratch + staging)
+            scratch = [BufferPlan("scratch", s, self.largest_target_bytes_per_block + BLOCK_ID_BYTES,
+                                  self.scratch_blocks) for s in range(self.depth)]
+        return tuple(owned + drafts + scratch)
 
-    def staging_blocks(self, num_blocks: int) -> int:
-        """Most blocks one active-block broadcast can carry; a larger set goes whole-layer."""
-        if not self.enabled:
-            return 0
-        return staging_blocks(num_blocks, self.staging_fraction)
+    @property
+    def compact(self) -> bool:
+        """Whether scratch slots hold S blocks rather than the whole pool."""
+        return self.scratch_blocks is not None
 
-    def without_staging(self) -> KVPPPlan:
-        return self.with_(staging_fraction=0.0)
+    def slot_blocks(self, num_blocks: int) -> int:
+        """Blocks one scratch slot holds for a pool of `num_blocks`: most blocks one broadcast carries."""
+        return num_blocks if self.scratch_blocks is None else self.scratch_blocks
+
+    def whole_layer(self) -> KVPPPlan:
+        """The same plan with whole-layer slots."""
+        return self.with_(scratch_blocks=None)
+
+    def check_pool(self, num_blocks: int) -> None:
+        """A pool that holds the longest request and room for another, and no slot wider than the pool;
+        raises `PoolTooSmallError` naming the bound otherwise."""
+        if self.request_blocks is not None and num_blocks <= self.request_blocks:
+            raise PoolTooSmallError(
+                f"the pool of {num_blocks:,} blocks of {self.spec.block_size} tokens holds no other request next "
+                f"to one of max_model_len ({self.request_blocks:,} blocks); lower max_model_len below "
+                f"{(num_blocks - 1) * self.spec.block_size:,} tokens or give more KV memory.")
+        if self.scratch_blocks is not None and self.scratch_blocks > num_blocks:
+            raise PoolTooSmallError(
+                f"scratch slots of {self.scratch_blocks:,} blocks are wider than the pool of {num_blocks:,} blocks; "
+                "lower max_model_len or the token budget, or give no bound (whole-layer slots).")
 
     def replicated_buffers(self) -> tuple[BufferPlan, ...]:
         """The buffers of the same stage without KVPP: every layer persistent on every rank."""
@@ -279,11 +328,12 @@ class KVPPPlan:
         return sum(b.bytes_per_block for b in self.buffers(rank) if b.kind in ("persistent", "draft"))
 
     def scratch_bytes_per_block(self, rank: int) -> int:
-        return sum(b.bytes_per_block for b in self.buffers(rank) if b.kind == "scratch")
+        """Scratch bytes per pool block: 0 with compact slots, whose bytes do not grow with the pool."""
+        return sum(b.bytes_per_block for b in self.buffers(rank) if b.kind == "scratch" and b.fixed_blocks is None)
 
-    def staging_bytes_per_block(self, rank: int) -> float:
-        """Staging bytes per pool block (a fraction of a block of the largest bundle, ids included)."""
-        return sum(b.bytes_per_block * b.fraction for b in self.buffers(rank) if b.kind == "staging")
+    def fixed_bytes(self, rank: int) -> int:
+        """Bytes `rank` allocates whatever the pool: its compact scratch slots, padding included."""
+        return sum(b.nbytes(0) for b in self.buffers(rank) if b.fixed_blocks is not None)
 
     def bytes_for(self, num_blocks: int, rank: int) -> int:
         """Allocated bytes for `num_blocks` blocks on `rank`, 2 MiB padding included."""
@@ -303,15 +353,23 @@ class KVPPPlan:
         replicated = self.replicated_num_blocks(available_bytes)
         return self.num_blocks(available_bytes) / replicated if replicated else math.inf
 
-    def formula_capacity_ratio(self) -> float:
-        """The unaligned ratio: replicated bytes per block over the worst rank's bytes per block.
+    def formula_capacity_ratio(self, available_bytes: int | None = None) -> float:
+        """The unaligned ratio: replicated blocks over the worst rank's blocks, block ids left out.
 
-        For uniform layers and no drafts this is ``L / (ceil(L/N) + depth)``.
+        Whole-layer slots: ``L / (ceil(L/N) + depth)``. Compact slots of S blocks, with ``M`` bytes per
+        rank and ``b`` bytes per block of one layer (uniform layers, no drafts):
+        ``L / ceil(L/N) * (1 - depth * S * b / M)``, which needs `available_bytes`.
         """
         replicated = sum(b.bytes_per_block for b in self.replicated_buffers())
         worst = max(self.persistent_bytes_per_block(r) + self.scratch_bytes_per_block(r)
-                    + self.staging_bytes_per_block(r) for r in range(self.group_size))
-        return replicated / worst
+                    - self.depth * BLOCK_ID_BYTES * (self.scratch_bytes_per_block(r) > 0)
+                    for r in range(self.group_size))
+        if not self.compact or not self.enabled:
+            return replicated / worst
+        if available_bytes is None:
+            raise ValueError("a compact-scratch plan's formula ratio needs the memory per rank.")
+        slots = self.depth * self.scratch_blocks * self.largest_target_bytes_per_block
+        return replicated / worst * max(0.0, 1.0 - slots / available_bytes)
 
     def broadcast_bytes_per_forward(self, num_blocks: int) -> int:
         """Bytes each forward with history broadcasts: every target bundle once, whole."""
@@ -321,9 +379,9 @@ class KVPPPlan:
 
     def uses_active_blocks(self, active_blocks: int, num_blocks: int,
                            crossover: float = DEFAULT_CROSSOVER_FRACTION) -> bool:
-        """Whether a step reading `active_blocks` of `num_blocks` sends those blocks, not whole layers."""
-        return (self.enabled and self.staging_fraction > 0 and active_blocks <= self.staging_blocks(num_blocks)
-                and active_blocks <= crossover * num_blocks)
+        """Whether a step reading `active_blocks` of `num_blocks` sends those blocks packed, not whole
+        layers: always with compact slots, up to the crossover with whole-layer ones."""
+        return self.enabled and (self.compact or active_blocks <= crossover * num_blocks)
 
     def active_broadcast_bytes(self, layer: int, active_blocks: int) -> int:
         """Bytes of one layer's active-block broadcast: the listed blocks of every component, and their ids."""
@@ -342,7 +400,7 @@ class KVPPPlan:
     def with_(self, **changes) -> KVPPPlan:
         fields = dict(spec=self.spec, group_size=self.group_size, depth=self.depth,
                       shard_draft_layers=self.shard_draft_layers, layers=self.layers,
-                      staging_fraction=self.staging_fraction)
+                      scratch_blocks=self.scratch_blocks, request_blocks=self.request_blocks)
         fields.update(changes)
         return KVPPPlan(**fields)
 
@@ -358,10 +416,13 @@ def _cost(buffers: Iterable[BufferPlan], num_blocks: int) -> int:
 def _max_blocks(buffers: tuple[BufferPlan, ...], available_bytes: int) -> int:
     if available_bytes < 0:
         raise ValueError(f"available bytes must be non-negative, got {available_bytes}.")
-    per_block = sum(b.bytes_per_block * b.fraction for b in buffers)
-    if per_block == 0:
+    per_block = sum(b.bytes_per_block for b in buffers if b.fixed_blocks is None)
+    fixed = _cost((b for b in buffers if b.fixed_blocks is not None), 0)
+    if fixed > available_bytes or not buffers:
         return 0
-    lo, hi = 0, int(available_bytes // per_block)  # padding and rounding only ever lower this bound
+    if per_block == 0:  # only compact slots (a rank that owns no layer): any pool fits
+        return UNBOUNDED_BLOCKS
+    lo, hi = 0, int((available_bytes - fixed) // per_block)  # padding only ever lowers this bound
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if _cost(buffers, mid) <= available_bytes:

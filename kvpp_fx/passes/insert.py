@@ -15,6 +15,12 @@ function, ``fullgraph=True``):
 - every cache operand of Lk's registered ops reads the matching ``getitem`` of that wait (the
   rebinding), and the graph's original cache values are read only by the waits: any other reader (an
   unregistered op, a view, a Python-level use) is refused before anything is changed;
+- every registered op of Lk that reads a cache declares its table operands or that it remaps its
+  block ids itself (`UnremappedTablesError` otherwise, before anything is changed);
+- every table operand (block table, slot mapping) the specs of Lk's ops declare is passed to the wait
+  too (``tables=``, ``table_kinds=``), and the op reads the wait's ``getitem`` after the caches' instead:
+  the runtime hands back the table a rank must read, remapped where it reads a packed slot. Other
+  readers of a table (the model's own arithmetic, a draft layer) keep the original;
 - draft layers get no nodes. Running the pass again changes nothing;
 - a graph without registered ops is left alone only when graph breaks may have split the model and
   nothing in it names a target layer (no KVPP handle read, no layer name): it cannot read a cache.
@@ -80,6 +86,10 @@ class CacheOperandError(KVPPPassError):
 
 class StrayCacheReadError(KVPPPassError):
     """A layer's cache is read by a node that is not a registered cache operand (it would read the handle)."""
+
+
+class UnremappedTablesError(KVPPPassError):
+    """A target layer's cache op declares no table operands and does not remap its block ids itself."""
 
 
 class NoGraphLayersError(KVPPPassError):
@@ -237,6 +247,7 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, config: PassConfig, *, graph_break
         _stamp_cache_ops(resolved)
         return InsertResult(changed=False, layers=())
     check_layer_run([group.layer for group in layers], table, graph_breaks)
+    _refuse_undeclared_tables(layers)
     _stamp_cache_ops(resolved)
 
     schedule = table.schedule()
@@ -255,13 +266,17 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, config: PassConfig, *, graph_break
         with where:
             prefetches.append(_prefetch(graph, schedule.first(), first.name))
 
+    tables = {group.layer: _table_operands(group, order) for group in layers}
     for group in layers:
-        reads = operands[group.layer]
+        reads, layer_tables = operands[group.layer], tables[group.layer]
         wait_step, *then = schedule.at_layer(group.layer)
         with graph.inserting_before(group.nodes[0]):
+            kwargs = _table_kwargs(layer_tables)
             wait = graph.create_node("call_function", WAIT, (group.layer, wait_step.slot, [node for node, _ in reads],
-                                     [component for _, component in reads]), name=f"kvpp_wait_L{group.layer}")
-            wait.meta["val"] = [_contiguous_like(node_value(node), contiguous) for node, _ in reads]
+                                     [component for _, component in reads]), kwargs,
+                                     name=f"kvpp_wait_L{group.layer}")
+            wait.meta["val"] = [_contiguous_like(node_value(node), contiguous)
+                                for node, _ in (*reads, *layer_tables)]
             stamp(wait, NodeStamp("wait", group.layer, group.name, wait_step.slot))
             views = {}
             for i, (node, component) in enumerate(reads):
@@ -270,12 +285,12 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, config: PassConfig, *, graph_break
                 view.meta["val"] = wait.meta["val"][i]
                 stamp(view, NodeStamp("view", group.layer, group.name, wait_step.slot, component))
                 views[component] = view
+            rebound = _table_views(graph, wait, reads, layer_tables, f"L{group.layer}",
+                                   NodeStamp("table", group.layer, group.name, wait_step.slot))
             for step in then:
                 prefetches.append(_prefetch(graph, step, names.get(step.layer, f"layers.{step.layer}")))
         waits.append(wait)
-        for node, spec in zip(group.nodes, group.specs):
-            for operand in spec.cache_operands:
-                set_arg(node, operand.arg, views[operand.component])
+        _rebind(group, views, rebound)
 
     logger.debug("kvpp insert pass: %d layers rewritten", len(layers))
     return InsertResult(True, tuple(g.layer for g in layers), tuple(waits), tuple(prefetches))
@@ -296,12 +311,15 @@ def _insert_run_time_layer(graph: torch.fx.Graph, nodes: list[torch.fx.Node], re
     group = LayerNodes(RUN_TIME_LAYER, ops[0].name, tuple(op.node for op in ops), tuple(op.spec for op in ops))
     reads = _cache_operands(group, {node: i for i, node in enumerate(nodes)})
     _refuse_stray_readers(graph, [group], {RUN_TIME_LAYER: reads})
+    _refuse_undeclared_tables([group])
     _stamp_cache_ops(resolved)
     source = ops[0].source
+    layer_tables = _table_operands(group, {node: i for i, node in enumerate(nodes)})
     with graph.inserting_before(group.nodes[0]):
         enter = graph.create_node("call_function", ENTER_LAYER, (source, [node for node, _ in reads],
-                                  [component for _, component in reads]), name="kvpp_enter_layer")
-        enter.meta["val"] = [_contiguous_like(node_value(node), {}) for node, _ in reads]
+                                  [component for _, component in reads]), _table_kwargs(layer_tables),
+                                  name="kvpp_enter_layer")
+        enter.meta["val"] = [_contiguous_like(node_value(node), {}) for node, _ in (*reads, *layer_tables)]
         stamp(enter, NodeStamp("enter", RUN_TIME_LAYER, group.name))
         views = {}
         for i, (node, component) in enumerate(reads):
@@ -309,11 +327,73 @@ def _insert_run_time_layer(graph: torch.fx.Graph, nodes: list[torch.fx.Node], re
             view.meta["val"] = enter.meta["val"][i]
             stamp(view, NodeStamp("view", RUN_TIME_LAYER, group.name, component=component))
             views[component] = view
+        rebound = _table_views(graph, enter, reads, layer_tables, "layer",
+                               NodeStamp("table", RUN_TIME_LAYER, group.name))
+    _rebind(group, views, rebound)
+    logger.debug("kvpp insert pass: one run-time layer (%s) rewritten", source.name)
+    return InsertResult(True, (), (enter,), run_time_layer=True)
+
+
+def _refuse_undeclared_tables(layers: list[LayerNodes]) -> None:
+    """Every registered op that reads a target layer's cache says where its block ids come from."""
+    for group in layers:
+        for node, spec in zip(group.nodes, group.specs):
+            if spec.cache_operands and not spec.tables and not spec.remaps_itself:
+                raise UnremappedTablesError(
+                    f"{node.format_node()} reads layer {group.layer}'s cache, but its AttentionOpSpec ({spec.op}) "
+                    "declares no block-table or slot-mapping operand (tables=(TableOperand(arg, 'block_table'), "
+                    "...)): on a rank that reads the layer from a packed scratch slot it would index the slot "
+                    "with the pool's block ids. Declare its tables, or remaps_itself=True where the integration "
+                    "remaps them.")
+
+
+def _table_kwargs(tables: list[tuple[torch.fx.Node, str]]) -> dict:
+    if not tables:
+        return {}
+    return {"tables": [node for node, _ in tables], "table_kinds": [kind for _, kind in tables]}
+
+
+def _table_views(graph: torch.fx.Graph, wait: torch.fx.Node, reads: list, tables: list[tuple[torch.fx.Node, str]],
+                 suffix: str, table_stamp: NodeStamp) -> dict[torch.fx.Node, torch.fx.Node]:
+    """One ``getitem`` per table operand, after the caches' (the wait's outputs are caches, then tables)."""
+    rebound = {}
+    for i, (node, kind) in enumerate(tables):
+        view = graph.create_node("call_function", operator.getitem, (wait, len(reads) + i),
+                                 name=f"{node.name.rstrip('_')}_{suffix}")
+        view.meta["val"] = wait.meta["val"][len(reads) + i]
+        stamp(view, NodeStamp(table_stamp.role, table_stamp.layer, table_stamp.name, table_stamp.slot, kind))
+        rebound[node] = view
+    return rebound
+
+
+def _rebind(group: LayerNodes, views: dict[str, torch.fx.Node], tables: dict[torch.fx.Node, torch.fx.Node]) -> None:
     for node, spec in zip(group.nodes, group.specs):
         for operand in spec.cache_operands:
             set_arg(node, operand.arg, views[operand.component])
-    logger.debug("kvpp insert pass: one run-time layer (%s) rewritten", source.name)
-    return InsertResult(True, (), (enter,), run_time_layer=True)
+        for operand in spec.tables:
+            value = get_arg(node, operand.arg)
+            if isinstance(value, torch.fx.Node):
+                set_arg(node, operand.arg, tables[value])
+
+
+def _table_operands(group: LayerNodes, order: dict[torch.fx.Node, int]) -> list[tuple[torch.fx.Node, str]]:
+    """The distinct (table value, kind) pairs the layer's ops declare, in order of first use. A table
+    given as a constant (no graph value) names no block of a cache the runtime places: left alone."""
+    first = order[group.nodes[0]]
+    seen: dict[torch.fx.Node, str] = {}
+    for node, spec in zip(group.nodes, group.specs):
+        for operand in spec.tables:
+            value = get_arg(node, operand.arg)
+            if not isinstance(value, torch.fx.Node):
+                continue
+            if seen.setdefault(value, operand.kind) != operand.kind:
+                raise CacheOperandError(
+                    f"layer {group.layer} reads {value.name} both as a {seen[value]} and as a {operand.kind}.")
+            if order.get(value, -1) > first:
+                raise CacheOperandError(
+                    f"layer {group.layer}'s {operand.kind} ({value.name}) is defined after the layer's first "
+                    "cache-touching node; the wait cannot take it.")
+    return list(seen.items())
 
 
 def _stamp_cache_ops(resolved: list[ResolvedOp]) -> None:
@@ -327,7 +407,8 @@ def _contiguous_like(value, made: dict):
     if not isinstance(value, torch.Tensor):
         return value
     fake_mode = getattr(value, "fake_mode", None)
-    key = (tuple(value.shape), value.dtype, value.device, id(fake_mode))
+    symbolic = any(isinstance(size, torch.SymInt) for size in value.shape)  # a table's token count
+    key = (tuple(value.shape), value.dtype, value.device, id(fake_mode)) if not symbolic else object()
     if key not in made:
         if fake_mode is not None:
             with fake_mode:

@@ -33,6 +33,24 @@ class CacheOperand:
     component: str = "kv"
 
 
+TABLE_KINDS = ("block_table", "slot_mapping")
+
+
+@dataclass(frozen=True)
+class TableOperand:
+    """An argument that names blocks of the layer's cache: a block table (``[requests, blocks]`` of block
+    ids, negative for none) or a slot mapping (one flat slot ``block * block_size + offset`` per new
+    token, -1 for none). ``kvpp.wait`` rebinds it with the cache operands: a rank that reads the layer
+    from a packed scratch slot reads it remapped to that slot."""
+
+    arg: int | str | tuple[str, int]
+    kind: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in TABLE_KINDS:
+            raise ValueError(f"a table operand's kind is one of {TABLE_KINDS}, got {self.kind!r}.")
+
+
 @dataclass(frozen=True)
 class HeadOperand:
     """An operand that carries attention heads, split over the TP ranks along dimension ``dim``, and the
@@ -117,6 +135,11 @@ class AttentionOpSpec:
     a layer name (a string constant, or a placeholder whose example value carries the name, as vLLM's
     ``LayerName``), mapped to an index by the pass's name table or, failing that, by ``layers.N``.
     ``owner`` declares how the op runs in owner mode (`HeadSeparable`, `OwnerLocal` or `RoutesItself`).
+    ``tables``: the op's block-table and slot-mapping operands (`TableOperand`), which the wait rebinds
+    with the caches. ``remaps_itself``: the op reads its block ids from state the integration remaps
+    for packed scratch slots itself (vLLM's per-layer metadata). An op with cache operands needs one of
+    the two: on a rank that reads a packed slot, block ids of the pool would index the wrong blocks
+    (`insert.UnremappedTablesError`).
     """
 
     op: str
@@ -124,6 +147,8 @@ class AttentionOpSpec:
     layer_kind: str = "index"
     cache_operands: tuple[CacheOperand, ...] = ()
     owner: OwnerRule | None = None  # how owner mode runs it; None: the op's layer supports broadcast mode only
+    tables: tuple[TableOperand, ...] = ()
+    remaps_itself: bool = False
 
     def __post_init__(self) -> None:
         if "::" not in self.op:
@@ -270,11 +295,12 @@ def run_time_layer_input(node: torch.fx.Node, spec: AttentionOpSpec) -> torch.fx
 VLLM_SPECS = (
     # The worker's MLA hook exchanges the decode rows of owner-mode forwards and skips the non-owners'
     # writes (`kvpp_fx.integrations.vllm.owner_rows`); the SFA indexer declares nothing, so SFA graphs
-    # stay broadcast-only.
+    # stay broadcast-only. Their block ids come from the per-layer metadata the worker remaps for packed
+    # slots (`kvpp_fx.integrations.vllm.packed_metadata`).
     AttentionOpSpec("vllm::unified_mla_kv_cache_update", ("layer_name", 2), "name", owner=RoutesItself()),
     AttentionOpSpec("vllm::unified_mla_attention_with_output", ("layer_name", 4), "name", owner=RoutesItself()),
     AttentionOpSpec("vllm::sparse_attn_indexer", ("k_cache_prefix", 1), "name",
-                    (CacheOperand(("kv_cache", 2), "indexer"),)),
+                    (CacheOperand(("kv_cache", 2), "indexer"),), remaps_itself=True),
 )
 
 # What `kvpp_backend(plan)` recognises when it is given no specs: vLLM's ops, and what

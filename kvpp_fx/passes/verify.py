@@ -21,6 +21,9 @@ its name in `CHECKS`; a failure lists every problem with the check that found it
 - ``components``: each wait's component names belong to its layer's bundle;
 - ``binding``: every registered op of an awaited layer comes after that layer's wait, and each of its
   cache operands is the wait's output for that component;
+- ``tables``: each declared table operand (block table, slot mapping) of a registered op of an
+  awaited layer is the wait's output for that table (given to the wait as ``tables=``, of the declared
+  kind); run-time-layer graphs, the enter's;
 - ``originals``: the original cache values (the waits' inputs, and graph inputs that are KVPP
   handles) are read only by waits, and each by the wait of one layer only;
 - ``routing``: owner mode is all or nothing: either no wait is routed and no registered op is a
@@ -295,6 +298,34 @@ def check_binding(g: GraphFacts) -> Iterator[str]:
                        f"{getattr(value, 'name', value)}, not from {wait.name}'s {operand.component!r} output.")
 
 
+def check_tables(g: GraphFacts) -> Iterator[str]:
+    ops = [(op, g.wait_of.get(op.layer)) for op in g.registered]
+    if g.enters:
+        ops += [(op, g.enters[0]) for op, _ in g.run_time_ops]
+    for op, source in ops:
+        if source is None or g.position[source] > g.position[op.node]:  # reported by binding
+            continue
+        caches = source.args[2] if _kvpp_kind(source) == "wait" else source.args[1]
+        tables, kinds = _tables_of(source)
+        for operand in op.spec.tables:
+            read = get_arg(op.node, operand.arg)
+            if not isinstance(read, torch.fx.Node):
+                continue
+            index = (read.args[1] - len(caches) if read.op == "call_function" and read.target is operator.getitem
+                     and read.args[0] is source and isinstance(read.args[1], int) else -1)
+            if not 0 <= index < len(tables) or kinds[index] != operand.kind:
+                yield (f"{op.node.name} reads its {operand.kind} from {read.name}, not from {source.name}'s "
+                       f"{operand.kind} output: a rank reading a packed scratch slot would read it unremapped.")
+
+
+def _tables_of(node: torch.fx.Node) -> tuple[list, list]:
+    """A wait's or enter's ``tables`` and ``table_kinds`` (keywords, or the trailing positionals)."""
+    first = 5 if _kvpp_kind(node) == "wait" else 3
+    tables = node.kwargs.get("tables", node.args[first] if len(node.args) > first else None) or []
+    kinds = node.kwargs.get("table_kinds", node.args[first + 1] if len(node.args) > first + 1 else None) or []
+    return list(tables), list(kinds)
+
+
 def check_originals(g: GraphFacts) -> Iterator[str]:
     originals = {c for wait in g.waits for c in wait.args[2] if isinstance(c, torch.fx.Node)}
     originals |= {c for enter in g.enters for c in enter.args[1] if isinstance(c, torch.fx.Node)}
@@ -426,6 +457,7 @@ CHECKS: tuple[tuple[str, Callable[[GraphFacts], Iterator[str]]], ...] = (
     ("slot_reuse", check_slot_reuse),
     ("components", check_components),
     ("binding", check_binding),
+    ("tables", check_tables),
     ("originals", check_originals),
     ("routing", check_routing),
     ("pieces", check_pieces),

@@ -28,7 +28,7 @@ import torch
 from kvpp_fx.backend import kvpp_backend
 from kvpp_fx.cache.cost import MODES as KVPP_MODES
 from kvpp_fx.cache.cost import LinkModel, RequestRows, StepLoad
-from kvpp_fx.cache.placement import KVPPPlan
+from kvpp_fx.cache.placement import KVPPPlan, PoolTooSmallError
 from kvpp_fx.reference.config import RefConfig
 from kvpp_fx.reference.model import ReferenceModel
 from kvpp_fx.reference.ops import REFERENCE_SPECS
@@ -44,6 +44,10 @@ class OutOfBlocksError(RuntimeError):
     """The block pool cannot hold the scheduled tokens."""
 
 
+class RequestTooLongError(ValueError):
+    """A request needs more blocks than one compact scratch slot holds; refused when it is added."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
@@ -57,6 +61,9 @@ class EngineConfig:
     kvpp_mode: str = "broadcast"   # "broadcast", "owner" or "auto" (chosen by the cost model)
     per_request_paths: bool = True  # owner/auto: each request's rows take their own path (hybrid steps);
     #                                 False: one path for the whole step
+    compact_scratch: bool = True   # scratch slots of S blocks from max_model_len and token_budget (else
+    #                                whole layers); a step whose rows do not fit sends some to their owners
+    scratch_blocks: int | None = None  # S, overriding what max_model_len and token_budget give
     kvpp_link: LinkModel | None = None  # the cost model's link and owner throughput (default: gloo on one host)
     # "module:callable" building the runtime's DeviceAPI from the cache's device (the tests' fault seam;
     # a string, so that it reaches spawned ranks); None: the default DeviceAPI
@@ -69,6 +76,10 @@ class EngineConfig:
             raise ValueError(f"kvpp_mode must be one of {KVPP_MODES}, got {self.kvpp_mode!r}.")
         if self.block_size < 1 or self.token_budget < 1 or self.max_model_len < self.block_size:
             raise ValueError("block_size and token_budget must be positive and max_model_len >= block_size.")
+        if self.compact_scratch and not self.active_blocks:
+            raise ValueError("compact_scratch needs active_blocks: a compact slot holds only the listed blocks.")
+        if self.scratch_blocks is not None and not self.compact_scratch:
+            raise ValueError("scratch_blocks sizes compact slots: it needs compact_scratch=True.")
 
     @property
     def max_blocks_per_request(self) -> int:
@@ -225,6 +236,13 @@ class Engine:
                              f"{self.config.max_model_len}.")
         if any(not 0 <= t < self.cfg.vocab_size for t in prompt):
             raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size}).")
+        needed = -(-(len(prompt) + max_new_tokens + 1) // self.config.block_size)
+        slot = self.runtime.storage.slot_blocks
+        if self.plan.enabled and self.plan.compact and needed > slot:
+            raise RequestTooLongError(
+                f"prompt ({len(prompt)}) + {max_new_tokens} new tokens need {needed} blocks of "
+                f"{self.config.block_size} tokens; a scratch slot holds {slot} (scratch_blocks), so at most "
+                f"{slot * self.config.block_size - 1} tokens per request.")
         request = Request(len(self.requests), list(prompt), max_new_tokens)
         self.requests.append(request)
         return request
@@ -311,15 +329,25 @@ class Engine:
         return sum(min(position + 1, topk) if topk is not None else position + 1
                    for position in range(item.start, item.start + item.count))
 
-    def request_rows(self, batch: list[_Scheduled]) -> tuple[RequestRows, ...]:
-        """Each scheduled request's rows and the blocks with history it reads, in batch order (the order
-        of the rows of the step's block table): the runtime gives each its path."""
+    def written_blocks(self, batch: list[_Scheduled]) -> list[int]:
+        """The blocks this step writes that hold no token computed before it."""
+        return sorted({b for item in batch for b in self._written(item)})
+
+    def _written(self, item: _Scheduled) -> list[int]:
         block_size = self.config.block_size
-        return tuple(RequestRows(item.count, self._pairs(item), tuple(item.request.blocks[: -(-item.start // block_size)]))
+        return item.request.blocks[-(-item.start // block_size): -(-(item.start + item.count) // block_size)]
+
+    def request_rows(self, batch: list[_Scheduled]) -> tuple[RequestRows, ...]:
+        """Each scheduled request's rows, the blocks with history it reads and the blocks it fills, in
+        batch order (the order of the rows of the step's block table): the runtime gives each its path."""
+        block_size = self.config.block_size
+        return tuple(RequestRows(item.count, self._pairs(item), tuple(item.request.blocks[: -(-item.start // block_size)]),
+                                 written=tuple(self._written(item)))
                      for item in batch)
 
     def _run_target(self, inputs: dict[str, torch.Tensor], has_history: bool, blocks: list[int] | None = None,
-                    load: StepLoad | None = None, requests: tuple[RequestRows, ...] | None = None):
+                    load: StepLoad | None = None, requests: tuple[RequestRows, ...] | None = None,
+                    written: list[int] | None = None):
         hidden_in = None
         if self.link is not None and self.link.prev_rank is not None:
             hidden_in = torch.empty(inputs["input_ids"].numel(), self.cfg.hidden_size)
@@ -334,7 +362,8 @@ class Engine:
                 if requests is not None:  # each request's rows take their own path
                     forward = self.runtime.forward(has_history, mode=self.kvpp_mode, requests=requests)
                 else:
-                    forward = self.runtime.forward(has_history, blocks=blocks, mode=self.kvpp_mode, load=load)
+                    forward = self.runtime.forward(has_history, blocks=blocks, written=written, mode=self.kvpp_mode,
+                                                   load=load)
                 with forward:
                     logits, hidden = self.forward_fn(*args)
             finally:  # a step that raised may still have compiled
@@ -368,12 +397,15 @@ class Engine:
         decode_only = all(item.start >= len(item.request.prompt) for item in batch)
         inputs = self._inputs(batch)
         blocks = self.active_blocks(batch) if self.config.active_blocks else None
-        # owner and auto: per request (hybrid steps); broadcast, or whole layers: one path for the step
-        requests = (self.request_rows(batch) if self.kvpp_mode != "broadcast" and blocks is not None
+        written = self.written_blocks(batch) if blocks is not None else None
+        # owner and auto: per request (hybrid steps); compact slots too, so that rows that do not fit in
+        # a slot go to their owners; broadcast, or whole layers: one path for the step
+        per_request = self.kvpp_mode != "broadcast" or (self.plan.enabled and self.plan.compact)
+        requests = (self.request_rows(batch) if per_request and blocks is not None
                     and self.config.per_request_paths else None)
         start = time.perf_counter()
         with torch.no_grad():
-            logits, hidden = self._run_target(inputs, has_history, blocks, self.load(batch), requests)
+            logits, hidden = self._run_target(inputs, has_history, blocks, self.load(batch), requests, written)
         elapsed = time.perf_counter() - start
         self.last_logits = logits
         sampled = self._sample(logits, int(inputs["logits_indices"].numel()))
@@ -493,7 +525,21 @@ def build_engine(config: RefConfig, *, engine_config: EngineConfig, num_blocks: 
     model = build_model(config, tp, checkpoint, pp=pp)
     spec = config.cache_spec(engine_config.block_size)
     stage_layers = model.layer_ids + (config.draft_layers if engine_config.speculative else ())
-    plan = KVPPPlan(spec, group_size=tp.size if kvpp else 1, layers=stage_layers)
+    group_size = tp.size if kvpp else 1
+    plan = KVPPPlan(spec, group_size=group_size, layers=stage_layers)
+    if engine_config.compact_scratch and group_size > 1:
+        compact = KVPPPlan.for_requests(spec, group_size, max_model_len=engine_config.max_model_len,
+                                        token_budget=engine_config.token_budget,
+                                        scratch_blocks=engine_config.scratch_blocks, layers=stage_layers)
+        pool = num_blocks if num_blocks is not None else compact.num_blocks(kv_memory)
+        try:
+            compact.check_pool(pool)
+            plan = compact
+        except PoolTooSmallError:
+            # A pool that holds no two max-length requests gains nothing from compact slots; an explicit
+            # scratch_blocks must fit, though.
+            if engine_config.scratch_blocks is not None:
+                raise
     if kvpp and plan.enabled and kvpp_group is None:
         raise ValueError("KVPP with a group larger than one needs its process group.")
     group = kvpp_group if plan.enabled else None

@@ -27,6 +27,7 @@ from kvpp_fx.passes.registry import (
     HeadSeparable,
     OwnerLocal,
     RowOperands,
+    TableOperand,
 )
 
 
@@ -183,19 +184,22 @@ def _(q, weights, data, scale, block_table, seq_lens, query_lens, topk, layer):
 # does the output), and its call cuts by request for hybrid forwards; the writes and the indexer's top-k
 # run on the owner only in owner mode, and on every rank in hybrid forwards (the indexer's heads are
 # replicated over TP, as in DeepSeek-V3.2, so the owner's own queries are all of them).
+BLOCK_TABLE = TableOperand(("block_table", 3), "block_table")
+SLOT_MAPPING = TableOperand(("slot_mapping", 3), "slot_mapping")
 REFERENCE_SPECS = (
     AttentionOpSpec("kvpp_ref::write_kv", ("layer", 4), "index", (CacheOperand(("cache", 0), "kv"),),
-                    owner=OwnerLocal()),
+                    owner=OwnerLocal(), tables=(SLOT_MAPPING,)),
     AttentionOpSpec("kvpp_ref::mla_attention", ("layer", 7), "index", (CacheOperand(("cache", 2), "kv"),),
                     owner=HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 1)),
                                         output_dim=1,
                                         rows=RowOperands((("q_latent", 0), ("q_pe", 1), ("topk_indices", 8)),
                                                          (("block_table", 3), ("seq_lens", 4), ("query_lens", 5)),
-                                                         ("query_lens", 5)))),
+                                                         ("query_lens", 5))),
+                    tables=(BLOCK_TABLE,)),
     AttentionOpSpec("kvpp_ref::write_indexer", ("layer", 4), "index",
                     (CacheOperand(("data", 0), "indexer"), CacheOperand(("scale", 1), "indexer_scale")),
-                    owner=OwnerLocal()),
+                    owner=OwnerLocal(), tables=(SLOT_MAPPING,)),
     AttentionOpSpec("kvpp_ref::indexer_topk", ("layer", 8), "index",
                     (CacheOperand(("data", 2), "indexer"), CacheOperand(("scale", 3), "indexer_scale")),
-                    owner=OwnerLocal()),
+                    owner=OwnerLocal(), tables=(TableOperand(("block_table", 4), "block_table"),)),
 )

@@ -1,108 +1,143 @@
-"""Active blocks: one forward's set of block ids with history, and what each layer's broadcast does with it.
+"""Packed blocks: one forward's list of the blocks its broadcast rows touch, packed into the front of each
+scratch slot, and the remapped tables attention reads them through.
 
-``runtime.forward(has_history, blocks=ids)`` names the blocks the step reads that hold tokens computed
-before it. Per forward, once (`ActiveBlocks.prepare`): the ids are validated (`InvalidBlocksError`),
-sorted, digested for the agreement and put on the device as one int64 index, and a staging view is cut
-for each bundle shape; no layer allocates memory. Per layer, on the transfer stream: the owner packs
-the ids, then the listed blocks of every component, component-major, into staging (`pack`); one
-broadcast carries them; every receiver compares the ids that arrived with its own and scatters each
-component into the layer's slot at the same ids (`unpack`). The comparison catches a broadcast that
-paired with another forward's: on CPU after each layer (`layer_arrived`), on a device once, when the
-forward ends (`all_arrived`), as `DeviceAPI.immediate_checks` says.
+``runtime.forward(has_history, blocks=ids, written=ids)`` names the blocks the step reads that hold
+tokens computed before it (``blocks``, which travel) and the blocks it writes that hold none
+(``written``, which only take a position). Per forward, once (`PackedBlocks.prepare`): the ids are
+validated (`InvalidBlocksError`), sorted, checked against the slot's S blocks (`ScratchOverflowError`),
+digested for the agreement, and turned into one device lookup ``positions[block id]``: the history
+blocks take positions ``0..n-1``, the written ones ``n..m-1``, every other id the out-of-range value S.
+Per layer, on the transfer stream: the owner gathers the history blocks of every component out of its
+persistent cache into the front of its own slot for the layer, the ids at the end of the slot's ids
+region (`pack`); one broadcast per component carries them, the ids with the first; every receiver
+receives into the same place of its own slot and compares the ids with its own (`arrived`); nothing is
+scattered. The comparison catches a broadcast that paired with another forward's: on CPU after each
+layer (`layer_arrived`), on a device once, when the forward ends (`all_arrived`).
+
+Attention on a non-owner reads the slot through remapped tables (`remap`): a block table's entries
+become positions (negative entries stay, an unlisted block becomes S, which no slot holds, so a read of
+it fails instead of returning another block's bytes), and a slot mapping's slots move with their block
+(an unlisted block's write is dropped: nothing on this rank reads it in this forward, and the next one
+receives it from the owner).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvpp_fx.cache.allocate import CacheStorage
-from kvpp_fx.cache.placement import BLOCK_ID_BYTES
 from kvpp_fx.runtime.device import DeviceAPI
-from kvpp_fx.runtime.errors import InvalidBlocksError
+from kvpp_fx.runtime.errors import InvalidBlocksError, ScratchOverflowError
 
 Shape = tuple[int, ...]  # the bytes per block of each component of a bundle, in layout order
+BLOCK_TABLE, SLOT_MAPPING = "block_table", "slot_mapping"
+TABLE_KINDS = (BLOCK_TABLE, SLOT_MAPPING)
+
+
+def block_ids(blocks: Any, what: str, num_blocks: int) -> list[int]:
+    try:
+        ids = sorted({int(b) for b in (blocks.tolist() if isinstance(blocks, torch.Tensor) else blocks)})
+    except (TypeError, ValueError):
+        raise InvalidBlocksError(f"{what} must be an iterable of block ids, got {blocks!r}.") from None
+    if ids and (ids[0] < 0 or ids[-1] >= num_blocks):
+        bad = ids[0] if ids[0] < 0 else ids[-1]
+        raise InvalidBlocksError(f"{what}: block id {bad} is outside the pool of {num_blocks} blocks.")
+    return ids
 
 
 @dataclass
-class _Staging:
-    """The staging buffer cut for one bundle shape: the whole payload, the ids in front, each component."""
-
-    payload: torch.Tensor
-    header: torch.Tensor
-    parts: tuple[torch.Tensor, ...]
-
-
-@dataclass
-class ActiveBlocks:
-    ids: torch.Tensor
+class PackedBlocks:
+    ids: torch.Tensor  # the history blocks, sorted (what travels)
     count: int
-    digest: int  # of the sorted ids, for the forward's agreement
-    staging: dict[Shape, _Staging]
+    written: int  # blocks that only take a position
+    digest: int  # of both lists, for the forward's agreement
+    positions: torch.Tensor  # [num_blocks] int64
+    slot_blocks: int
+    block_size: int
     arrived: torch.Tensor  # receivers: whether every list of ids received so far equals their own
     _equal: torch.Tensor  # scratch for one layer's comparison, so no layer allocates
     _layer_arrived: torch.Tensor
+    _payloads: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    _remapped: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
-    def prepare(cls, blocks: Any, storage: CacheStorage, shapes: Iterable[Shape],
-                crossover: float) -> ActiveBlocks | None:
-        """Validate the set and build its device index and staging views; None means whole layers (the
-        set is beyond the staging capacity or the crossover fraction of the pool)."""
-        num_blocks = storage.num_blocks
-        try:
-            ids = sorted({int(b) for b in (blocks.tolist() if isinstance(blocks, torch.Tensor) else blocks)})
-        except (TypeError, ValueError):
-            raise InvalidBlocksError(f"blocks must be an iterable of block ids, got {blocks!r}.") from None
-        if ids and (ids[0] < 0 or ids[-1] >= num_blocks):
-            bad = ids[0] if ids[0] < 0 else ids[-1]
-            raise InvalidBlocksError(f"block id {bad} is outside the pool of {num_blocks} blocks.")
-        count = len(ids)
-        if not storage.plan.uses_active_blocks(count, num_blocks, crossover):
-            return None
-        staging = {shape: _cut_staging(storage.staging, count, shape) for shape in set(shapes)}
-        digest = int.from_bytes(hashlib.blake2b(repr(ids).encode(), digest_size=8).digest(), "little") >> 2
+    def prepare(cls, blocks: Any, written: Any, storage: CacheStorage, api: DeviceAPI) -> PackedBlocks:
+        """Validate both lists and build the forward's lookup; raises before anything moves."""
+        num_blocks, slot_blocks = storage.num_blocks, storage.slot_blocks
+        history = block_ids(blocks if blocks is not None else (), "blocks", num_blocks)
+        listed = set(history)
+        fresh = [b for b in block_ids(written if written is not None else (), "written", num_blocks)
+                 if b not in listed]
+        if len(history) + len(fresh) > slot_blocks:
+            raise ScratchOverflowError(
+                f"the step's broadcast rows touch {len(history) + len(fresh)} blocks ({len(history)} with history, "
+                f"{len(fresh)} written), more than a scratch slot's {slot_blocks}; route rows to their owners "
+                "(forward(requests=...)) or give the slots more blocks (max_model_len, scratch_blocks).")
+        digest = int.from_bytes(hashlib.blake2b(repr((history, fresh)).encode(), digest_size=8).digest(),
+                                "little") >> 2
         device = storage.device
-        return cls(torch.tensor(ids, dtype=torch.int64, device=device), count, digest, staging,
+        listed = torch.tensor(history + fresh, dtype=torch.int64, device=device)
+        positions = torch.full((num_blocks,), slot_blocks, dtype=torch.int64, device=device)
+        positions[listed] = torch.arange(len(listed), dtype=torch.int64, device=device)
+        count = len(history)
+        return cls(listed[:count], count, len(fresh), digest, positions, slot_blocks, storage.plan.spec.block_size,
                    torch.ones((), dtype=torch.bool, device=device), torch.empty(count, dtype=torch.bool, device=device),
                    torch.empty((), dtype=torch.bool, device=device))
 
-    def payload(self, shape: Shape) -> torch.Tensor:
-        """What one layer of this bundle shape broadcasts: the ids and the listed blocks."""
-        return self.staging[shape].payload
+    # --- per layer, on the transfer stream ---------------------------------------------------------
 
-    def pack(self, api: DeviceAPI, sources: tuple[torch.Tensor, ...], shape: Shape) -> None:
-        """The owner, on the transfer stream: the ids, then each component's listed blocks, into staging."""
-        staging = self.staging[shape]
-        staging.header.copy_(self.ids)
-        for source, part in zip(sources, staging.parts):
-            api.gather_blocks(source, self.ids, part)
+    def payloads(self, storage: CacheStorage, slot: int, layer: int) -> tuple:
+        """(ids, tensors to broadcast) of `layer` in `slot`, cut once per forward."""
+        key = (slot, layer)
+        if key not in self._payloads:
+            ids, first, rest = storage.packed_payloads(slot, layer, self.count)
+            self._payloads[key] = (ids, (first, *rest))
+        return self._payloads[key]
 
-    def unpack(self, api: DeviceAPI, dests: tuple[torch.Tensor, ...], shape: Shape) -> None:
-        """A receiver, on the transfer stream: check the ids that arrived, scatter each component."""
-        staging = self.staging[shape]
-        torch.eq(staging.header, self.ids, out=self._equal)
+    def pack(self, api: DeviceAPI, sources: tuple[torch.Tensor, ...], dests: tuple[torch.Tensor, ...],
+             ids_out: torch.Tensor) -> None:
+        """The owner: the ids, then each component's listed blocks, into the front of its own slot."""
+        ids_out.copy_(self.ids)
+        for source, dest in zip(sources, dests):
+            api.gather_blocks(source, self.ids, dest[: self.count])
+
+    def check(self, received: torch.Tensor) -> None:
+        """A receiver: whether the ids that arrived are this forward's."""
+        torch.eq(received, self.ids, out=self._equal)
         torch.all(self._equal, out=self._layer_arrived)
         self.arrived.logical_and_(self._layer_arrived)
-        for dest, part in zip(dests, staging.parts):
-            api.scatter_blocks(dest, self.ids, part)
 
     def layer_arrived(self) -> bool:
-        """Whether the last unpacked layer's ids were this forward's (reads the device: CPU only)."""
+        """Whether the last received layer's ids were this forward's (reads the device: CPU only)."""
         return bool(self._layer_arrived)
 
     def all_arrived(self) -> bool:
-        """Whether every unpacked layer's ids were this forward's (one host read, at forward end)."""
+        """Whether every received layer's ids were this forward's (one host read, at forward end)."""
         return bool(self.arrived.item())
 
+    # --- the tables attention reads ----------------------------------------------------------------
 
-def _cut_staging(staging: torch.Tensor, count: int, shape: Shape) -> _Staging:
-    header = staging[: count * BLOCK_ID_BYTES].view(torch.int64)
-    offset, parts = count * BLOCK_ID_BYTES, []
-    for width in shape:
-        parts.append(staging[offset: offset + count * width].view(count, width))
-        offset += count * width
-    return _Staging(staging[:offset], header, tuple(parts))
+    def remap(self, api: DeviceAPI, table: torch.Tensor, kind: str, owner_rows: tuple[int, ...] = ()) -> torch.Tensor:
+        """`table` as a non-owner's attention reads the packed slot; one tensor per input per forward.
+
+        ``owner_rows``: in a hybrid forward, the block-table rows of the requests whose attention runs
+        on the owner. This rank's ops may still read them (an owner-local op runs every row), but never
+        use what they read there: they point at position 0, which every slot holds."""
+        key = (kind, id(table))
+        cached = self._remapped.get(key)
+        if cached is not None and cached[0] is table:
+            return cached[1]
+        if kind == BLOCK_TABLE:
+            out = api.remap_block_table(table, self.positions)
+            if owner_rows and table.dim() == 2:
+                out[torch.tensor(owner_rows, dtype=torch.long, device=out.device)] = 0
+        elif kind == SLOT_MAPPING:
+            out = api.remap_slot_mapping(table, self.positions, self.block_size, self.slot_blocks)
+        else:
+            raise ValueError(f"a table operand is one of {TABLE_KINDS}, got {kind!r}.")
+        self._remapped[key] = (table, out)
+        return out

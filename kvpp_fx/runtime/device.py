@@ -94,15 +94,28 @@ class DeviceAPI:
     def stream(self, stream: Any) -> Any:
         return self.module.stream(stream)
 
-    # --- block copies (active-block broadcasts) ---------------------------------------------------
+    # --- packed blocks ----------------------------------------------------------------------------
 
     def gather_blocks(self, source: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         """``out[j] = source[ids[j]]`` on the current stream, into preallocated memory."""
         torch.index_select(source, 0, ids, out=out)
 
-    def scatter_blocks(self, dest: torch.Tensor, ids: torch.Tensor, source: torch.Tensor) -> None:
-        """``dest[ids[j]] = source[j]`` on the current stream, in place."""
-        dest.index_copy_(0, ids, source)
+    def remap_block_table(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each block id of `table` as its position in the packed slot (``positions[id]``); negative
+        entries (padding) stay. Same shape and dtype."""
+        mapped = positions.index_select(0, table.clamp(min=0).reshape(-1).long()).view(table.shape)
+        return torch.where(table >= 0, mapped.to(table.dtype), table)
+
+    def remap_slot_mapping(self, slots: torch.Tensor, positions: torch.Tensor, block_size: int,
+                           slot_blocks: int) -> torch.Tensor:
+        """Each token slot ``block * block_size + offset`` moved with its block; -1 (padding) stays, and
+        a slot of a block the packed list does not hold becomes -1 (the write is dropped)."""
+        valid = slots >= 0
+        safe = slots.clamp(min=0).long()
+        block = positions.index_select(0, (safe // block_size).reshape(-1)).view(slots.shape)
+        moved = block * block_size + safe % block_size
+        keep = valid & (block < slot_blocks)
+        return torch.where(keep, moved, torch.full_like(moved, -1)).to(slots.dtype)
 
     # --- collectives ------------------------------------------------------------------------------
 

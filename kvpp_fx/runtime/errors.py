@@ -21,6 +21,11 @@ class InvalidBlocksError(KVPPRuntimeError, ValueError):
     """The active-block set passed to ``runtime.forward`` is not a set of block ids of the pool."""
 
 
+class ScratchOverflowError(KVPPRuntimeError, ValueError):
+    """A step's broadcast set does not fit in a compact scratch slot, and its rows cannot go to their
+    owners; raised on every rank before anything moves."""
+
+
 class BlockSetMismatchError(KVPPRuntimeError):
     """Ranks disagree on a forward's history or active-block set; the runtime breaks before moving bytes."""
 

@@ -1,10 +1,11 @@
 """`Forward`: one model forward of a `KVPPRuntime`, its methods in the order the work happens.
 
-    begin()                      choose the path (each request's rows, mode, history, active blocks),
+    begin()                      choose the path (each request's rows, mode, history, packed blocks),
                                  prepare it, agree on it
     prefetch(first)              issue the first layer's broadcast, return at once
     per layer: wait(L)           complete L's broadcast into its view (the compute stream waits for it)
                prefetch(next)    issue the next layer's broadcast
+               tables(L)         (packed slots) the block tables and slot mappings L reads, remapped
                owner_compute     (owner rows, in L's turn) L's routed ops run on L's owner
     end(error)                   complete what is in flight, then check what only the end can tell
 
@@ -12,9 +13,14 @@ A forward is in one of three modes: broadcast (every row reads blocks broadcast 
 owner (every row's attention runs on the layer's owner), or hybrid (``requests=``: some requests' rows
 go to the owner, the others read the blocks broadcast for them only; `cost.choose_rows`).
 
+A broadcast forward moves whole layers, or packs the blocks its rows touch into the front of each
+scratch slot (`PackedBlocks`): always with compact slots, up to the crossover with whole-layer ones.
+
 Invariants:
 - Everything a forward moves, every rank agreed on in `begin`, before any byte moved; that includes
   which requests' rows go to the owner.
+- A non-owner's attention reads a packed slot only through tables remapped for this forward's list
+  (`tables`): an unlisted block is out of the slot's range, never another block's bytes.
 - In a forward given ``requests=`` with owner rows, every target layer exchanged them before the next
   layer's wait (and the last before the forward ends): an op that skipped its exchange read a scratch
   slot that does not hold those rows' blocks (`OwnerRoutingError`).
@@ -46,10 +52,11 @@ from kvpp_fx.cache.cost import (
     choose_mode,
     choose_rows,
 )
-from kvpp_fx.runtime.active_blocks import ActiveBlocks, Shape
+from kvpp_fx.runtime.active_blocks import PackedBlocks, Shape, block_ids
 from kvpp_fx.runtime.agreement import AgreementKey, ForwardPath
 from kvpp_fx.runtime.errors import (
     BlockSetMismatchError,
+    InvalidBlocksError,
     OwnerModeUnsupportedError,
     OwnerRoutingError,
     SkippedLayerError,
@@ -76,13 +83,15 @@ class LayerRoute:
     src: int  # the owner's global rank
     view: torch.Tensor  # this rank's bytes of the layer: persistent on the owner, its scratch slot elsewhere
     nbytes: int  # of a whole-layer broadcast
-    block_views: tuple[torch.Tensor, ...]  # per component, [num_blocks, bytes per block]
+    block_views: tuple[torch.Tensor, ...]  # per component, [blocks, bytes per block], over `view`
     shape: Shape
+    pack_views: tuple[torch.Tensor, ...] = ()  # the owner: per component, [S, bytes per block] of its own slot
 
 
 class Forward:
     def __init__(self, runtime: KVPPRuntime, has_history: bool, blocks: Any, mode: str,
-                 load: StepLoad | None, requests: tuple[RequestRows, ...] | None = None) -> None:
+                 load: StepLoad | None, requests: tuple[RequestRows, ...] | None = None,
+                 written: Any = None) -> None:
         self.runtime = runtime
         self.routes = runtime.routes
         self.transport = runtime.transport
@@ -94,6 +103,7 @@ class Forward:
         self.protocol = ProtocolState(runtime.order)
         self.has_history = bool(has_history) and self.transport is not None
         self.blocks = blocks
+        self.written = written
         self.mode = mode
         self.load = load
         self.requests = requests
@@ -101,14 +111,14 @@ class Forward:
         self.choice: dict[str, Any] | None = None
         self.owner = False
         self.broadcasts = False  # whether each prefetch issues a broadcast
-        self.active: ActiveBlocks | None = None
+        self.active: PackedBlocks | None = None
         self.exchange: OwnerExchange | None = None
         self.issued = 0  # broadcasts started
-        # the broadcast in flight (at most one): its layer, work handle, bytes, receive step, issue time
+        # the broadcast in flight (at most one): its layer, work handles, bytes, ids check, issue time
         self._route: LayerRoute | None = None
         self._work: Any = None
         self._nbytes = 0
-        self._unpack: Callable[[], None] | None = None
+        self._arrived: Callable[[], None] | None = None
         self._issued_ns = 0
 
     # --- begin: choose the path, prepare, agree ----------------------------------------------------
@@ -117,8 +127,8 @@ class Forward:
         """Everything this forward moves is decided, prepared and agreed on here, before any byte moves."""
         if self.requests is not None:
             self._choose_rows()
-        self._prepare_active_blocks()
         self._choose_mode()
+        self._prepare_packed()
         if self.runtime.agreement is not None:
             self.runtime.agreement.agree(self._agreement_key())
         rows = None
@@ -141,8 +151,10 @@ class Forward:
             mode, why = BROADCAST, f"layers {runtime.layers_not_known_routed()} are not known to be routed"
         attention = runtime.attention
         if attention is None or not self.routes:
-            self.rows = RowChoice((BROADCAST,) * len(requests), 0, 0,
-                                  tuple(sorted({b for r in requests for b in r.blocks})), 0, 0)
+            blocks = sorted({b for r in requests for b in r.blocks})
+            self.rows = RowChoice((BROADCAST,) * len(requests), 0, 0, tuple(blocks), 0, 0,
+                                  broadcast_written=tuple(sorted({b for r in requests for b in r.written}
+                                                                 - set(blocks))))
         else:
             self.rows = choose_rows(attention, requests, mode, self._broadcast_cost(), runtime.plan.group_size,
                                     runtime.link)
@@ -150,6 +162,7 @@ class Forward:
         self.choice = {"modes": list(rows.modes), "broadcast_bytes": rows.broadcast_bytes,
                        "owner_bytes": rows.owner_bytes, "why": rows.why or why}
         self.blocks = list(rows.broadcast_blocks)
+        self.written = list(rows.broadcast_written)
         self.has_history = self.has_history and bool(rows.broadcast_blocks)
         if OWNER not in rows.modes:
             self.mode = BROADCAST
@@ -159,19 +172,36 @@ class Forward:
 
     def _broadcast_cost(self) -> BroadcastCost:
         """What the first layer's broadcast of n blocks moves: the blocks, or the whole layer past the
-        limit `ActiveBlocks.prepare` applies (`KVPPPlan.uses_active_blocks`, monotone in n)."""
+        limit `_prepare_packed` applies (`KVPPPlan.uses_active_blocks`, monotone in n); with compact
+        slots, the bound on the blocks the broadcast rows touch."""
         runtime, first = self.runtime, self.routes[0]
         plan, num_blocks = runtime.plan, runtime.storage.num_blocks
-        limit = plan.staging_blocks(num_blocks) if plan.staging_fraction > 0 else 0
-        limit = min(limit, int(runtime.crossover * num_blocks))
-        return BroadcastCost(plan.active_broadcast_bytes(first.layer, 1), limit, first.nbytes)
+        limit = num_blocks if plan.compact else int(runtime.crossover * num_blocks)
+        # Rows that do not fit go to their owners only where every layer is known to route them; elsewhere
+        # the packed list refuses the step (ScratchOverflowError) before anything moves.
+        routable = runtime.attention is not None and not runtime.layers_not_known_routed()
+        return BroadcastCost(plan.active_broadcast_bytes(first.layer, 1), limit, first.nbytes,
+                             runtime.storage.slot_blocks if plan.compact and routable else None)
 
-    def _prepare_active_blocks(self) -> None:
-        """Active blocks or whole layers; invalid ids raise here, on every rank, before the agreement."""
+    def _prepare_packed(self) -> None:
+        """Packed blocks or whole layers; invalid ids, and a list wider than a compact slot, raise here,
+        on every rank, before the agreement. Compact slots always pack (a whole layer does not fit),
+        owner forwards never (nothing moves, no non-owner reads a slot)."""
         runtime = self.runtime
-        if self.has_history and self.blocks is not None:
-            self.active = ActiveBlocks.prepare(self.blocks, runtime.storage,
-                                               (route.shape for route in self.routes), runtime.crossover)
+        plan = runtime.plan
+        if self.transport is None or self.owner or not self.routes:
+            return
+        if plan.compact:
+            if self.has_history and self.blocks is None:
+                raise InvalidBlocksError(
+                    "compact scratch slots hold only the blocks a step lists: a forward with history must "
+                    "pass blocks= (and written=), or requests=.")
+            self.active = PackedBlocks.prepare(self.blocks if self.has_history else (), self.written,
+                                               runtime.storage, runtime.api)
+        elif self.has_history and self.blocks is not None:
+            count = len(block_ids(self.blocks, "blocks", runtime.storage.num_blocks))  # validated on every path
+            if plan.uses_active_blocks(count, runtime.storage.num_blocks, runtime.crossover):
+                self.active = PackedBlocks.prepare(self.blocks, self.written, runtime.storage, runtime.api)
 
     def _choose_mode(self) -> None:
         """Broadcast or owner mode (``"auto"``: the cost model's choice, which weighs the blocks' bytes)."""
@@ -184,8 +214,6 @@ class Forward:
         self.owner = self.mode == OWNER
         if self.mode in (OWNER, HYBRID):
             self._check_owner_mode_can_run()
-            if self.owner:
-                self.active = None  # owner mode reads the owner's persistent cache; no block moves
             local_heads = runtime.attention.split(runtime.plan.group_size) if runtime.attention is not None else None
             self.exchange = OwnerExchange(runtime.api, self.transport.collectives, runtime.group,
                                           runtime.plan.group_size, local_heads, self.load.query_tokens, self.stats,
@@ -204,9 +232,12 @@ class Forward:
             return {"mode": BROADCAST, "why": f"layers {unknown} are not known to be routed for owner mode"}
         broadcast = 0
         if self.has_history:
-            first = self.routes[0]
-            broadcast = (runtime.plan.active_broadcast_bytes(first.layer, self.active.count)
-                         if self.active is not None else first.nbytes)
+            first, plan, num_blocks = self.routes[0], runtime.plan, runtime.storage.num_blocks
+            count = (len(block_ids(self.blocks, "blocks", num_blocks)) if self.blocks is not None
+                     else None)
+            broadcast = (plan.active_broadcast_bytes(first.layer, count)
+                         if count is not None and plan.uses_active_blocks(count, num_blocks, runtime.crossover)
+                         else first.nbytes)
         return dataclasses.asdict(choose_mode(runtime.attention, load, broadcast, runtime.plan.group_size,
                                               runtime.link))
 
@@ -275,23 +306,22 @@ class Forward:
 
     def _issue(self, route: LayerRoute) -> None:
         active, transport = self.active, self.transport
-        unpack = None
-        if active is None:
-            work = transport.issue(route.layer, route.slot, route.view, route.src)
+        arrived = None
+        if active is None:  # a whole layer: the owner's persistent bundle into the receivers' slot
+            work = transport.issue(route.layer, route.slot, (route.view,), route.src)
             nbytes = route.nbytes
         elif active.count == 0:  # the step reads no block with history: nothing to move
             return
         else:
-            payload = active.payload(route.shape)
-            api = self.runtime.api
+            ids, payload = active.payloads(self.runtime.storage, route.slot, route.layer)
             if route.owned:
-                pack = functools.partial(active.pack, api, route.block_views, route.shape)
+                pack = functools.partial(active.pack, self.runtime.api, route.block_views, route.pack_views, ids)
                 work = transport.issue(route.layer, route.slot, payload, route.src, pack)
             else:
                 work = transport.issue(route.layer, route.slot, payload, route.src)
-                unpack = functools.partial(active.unpack, api, route.block_views, route.shape)
-            nbytes = payload.numel()
-        self._route, self._work, self._nbytes, self._unpack = route, work, nbytes, unpack
+                arrived = functools.partial(active.check, ids)
+            nbytes = sum(part.numel() for part in payload)
+        self._route, self._work, self._nbytes, self._arrived = route, work, nbytes, arrived
         if self.timeline is not None:
             self._issued_ns = time.perf_counter_ns()
 
@@ -300,15 +330,33 @@ class Forward:
         work = self._work
         if work is None:
             return
-        route, unpack = self._route, self._unpack
+        route, arrived = self._route, self._arrived
         self._work = None
-        self.transport.complete(route.layer, route.slot, work, unpack)
+        self.transport.complete(route.layer, route.slot, work, arrived)
         self.stats.record(route.position, self._nbytes)
-        if unpack is not None and self.immediate_checks and not self.active.layer_arrived():
+        if arrived is not None and self.immediate_checks and not self.active.layer_arrived():
             raise self._mispaired(route.layer)
         if self.timeline is not None:
             self.timeline.add(f"broadcast L{route.layer}", "broadcast", self._issued_ns, time.perf_counter_ns(),
                               track="kvpp transfer stream", layer=route.layer, bytes=self._nbytes, src=route.src)
+
+    # --- tables, inside a layer's turn -----------------------------------------------------------------
+
+    def tables(self, layer: int, tables: list[torch.Tensor], kinds: list[str],
+               request_rows: bool = True) -> list[torch.Tensor]:
+        if len(tables) != len(kinds):
+            raise ValueError(f"layer {layer}: {len(tables)} tables but {len(kinds)} table kinds.")
+        position = self.runtime.order.positions.get(layer)
+        if position is None:
+            self.runtime.order.refuse(layer, -1)
+        route = self.routes[position]
+        active = self.active
+        if active is None or route.owned:
+            return tables
+        api = self.runtime.api
+        owner_rows = (tuple(k for k, mode in enumerate(self.rows.modes) if mode == OWNER)
+                      if self.rows is not None and request_rows else ())
+        return [active.remap(api, table, kind, owner_rows) for table, kind in zip(tables, kinds)]
 
     # --- owner mode, inside a layer's turn --------------------------------------------------------
 

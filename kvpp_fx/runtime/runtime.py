@@ -20,7 +20,8 @@ The runtime is a facade over its parts, each in its own module:
     Forward           one forward, its methods in the order of the work (forward.py)
     ProtocolState     the order of the ops, from plan data only (protocol.py)
     Agreement         one all-reduce per forward: every rank moves the same thing (agreement.py)
-    ActiveBlocks      the blocks a step reads, packed and unpacked per layer (active_blocks.py)
+    PackedBlocks      the blocks a step's broadcast rows touch, packed per layer, and the remapped
+                      tables attention reads them through (active_blocks.py)
     OwnerExchange     owner mode's gather, owner compute and scatter (owner_exchange.py)
     BroadcastTransport  the transfer stream, per-slot events, issue and complete (transport.py)
     collectives       completion of any collective within the timeout (collectives.py)
@@ -118,11 +119,16 @@ class KVPPRuntime:
         self._closed = False
 
     def _route(self, layer: int, position: int) -> LayerRoute:
-        view = self.storage.byte_view(layer)
-        block_views = tuple(self.storage.block_views(layer))
-        src = dist.get_global_rank(self.group, self.plan.owners[layer]) if self.group is not None else 0
-        return LayerRoute(layer, position, self.plan.slot(layer), self.plan.owners[layer] == self.rank, src, view,
-                          view.numel() * view.element_size(), block_views, tuple(v.shape[1] for v in block_views))
+        storage, plan = self.storage, self.plan
+        view = storage.byte_view(layer)
+        block_views = tuple(storage.block_views(layer))
+        slot, owned = plan.slot(layer), plan.owners[layer] == self.rank
+        # The owner packs into its own slot for the layer, which it never reads for a layer it owns.
+        pack_views = tuple(storage.slot_block_views(slot, layer)) if owned and storage.scratch else ()
+        src = dist.get_global_rank(self.group, plan.owners[layer]) if self.group is not None else 0
+        nbytes = storage.num_blocks * plan.bundle_bytes_per_block(layer)  # a whole layer
+        return LayerRoute(layer, position, slot, owned, src, view, nbytes, block_views,
+                          tuple(v.shape[1] for v in block_views), pack_views)
 
     @classmethod
     def create(cls, plan: KVPPPlan, storage: CacheStorage, group: Any = None, *,
@@ -226,6 +232,13 @@ class KVPPRuntime:
         return forward is not None and forward.owner
 
     @property
+    def packed(self) -> bool:
+        """True inside a forward that packs blocks into the scratch slots: a non-owner's attention must
+        read them through `tables`."""
+        forward = self._forward
+        return forward is not None and forward.active is not None
+
+    @property
     def hybrid(self) -> bool:
         """True inside a forward whose requests take both paths."""
         forward = self._forward
@@ -246,11 +259,14 @@ class KVPPRuntime:
         return self.plan.owners[layer] == self.rank
 
     @contextlib.contextmanager
-    def forward(self, has_history: bool, blocks: Any = None, *, mode: str = BROADCAST,
+    def forward(self, has_history: bool, blocks: Any = None, *, written: Any = None, mode: str = BROADCAST,
                 load: StepLoad | None = None,
                 requests: Sequence[RequestRows] | None = None) -> Iterator[KVPPRuntime]:
         """One model forward. ``blocks``: ids of the blocks the step reads that hold tokens computed
-        before it (every rank must pass the same set); None sends whole layers.
+        before it (every rank must pass the same set); None sends whole layers (whole-layer slots
+        only). ``written``: the blocks the step writes that hold no history; they take positions after
+        the history blocks in a non-owner's packed slot (`tables`), so a step that writes a block it
+        does not list drops that write on non-owners and cannot read it there.
 
         ``mode``: ``"broadcast"`` (each layer's cache travels to the ranks), ``"owner"`` (each layer's
         attention runs on its owner over every rank's heads; queries and outputs travel), or ``"auto"``
@@ -271,13 +287,13 @@ class KVPPRuntime:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
         if requests is not None:
-            if blocks is not None or load is not None:
+            if blocks is not None or load is not None or written is not None:
                 raise ValueError("runtime.forward(requests=...) derives the blocks and the load from the "
-                                 "requests; pass neither.")
+                                 "requests; pass none of blocks, written and load.")
             requests = tuple(requests)
             if not all(isinstance(r, RequestRows) for r in requests):
                 raise ValueError("requests must be RequestRows.")
-        forward = Forward(self, has_history, blocks, mode, load, requests)
+        forward = Forward(self, has_history, blocks, mode, load, requests, written)
         forward.begin()
         self._forward = forward
         token = _CURRENT.set(self)
@@ -308,6 +324,16 @@ class KVPPRuntime:
 
     def wait(self, layer: int, slot: int, *, routed: bool = False) -> torch.Tensor:
         return self._current().wait(layer, slot, routed)
+
+    def tables(self, layer: int, tables: Sequence[torch.Tensor], kinds: Sequence[str], *,
+               request_rows: bool = True) -> list[torch.Tensor]:
+        """The block tables and slot mappings `layer`'s attention reads, for tables of `kinds`
+        ("block_table", "slot_mapping"): remapped to the packed scratch slot where this rank reads the
+        layer from it (`PackedBlocks.remap`), the tables as given elsewhere (an owned layer, a
+        whole-layer broadcast, owner mode). ``request_rows``: a block table's rows are the forward's
+        requests in order (as ``requests=`` names them, the graph's contract), so in a hybrid forward the
+        owner requests' rows, which this rank reads but never uses, point at a position every slot holds."""
+        return self._current().tables(layer, list(tables), list(kinds), request_rows)
 
     def enter_layer(self, layer: int, *, routed: bool = False) -> bool:
         """The plan's schedule for `layer`, run when a graph compiled for any layer reaches it (its layer

@@ -5,16 +5,18 @@ Protocol (DESIGN.md, "Runtime"), on every rank of the group, the owner included,
   issue (at ``prefetch``, on the forward's own thread):
     1. record ``ready[slot]`` on the compute stream;
     2. the transfer stream waits on ``ready[slot]``;
-    3. under the transfer stream: ``pack`` (the owner's gather of active blocks into staging, if any),
-       then ``dist.broadcast(payload, src=owner, async_op=True)``; return at once.
+    3. under the transfer stream: ``pack`` (the owner's gather of packed blocks into the front of its own
+       slot for the layer, if any), then ``dist.broadcast(payload, src=owner, async_op=True)`` for each
+       payload (one per bundle component when blocks are packed); return at once.
   complete (at ``wait``):
-    4. under the transfer stream, wait for the work (bounded by the timeout where the host waits), then
-       ``unpack`` (a receiver's scatter from staging into the slot, if any);
+    4. under the transfer stream, wait for the works (bounded by the timeout where the host waits), then
+       ``arrived`` (a receiver's comparison of the ids it received with its own, if any);
     5. record ``done[slot]`` on the transfer stream; the compute stream waits on it.
 
-Invariants. Step 2 orders the broadcast into a slot after every compute-stream access issued before
-the prefetch: the previous layer that used the slot, and on the owner the writes into its persistent
-view. Step 5 orders every compute-stream access issued after the wait (attention's reads and writes,
+Invariants. Step 2 orders the broadcast into a slot, and the owner's gather into its own slot, after
+every compute-stream access issued before the prefetch: the previous layer that used the slot, and on
+the owner the writes into its persistent view. The owner of layer k reads its slot for k only through
+that layer's broadcast, never from attention, so the slot is free for the gather on every rank alike. Step 5 orders every compute-stream access issued after the wait (attention's reads and writes,
 the owner's next writes) after the broadcast. No step blocks the host on a device; on CPU the gloo work
 runs on gloo's own threads and step 4 is a bounded host wait. Events are reused per slot, so the
 per-layer cost allocates nothing. Where streams and events do nothing (`DeviceAPI.orders_streams` is
@@ -50,9 +52,9 @@ class BroadcastTransport:
         self._ready = [device_api.new_event() for _ in range(depth)]
         self._done = [device_api.new_event() for _ in range(depth)]
 
-    def issue(self, layer: int, slot: int, payload: torch.Tensor, src: int,
+    def issue(self, layer: int, slot: int, payload: tuple[torch.Tensor, ...], src: int,
               pack: Callable[[], None] | None = None) -> Any:
-        """Steps 1-3; returns the broadcast's work handle."""
+        """Steps 1-3; returns the broadcasts' work handles."""
         api = self.api
         if not self.orders_streams:
             return self._broadcast(layer, payload, src, pack)  # streams and events would do nothing
@@ -62,31 +64,38 @@ class BroadcastTransport:
         with api.stream(self.stream):
             return self._broadcast(layer, payload, src, pack)
 
-    def complete(self, layer: int, slot: int, work: Any, unpack: Callable[[], None] | None = None) -> None:
-        """Steps 4-5: the compute stream waits for the broadcast. Raises `TransferFailedError` on failure
+    def complete(self, layer: int, slot: int, works: Any, arrived: Callable[[], None] | None = None) -> None:
+        """Steps 4-5: the compute stream waits for the broadcasts. Raises `TransferFailedError` on failure
         (which broke the runtime)."""
         api = self.api
         if not self.orders_streams:
-            self.collectives.complete(work, BROADCAST, layer)
-            if unpack is not None:
-                unpack()
+            for work in works:
+                self.collectives.complete(work, BROADCAST, layer)
+            if arrived is not None:
+                arrived()
             return
         done = self._done[slot]
         with api.stream(self.stream):
-            self.collectives.complete(work, BROADCAST, layer)
-            if unpack is not None:
-                unpack()
+            for work in works:
+                self.collectives.complete(work, BROADCAST, layer)
+            if arrived is not None:
+                arrived()
             done.record(self.stream)
         api.current_stream().wait_event(done)
 
-    def _broadcast(self, layer: int, payload: torch.Tensor, src: int, pack: Callable[[], None] | None) -> Any:
+    def _broadcast(self, layer: int, payload: tuple[torch.Tensor, ...], src: int,
+                   pack: Callable[[], None] | None) -> Any:
         if pack is not None:
             pack()
+        works = []
         try:
-            return self.api.broadcast(payload, src, self.group)
+            for tensor in payload:
+                works.append(self.api.broadcast(tensor, src, self.group))
         except Exception as exc:
             raise self.collectives.not_issued(exc, BROADCAST, layer) from exc
+        return tuple(works)
 
-    def complete_on_host(self, layer: int, work: Any) -> None:
-        """Block the host until the broadcast completed or the timeout expired (forward end, close)."""
-        self.collectives.complete_on_host(work, BROADCAST, layer)
+    def complete_on_host(self, layer: int, works: Any) -> None:
+        """Block the host until the broadcasts completed or the timeout expired (forward end, close)."""
+        for work in works:
+            self.collectives.complete_on_host(work, BROADCAST, layer)

@@ -4,7 +4,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpp_fx.cache.placement import ALIGNMENT, KVPPPlan, align_up, assign_owners
+from kvpp_fx.cache.placement import (
+    ALIGNMENT,
+    UNBOUNDED_BLOCKS,
+    KVPPPlan,
+    PoolTooSmallError,
+    align_up,
+    assign_owners,
+    scratch_blocks_for,
+)
 from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
 
 MiB = 1024 * 1024
@@ -100,8 +108,9 @@ def test_layer_table_refuses_depth_one():
 
 
 def test_budget_at_its_exact_edges():
-    # 4 layers of 576 bf16 x 16 tokens = 18432 B/block; rank 0 holds 2 owned + 2 scratch buffers.
-    plan = KVPPPlan(uniform_spec(4), group_size=2, staging_fraction=0.0)
+    # 4 layers of 576 bf16 x 16 tokens = 18432 B/block; rank 0 holds 2 owned + 2 scratch buffers (whose
+    # blocks carry an 8-byte id each: 18440 B).
+    plan = KVPPPlan(uniform_spec(4), group_size=2)
     assert plan.bundle_bytes_per_block(0) == 18432
     assert len(plan.buffers(0)) == 4
     # 113 blocks = 2,082,816 B -> one 2 MiB buffer each; 114 blocks spill to 4 MiB each.
@@ -135,49 +144,83 @@ def test_engine_blocks_are_the_worst_rank():
 
 def test_capacity_ratio_matches_formula_within_alignment():
     L, N = 61, 8
-    plan = KVPPPlan(uniform_spec(L, block_size=128), group_size=N, staging_fraction=0.0)
+    plan = KVPPPlan(uniform_spec(L, block_size=128), group_size=N)
     formula = L / (math.ceil(L / N) + 2)
     assert plan.formula_capacity_ratio() == pytest.approx(formula)
     ratio = plan.capacity_ratio(64 * 1024 * MiB)
     assert abs(ratio - formula) / formula < 1e-3
+    assert ratio >= 6.10  # the seed's layout: no buffer beyond the persistent bundles and two slots
 
 
-def test_staging_is_counted_in_the_budget():
-    L, N, f = 61, 8, 0.25
-    plan = KVPPPlan(uniform_spec(L, block_size=128), group_size=N, staging_fraction=f)
+def test_scratch_blocks_come_from_the_longest_request_and_the_token_budget():
+    assert scratch_blocks_for(131072, 8192, 128) == 1024 + 64
+    assert scratch_blocks_for(100, 30, 16) == 7 + 2  # partial blocks round up
+    for bad in ((0, 1, 1), (1, 0, 1), (1, 1, 0), (1.5, 1, 1), (True, 1, 1)):
+        with pytest.raises(ValueError, match="positive int"):
+            scratch_blocks_for(*bad)
+    spec = uniform_spec(61, width=576, block_size=128)
+    plan = KVPPPlan.for_requests(spec, 8, max_model_len=131072, token_budget=8192)
+    assert (plan.scratch_blocks, plan.request_blocks, plan.compact) == (1088, 1024, True)
+    assert KVPPPlan.for_requests(spec, 8, max_model_len=131072, token_budget=8192, scratch_blocks=50).scratch_blocks == 50
+    assert not KVPPPlan.for_requests(spec, 8).compact
+    with pytest.raises(ValueError, match="token budget"):
+        KVPPPlan.for_requests(spec, 8, max_model_len=4096)
+
+
+def test_compact_slots_are_a_fixed_cost():
+    """Compact slots hold S blocks whatever the pool, each block with its 8-byte id; the persistent
+    bundles alone grow with the pool. The ratio is L / ceil(L/N) * (1 - depth * S * b / M)."""
+    L, N, S = 61, 8, 1088
     bpb = 576 * 2 * 128
-    # staging: f of a block of the largest bundle, plus the 8-byte id of each staged block
-    formula = L / (math.ceil(L / N) + 2 + f * (bpb + 8) / bpb)
-    assert plan.formula_capacity_ratio() == pytest.approx(formula)
+    plan = KVPPPlan(uniform_spec(L, width=576, block_size=128), group_size=N, scratch_blocks=S)
+    slots = [b for b in plan.buffers(0) if b.kind == "scratch"]
+    assert len(slots) == 2 and all(b.blocks(10) == b.blocks(10_000) == S for b in slots)
+    assert plan.fixed_bytes(0) == 2 * -(-S * (bpb + 8) // (2 * MiB)) * 2 * MiB
+    assert plan.scratch_bytes_per_block(0) == 0 and plan.slot_blocks(5000) == S
+    # 1024 blocks of a layer are exactly 72 MiB: no padding in the persistent bundles
+    assert plan.bytes_for(2048, 0) - plan.bytes_for(1024, 0) == plan.bytes_for(1024, 0) - plan.fixed_bytes(0) \
+        == 8 * 1024 * bpb
     available = 64 * 1024 * MiB
+    formula = L / math.ceil(L / N) * (1 - 2 * S * bpb / available)
+    assert plan.formula_capacity_ratio(available) == pytest.approx(formula)
     assert abs(plan.capacity_ratio(available) - formula) / formula < 1e-3
-    assert plan.capacity_ratio(available) < plan.without_staging().capacity_ratio(available)
-    n = plan.num_blocks(available, 0)
-    assert plan.staging_blocks(n) == math.ceil(f * n)
-    staging = [b for b in plan.buffers(0) if b.kind == "staging"]
-    assert len(staging) == 1 and staging[0].nbytes(n) == -(-math.ceil(f * n) * (bpb + 8) // (2 * MiB)) * 2 * MiB
-    assert plan.bytes_for(n, 0) <= available < plan.bytes_for(n + 1, 0)
+    assert plan.capacity_ratio(available) > 7.4 > plan.whole_layer().capacity_ratio(available)
+    with pytest.raises(ValueError, match="memory per rank"):
+        plan.formula_capacity_ratio()
 
 
-@given(st.integers(1, 30), st.integers(2, 8), st.floats(0.0, 1.0), st.integers(1, 2_000_000_000))
+@given(st.integers(1, 30), st.integers(2, 8), st.integers(1, 5000), st.integers(1, 2_000_000_000))
 @settings(max_examples=60)
-def test_budget_with_staging_is_tight(layers, size, fraction, available):
-    plan = KVPPPlan(uniform_spec(layers), group_size=size, staging_fraction=fraction)
+def test_budget_with_compact_slots_is_tight(layers, size, slot, available):
+    plan = KVPPPlan(uniform_spec(layers), group_size=size, scratch_blocks=slot)
     for rank in range(size):
         n = plan.num_blocks(available, rank)
-        assert plan.bytes_for(n, rank) <= available < plan.bytes_for(n + 1, rank)
+        if not plan.owned_layers(rank):  # compact slots only: nothing grows with the pool
+            assert n == (UNBOUNDED_BLOCKS if plan.fixed_bytes(rank) <= available else 0)
+            continue
+        assert available < plan.bytes_for(n + 1, rank)
+        assert plan.bytes_for(n, rank) <= available or n == 0  # the slots alone may not fit
 
 
-@pytest.mark.parametrize("bad", [-0.1, 1.5, "0.2", True, float("nan")])
-def test_staging_fraction_is_validated(bad):
-    with pytest.raises(ValueError, match="staging_fraction"):
-        KVPPPlan(uniform_spec(4), group_size=2, staging_fraction=bad)
+@pytest.mark.parametrize("bad", [0, -3, 1.5, "8", True])
+def test_scratch_blocks_are_validated(bad):
+    with pytest.raises(ValueError, match="scratch_blocks"):
+        KVPPPlan(uniform_spec(4), group_size=2, scratch_blocks=bad)
+
+
+def test_a_pool_must_hold_the_longest_request_and_one_more():
+    plan = KVPPPlan.for_requests(uniform_spec(4), 2, max_model_len=160, token_budget=32)  # 10 + 2 blocks
+    plan.check_pool(12)
+    with pytest.raises(PoolTooSmallError, match="no other request next to one of max_model_len [(]10 blocks[)]"):
+        plan.check_pool(10)
+    with pytest.raises(PoolTooSmallError, match="wider than the pool of 11 blocks"):
+        plan.check_pool(11)
 
 
 def test_more_ranks_than_layers():
     plan = KVPPPlan(uniform_spec(2), group_size=4)
     assert [plan.owned_layers(r) for r in range(4)] == [(0,), (1,), (), ()]
-    assert [b.kind for b in plan.buffers(3)] == ["scratch", "scratch", "staging"]
+    assert [b.kind for b in plan.buffers(3)] == ["scratch", "scratch"]
 
 
 def test_group_of_one_owns_everything_and_needs_no_scratch():

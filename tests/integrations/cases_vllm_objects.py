@@ -143,6 +143,21 @@ def test_active_blocks_from_vllms_block_table():
     assert active_blocks(table, computed, 4) == [3, 7, 9, 30]
 
 
+def test_written_blocks_from_vllms_block_table():
+    from vllm.v1.worker.block_table import MultiGroupBlockTable
+
+    from kvpp_fx.integrations.vllm.specs import written_blocks
+
+    table = MultiGroupBlockTable(max_num_reqs=4, max_num_batched_tokens=64, pin_memory=False,
+                                 device=torch.device("cpu"), block_sizes=[16], max_num_blocks=[8])
+    table.append_row(([7, 3, 9],), 0)  # a decode after 32 tokens: its token opens block 9
+    table.append_row(([5, 2],), 1)     # a first prefill of 20 tokens: blocks 5 and 2
+    table.append_row(([3, 11],), 2)    # a decode after 17 tokens: writes into block 11, which holds history
+    table.append_row(([30],), 3)       # not scheduled this step (beyond num_reqs)
+    assert written_blocks(table, [32, 0, 17, 0], [1, 20, 1, 1], 3) == [2, 5, 9]
+    assert written_blocks(table, [32, 0, 17, 0], [1, 20, 1, 1], 4) == [2, 5, 9, 30]
+
+
 def test_step_requests_group_the_decode_rows_and_name_each_prefill():
     from vllm.v1.worker.block_table import MultiGroupBlockTable
 
@@ -161,6 +176,8 @@ def test_step_requests_group_the_decode_rows_and_name_each_prefill():
     assert decodes == 2
     assert [(r.query_tokens, r.attention_pairs, r.blocks, r.owner_capable) for r in requests] == [
         (2, 41 + 18, (3, 4, 7, 9), True), (30, 900, (), False)]
+    # the decodes write into blocks that hold history (9 after 40 tokens, 4 after 17); the prefill fills 5, 2
+    assert [r.written for r in requests] == [(), (2, 5)]
     assert step_requests({}, "model.layers.0.self_attn.attn", table, computed, query_start, 3, True) is None
     assert step_requests(metadata, "model.layers.0.self_attn.attn", table, computed, query_start, 3,
                          False)[0][0].owner_capable is False

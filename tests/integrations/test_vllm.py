@@ -6,7 +6,6 @@ random DeepSeek-V3 with one MTP layer and a locally trained tokenizer (`tiny_mod
 
 import concurrent.futures
 import json
-import math
 import os
 import signal
 import re
@@ -21,7 +20,6 @@ import pytest
 
 import torch
 
-from kvpp_fx.cache.placement import DEFAULT_STAGING_FRACTION
 from kvpp_fx.config import MSG_DCP, MSG_GRAPH_MODE, MSG_SPEC_METHOD, MSG_SPEC_TOKENS, MSG_VLLM_CONNECTOR
 from kvpp_fx.integrations.vllm.compile_modes import KVPP_BACKEND, MSG_BACKEND, TORCH_BACKENDS, compile_digest
 from tests.integrations.tiny_model import NUM_LAYERS, make_tiny_deepseek
@@ -39,7 +37,7 @@ FP32 = {"dtype": "float32", "attention_backend": "CPU_MLA"}
 MTP = {"method": "mtp", "num_speculative_tokens": 1}
 MTP_CPU_MLA = {**MTP, "attention_backend": "CPU_MLA"}
 EAGER = {"enforce_eager": True, "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
-FAULT = "tests.support.faults:SkippedScatter"
+FAULT = "tests.support.faults:UnremappedTables"
 SWAPPED_HEADS = "tests.support.faults:SwappedHeads"
 SKIPPED_GATHER = "tests.support.faults:SkippedGather"
 # Owner mode's bytes per decode token and layer at TP 2 (the tiny model: 4 heads, kv_lora_rank 512, rope
@@ -236,11 +234,15 @@ def test_mtp_tokens_identical_with_kvpp(runs):
     assert off["stats"] == [None, None]  # KVPP off: no runtime, vLLM's own cache
 
 
-def test_receivers_skipping_their_scatter_change_the_tokens(runs):
-    """The negative control of the path: non-owners attending over stale scratch must show."""
+def test_receivers_reading_unremapped_tables_change_the_tokens(runs):
+    """The negative control of the path: non-owners reading their packed slots through vLLM's own block
+    tables (pool ids, not packed positions) must show. Without the fault every non-owned layer of every
+    forward with packed blocks read remapped metadata."""
     run = runs["default"]
     assert run["faulty"] != run["tokens"] and run["tokens"] == runs["off"]["tokens"]
     assert all(s["device_api"] == FAULT and s["broadcasts"] > 0 for s in run["faulty_stats"])
+    for stats in run["stats"]:  # 3 of 6 layers are not owned; every forward after the first packs blocks
+        assert stats["packed_layers"] == 3 * (stats["forwards"] - 1), stats
 
 
 def test_vllms_default_compilation_runs_the_kvpp_pass(runs):
@@ -268,15 +270,15 @@ def test_each_rank_holds_its_own_layers_the_mtp_layer_and_two_scratch(runs):
 
 
 def test_vllm_plans_the_kvpp_block_count(runs):
-    """32 MiB per rank: 3 owned + 1 MTP + 2 scratch buffers of n blocks (16 x 576 x 4 B each) and a
-    staging buffer of ceil(fraction x n) blocks (+ an 8-byte id each), every buffer 2 MiB aligned."""
+    """32 MiB per rank: 3 owned + 1 MTP buffers of n blocks (16 x 576 x 4 B each) and 2 whole-layer
+    scratch slots of n blocks with an 8-byte id each, every buffer 2 MiB aligned; nothing else."""
     page, budget, align = 16 * 576 * 4, 32 << 20, 2 << 20
 
     def padded(nbytes):
         return -(-nbytes // align) * align
 
     def cost(n):
-        return 6 * padded(n * page) + padded(math.ceil(DEFAULT_STAGING_FRACTION * n) * (page + 8))
+        return 4 * padded(n * page) + 2 * padded(n * (page + 8))
 
     expected = max(n for n in range(1, budget // page + 1) if cost(n) <= budget)
     assert runs["default"]["num_blocks"] == [expected, expected]

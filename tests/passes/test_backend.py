@@ -1,6 +1,7 @@
 """kvpp_backend end to end: options, dumps, inductor pieces, and KVPP == replicated on 2 gloo ranks."""
 
 import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -211,8 +212,7 @@ def test_a_spec_registered_after_the_backend_is_built_changes_none_of_its_compil
     attention = next(s for s in TOY_SPECS if s.op == "kvpp_ref::mla_attention")
     with registered(TOY_SPECS):
         before = kvpp_backend(plan, mode="eager")  # the default specs, read now
-        register_attention_op(AttentionOpSpec(attention.op, attention.layer_arg, attention.layer_kind,
-                                              attention.cache_operands, owner=None), replace=True)
+        register_attention_op(dataclasses.replace(attention, owner=None), replace=True)
         after = kvpp_backend(plan, mode="eager")
         assert compile_and_run(toy.ToyMLA(4), before, plan, 4).owner_routed  # insert, route and verify agree
         assert not compile_and_run(toy.ToyMLA(4), after, plan, 4).owner_routed  # control: the new default

@@ -40,11 +40,13 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
     split_1 = view.split([8, 4], dim = -1)
     q_latent = split_1[0]
     q_pe = split_1[1]
-    kvpp_wait_L0 = torch.ops.kvpp.wait.default(0, 0, [l_caches_0_], ['kv'], routed = True)
+    kvpp_wait_L0 = torch.ops.kvpp.wait.default(0, 0, [l_caches_0_], ['kv'], tables = [l_slot_mapping_, l_block_table_], table_kinds = ['slot_mapping', 'block_table'], routed = True)
     kv_L0 = kvpp_wait_L0[0]
+    l_slot_mapping_L0 = kvpp_wait_L0[1]
+    l_block_table_L0 = kvpp_wait_L0[2]
     kvpp_prefetch_L1 = torch.ops.kvpp.prefetch.default(1, 1)
-    write_kv = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L0(kv_L0, kv_c, k_pe, l_slot_mapping_, 0)
-    attn = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L0(q_latent, q_pe, kv_L0, l_block_table_, l_seq_lens_, l_query_lens_, 0.5, 0)
+    write_kv = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L0(kv_L0, kv_c, k_pe, l_slot_mapping_L0, 0)
+    attn = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L0(q_latent, q_pe, kv_L0, l_block_table_L0, l_seq_lens_, l_query_lens_, 0.5, 0)
     flatten = attn.flatten(1)
     linear_2 = torch._C._nn.linear(flatten, self.layers.0.o.weight, None)
     x = l_x_ + linear_2
@@ -58,11 +60,13 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
     split_3 = view_1.split([8, 4], dim = -1)
     q_latent_1 = split_3[0]
     q_pe_1 = split_3[1]
-    kvpp_wait_L1 = torch.ops.kvpp.wait.default(1, 1, [l_caches_1_], ['kv'], routed = True)
+    kvpp_wait_L1 = torch.ops.kvpp.wait.default(1, 1, [l_caches_1_], ['kv'], tables = [l_slot_mapping_, l_block_table_], table_kinds = ['slot_mapping', 'block_table'], routed = True)
     kv_L1 = kvpp_wait_L1[0]
+    l_slot_mapping_L1 = kvpp_wait_L1[1]
+    l_block_table_L1 = kvpp_wait_L1[2]
     kvpp_prefetch_L2 = torch.ops.kvpp.prefetch.default(2, 0)
-    write_kv_1 = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L1(kv_L1, kv_c_1, k_pe_1, l_slot_mapping_, 1)
-    attn_1 = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L1(q_latent_1, q_pe_1, kv_L1, l_block_table_, l_seq_lens_, l_query_lens_, 0.5, 1)
+    write_kv_1 = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L1(kv_L1, kv_c_1, k_pe_1, l_slot_mapping_L1, 1)
+    attn_1 = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L1(q_latent_1, q_pe_1, kv_L1, l_block_table_L1, l_seq_lens_, l_query_lens_, 0.5, 1)
     flatten_1 = attn_1.flatten(1)
     linear_5 = torch._C._nn.linear(flatten_1, self.layers.1.o.weight, None)
     x_1 = x + linear_5
@@ -76,11 +80,13 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
     split_5 = view_2.split([8, 4], dim = -1)
     q_latent_2 = split_5[0]
     q_pe_2 = split_5[1]
-    kvpp_wait_L2 = torch.ops.kvpp.wait.default(2, 0, [l_caches_2_], ['kv'], routed = True)
+    kvpp_wait_L2 = torch.ops.kvpp.wait.default(2, 0, [l_caches_2_], ['kv'], tables = [l_slot_mapping_, l_block_table_], table_kinds = ['slot_mapping', 'block_table'], routed = True)
     kv_L2 = kvpp_wait_L2[0]
+    l_slot_mapping_L2 = kvpp_wait_L2[1]
+    l_block_table_L2 = kvpp_wait_L2[2]
     kvpp_prefetch_L3 = torch.ops.kvpp.prefetch.default(3, 1)
-    write_kv_2 = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L2(kv_L2, kv_c_2, k_pe_2, l_slot_mapping_, 2)
-    attn_2 = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L2(q_latent_2, q_pe_2, kv_L2, l_block_table_, l_seq_lens_, l_query_lens_, 0.5, 2)
+    write_kv_2 = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L2(kv_L2, kv_c_2, k_pe_2, l_slot_mapping_L2, 2)
+    attn_2 = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L2(q_latent_2, q_pe_2, kv_L2, l_block_table_L2, l_seq_lens_, l_query_lens_, 0.5, 2)
     flatten_2 = attn_2.flatten(1)
     linear_8 = torch._C._nn.linear(flatten_2, self.layers.2.o.weight, None)
     x_2 = x_1 + linear_8
@@ -94,10 +100,12 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
     split_7 = view_3.split([8, 4], dim = -1)
     q_latent_3 = split_7[0]
     q_pe_3 = split_7[1]
-    kvpp_wait_L3 = torch.ops.kvpp.wait.default(3, 1, [l_caches_3_], ['kv'], routed = True)
+    kvpp_wait_L3 = torch.ops.kvpp.wait.default(3, 1, [l_caches_3_], ['kv'], tables = [l_slot_mapping_, l_block_table_], table_kinds = ['slot_mapping', 'block_table'], routed = True)
     kv_L3 = kvpp_wait_L3[0]
-    write_kv_3 = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L3(kv_L3, kv_c_3, k_pe_3, l_slot_mapping_, 3)
-    attn_3 = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L3(q_latent_3, q_pe_3, kv_L3, l_block_table_, l_seq_lens_, l_query_lens_, 0.5, 3)
+    l_slot_mapping_L3 = kvpp_wait_L3[1]
+    l_block_table_L3 = kvpp_wait_L3[2]
+    write_kv_3 = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L3(kv_L3, kv_c_3, k_pe_3, l_slot_mapping_L3, 3)
+    attn_3 = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L3(q_latent_3, q_pe_3, kv_L3, l_block_table_L3, l_seq_lens_, l_query_lens_, 0.5, 3)
     flatten_3 = attn_3.flatten(1)
     linear_11 = torch._C._nn.linear(flatten_3, self.layers.3.o.weight, None)
     x_3 = x_2 + linear_11
@@ -110,13 +118,13 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
         self.assertExpectedInline(record.piece_summary, """\
 submod_0 [eager]: kvpp.prefetch(0, 0)
 submod_1 [compiled]: tanh, linear, .split, linear, .view, .split
-submod_2 [eager]: kvpp.wait(0, 0, [l_caches_0_], ['kv'], routed=True); kvpp.prefetch(1, 1); routed[owner] kvpp_ref.write_kv(getitem, kv_c, k_pe, l_slot_mapping_, 0); routed[heads 0@1,1@1->@1] kvpp_ref.mla_attention(q_latent, q_pe, getitem, l_block_table_, l_seq_lens_, l_query_lens_, 0.5, 0)
+submod_2 [eager]: kvpp.wait(0, 0, [l_caches_0_], ['kv'], tables=[l_slot_mapping_, l_block_table_], table_kinds=['slot_mapping', 'block_table'], routed=True); kvpp.prefetch(1, 1); routed[owner] kvpp_ref.write_kv(getitem, kv_c, k_pe, getitem_1, 0); routed[heads 0@1,1@1->@1] kvpp_ref.mla_attention(q_latent, q_pe, getitem, getitem_2, l_seq_lens_, l_query_lens_, 0.5, 0)
 submod_3 [compiled]: .flatten, linear, add, tanh, linear, .split, linear, .view, .split
-submod_4 [eager]: kvpp.wait(1, 1, [l_caches_1_], ['kv'], routed=True); kvpp.prefetch(2, 0); routed[owner] kvpp_ref.write_kv(getitem, kv_c_1, k_pe_1, l_slot_mapping_, 1); routed[heads 0@1,1@1->@1] kvpp_ref.mla_attention(q_latent_1, q_pe_1, getitem, l_block_table_, l_seq_lens_, l_query_lens_, 0.5, 1)
+submod_4 [eager]: kvpp.wait(1, 1, [l_caches_1_], ['kv'], tables=[l_slot_mapping_, l_block_table_], table_kinds=['slot_mapping', 'block_table'], routed=True); kvpp.prefetch(2, 0); routed[owner] kvpp_ref.write_kv(getitem, kv_c_1, k_pe_1, getitem_1, 1); routed[heads 0@1,1@1->@1] kvpp_ref.mla_attention(q_latent_1, q_pe_1, getitem, getitem_2, l_seq_lens_, l_query_lens_, 0.5, 1)
 submod_5 [compiled]: .flatten, linear, add, tanh, linear, .split, linear, .view, .split
-submod_6 [eager]: kvpp.wait(2, 0, [l_caches_2_], ['kv'], routed=True); kvpp.prefetch(3, 1); routed[owner] kvpp_ref.write_kv(getitem, kv_c_2, k_pe_2, l_slot_mapping_, 2); routed[heads 0@1,1@1->@1] kvpp_ref.mla_attention(q_latent_2, q_pe_2, getitem, l_block_table_, l_seq_lens_, l_query_lens_, 0.5, 2)
+submod_6 [eager]: kvpp.wait(2, 0, [l_caches_2_], ['kv'], tables=[l_slot_mapping_, l_block_table_], table_kinds=['slot_mapping', 'block_table'], routed=True); kvpp.prefetch(3, 1); routed[owner] kvpp_ref.write_kv(getitem, kv_c_2, k_pe_2, getitem_1, 2); routed[heads 0@1,1@1->@1] kvpp_ref.mla_attention(q_latent_2, q_pe_2, getitem, getitem_2, l_seq_lens_, l_query_lens_, 0.5, 2)
 submod_7 [compiled]: .flatten, linear, add, tanh, linear, .split, linear, .view, .split
-submod_8 [eager]: kvpp.wait(3, 1, [l_caches_3_], ['kv'], routed=True); routed[owner] kvpp_ref.write_kv(getitem, kv_c_3, k_pe_3, l_slot_mapping_, 3); routed[heads 0@1,1@1->@1] kvpp_ref.mla_attention(q_latent_3, q_pe_3, getitem, l_block_table_, l_seq_lens_, l_query_lens_, 0.5, 3)
+submod_8 [eager]: kvpp.wait(3, 1, [l_caches_3_], ['kv'], tables=[l_slot_mapping_, l_block_table_], table_kinds=['slot_mapping', 'block_table'], routed=True); routed[owner] kvpp_ref.write_kv(getitem, kv_c_3, k_pe_3, getitem_1, 3); routed[heads 0@1,1@1->@1] kvpp_ref.mla_attention(q_latent_3, q_pe_3, getitem, getitem_2, l_seq_lens_, l_query_lens_, 0.5, 3)
 submod_9 [compiled]: .flatten, linear, add""")
 
     def test_draft_layer_gets_no_nodes(self):
@@ -136,11 +144,13 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
     split_1 = view.split([8, 4], dim = -1)
     q_latent = split_1[0]
     q_pe = split_1[1]
-    kvpp_wait_L0 = torch.ops.kvpp.wait.default(0, 0, [l_caches_0_], ['kv'], routed = True)
+    kvpp_wait_L0 = torch.ops.kvpp.wait.default(0, 0, [l_caches_0_], ['kv'], tables = [l_slot_mapping_, l_block_table_], table_kinds = ['slot_mapping', 'block_table'], routed = True)
     kv_L0 = kvpp_wait_L0[0]
+    l_slot_mapping_L0 = kvpp_wait_L0[1]
+    l_block_table_L0 = kvpp_wait_L0[2]
     kvpp_prefetch_L1 = torch.ops.kvpp.prefetch.default(1, 1)
-    write_kv = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L0(kv_L0, kv_c, k_pe, l_slot_mapping_, 0)
-    attn = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L0(q_latent, q_pe, kv_L0, l_block_table_, l_seq_lens_, l_query_lens_, 0.5, 0)
+    write_kv = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L0(kv_L0, kv_c, k_pe, l_slot_mapping_L0, 0)
+    attn = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L0(q_latent, q_pe, kv_L0, l_block_table_L0, l_seq_lens_, l_query_lens_, 0.5, 0)
     flatten = attn.flatten(1)
     linear_2 = torch._C._nn.linear(flatten, self.layers.0.o.weight, None)
     x = l_x_ + linear_2
@@ -154,10 +164,12 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
     split_3 = view_1.split([8, 4], dim = -1)
     q_latent_1 = split_3[0]
     q_pe_1 = split_3[1]
-    kvpp_wait_L1 = torch.ops.kvpp.wait.default(1, 1, [l_caches_1_], ['kv'], routed = True)
+    kvpp_wait_L1 = torch.ops.kvpp.wait.default(1, 1, [l_caches_1_], ['kv'], tables = [l_slot_mapping_, l_block_table_], table_kinds = ['slot_mapping', 'block_table'], routed = True)
     kv_L1 = kvpp_wait_L1[0]
-    write_kv_1 = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L1(kv_L1, kv_c_1, k_pe_1, l_slot_mapping_, 1)
-    attn_1 = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L1(q_latent_1, q_pe_1, kv_L1, l_block_table_, l_seq_lens_, l_query_lens_, 0.5, 1)
+    l_slot_mapping_L1 = kvpp_wait_L1[1]
+    l_block_table_L1 = kvpp_wait_L1[2]
+    write_kv_1 = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L1(kv_L1, kv_c_1, k_pe_1, l_slot_mapping_L1, 1)
+    attn_1 = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L1(q_latent_1, q_pe_1, kv_L1, l_block_table_L1, l_seq_lens_, l_query_lens_, 0.5, 1)
     flatten_1 = attn_1.flatten(1)
     linear_5 = torch._C._nn.linear(flatten_1, self.layers.1.o.weight, None)
     x_1 = x + linear_5

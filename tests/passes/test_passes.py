@@ -1,5 +1,6 @@
 """Insert pass, split pass and verifier on graphs captured by Dynamo from the toy model."""
 
+import dataclasses
 import operator
 import os
 import subprocess
@@ -17,7 +18,9 @@ from kvpp_fx.passes.insert import (
     StrayCacheReadError,
     UnguardedLayerError,
     UnknownGraphLayerError,
+    UnremappedTablesError,
     insert_kvpp_ops,
+    node_value,
 )
 from kvpp_fx.passes.layer_table import LayerTable
 from kvpp_fx.passes.pass_config import PassConfig, cache_op_stamp, stamp_of
@@ -82,7 +85,16 @@ def test_rewritten_graph_verifies():
     assert [n.args[:2] for n in kvpp_nodes(gm, "wait")] == [(0, 0), (1, 1), (2, 0), (3, 1)]
     for wait in kvpp_nodes(gm, "wait"):
         assert stamp_of(wait).role == "wait" and stamp_of(wait).layer == wait.args[0]
-        assert [tuple(v.shape) for v in wait.meta["val"]] == [(toy.BLOCKS, toy.BLOCK, toy.RANK + toy.ROPE)]
+        # the layer's cache, then its tables, as the ops declare them: the slot mapping and the block table
+        slot_mapping, block_table = wait.kwargs["tables"]
+        assert wait.kwargs["table_kinds"] == ["slot_mapping", "block_table"]
+        assert [tuple(v.shape) for v in wait.meta["val"]] == [
+            (toy.BLOCKS, toy.BLOCK, toy.RANK + toy.ROPE), tuple(node_value(slot_mapping).shape),
+            tuple(node_value(block_table).shape)]
+        layer = wait.args[0]
+        write, attn = node_named(gm, f"write_kv_{layer}" if layer else "write_kv"), \
+            node_named(gm, f"attn_{layer}" if layer else "attn")
+        assert (write.args[3].args, attn.args[3].args) == ((wait, 1), (wait, 2))
 
 
 def test_wait_meta_is_contiguous_even_for_zero_stride_handles():
@@ -90,9 +102,9 @@ def test_wait_meta_is_contiguous_even_for_zero_stride_handles():
     (handle,) = kvpp_nodes(gm, "wait")[0].args[2]
     assert handle.meta["example_value"].stride() == (0, 0, 0)
     for wait in kvpp_nodes(gm, "wait"):
-        (val,) = wait.meta["val"]
+        val = wait.meta["val"][0]
         assert val.stride() == (toy.BLOCK * (toy.RANK + toy.ROPE), toy.RANK + toy.ROPE, 1)
-        (view,) = wait.users
+        (view,) = [user for user in wait.users if user.args[1] == 0]
         assert view.meta["val"].stride() == val.stride()
 
 
@@ -130,7 +142,8 @@ def test_a_run_that_ends_before_the_plan_prefetches_the_next_layer():
     gm = rewritten(config)
     assert [n.args[:2] for n in kvpp_nodes(gm, "prefetch")] == [(0, 0), (1, 1), (2, 0), (3, 1), (4, 0)]
     last_wait = kvpp_nodes(gm, "wait")[-1]
-    assert kvpp_nodes(gm, "prefetch")[-1].prev is last_wait.next  # right after layer 3's wait and view
+    # right after layer 3's wait and its outputs (the view, the two tables)
+    assert kvpp_nodes(gm, "prefetch")[-1].prev is last_wait.next.next.next
     verify_graph(gm, config)
 
 
@@ -157,6 +170,20 @@ def test_a_stray_cache_read_is_refused_and_nothing_changes(handles):
     with pytest.raises(StrayCacheReadError, match=r"mean.*reads the cache value 'l_caches_1_'.*specs="):
         insert_kvpp_ops(gm, CONFIG)
     assert code_of(gm) == code
+
+
+def test_a_cache_op_that_declares_no_tables_is_refused_and_nothing_changes():
+    """On a rank that reads a packed scratch slot, an op that reads the pool's block ids would index the
+    wrong blocks: its spec must name its tables (or say the integration remaps them)."""
+    attention = next(s for s in TOY_SPECS if s.op == "kvpp_ref::mla_attention")
+    bare = tuple(dataclasses.replace(s, tables=()) if s is attention else s for s in TOY_SPECS)
+    gm = capture()
+    code = code_of(gm)
+    with pytest.raises(UnremappedTablesError, match=r"attn.*reads layer 0's cache.*declares no block-table"):
+        insert_kvpp_ops(gm, pass_config(TABLE, bare))
+    assert code_of(gm) == code
+    remapped = tuple(dataclasses.replace(s, remaps_itself=True) if s.op == attention.op else s for s in bare)
+    assert insert_kvpp_ops(gm, pass_config(TABLE, remapped)).changed  # declared: the integration remaps
 
 
 def test_a_cache_shared_by_two_layers_is_refused_and_nothing_changes():
@@ -311,6 +338,23 @@ def mutate_component_name():
     (cache,) = wait.args[2]
     wait.update_arg(2, [cache, cache])
     wait.update_arg(3, ["kv", "kv_scale"])  # the toy bundle has only "kv"
+    for user in list(wait.users):  # the tables' outputs now come after two caches
+        if user.args[1] >= 1:
+            user.update_arg(1, user.args[1] + 1)
+    return gm, CONFIG
+
+
+def mutate_table_read_unremapped():
+    gm = rewritten()
+    attn = node_named(gm, "attn_1")
+    attn.update_arg(3, kvpp_nodes(gm, "wait")[1].kwargs["tables"][1])  # the step's block table, as given
+    return gm, CONFIG
+
+
+def mutate_table_of_the_wrong_kind():
+    gm = rewritten()
+    attn, write = node_named(gm, "attn_2"), node_named(gm, "write_kv_2")
+    attn.update_arg(3, write.args[3])  # the wait's slot mapping output as the block table
     return gm, CONFIG
 
 
@@ -401,6 +445,10 @@ MUTATIONS = [
     ("layers", mutate_wait_for_a_draft_layer, "draft layer 4"),
     ("components", mutate_component_name, r"kvpp_wait_L1 names components \['kv', 'kv_scale'\]"),
     ("binding", mutate_cache_operand_through_a_copy, "attn_2 reads layer 2's 'kv' cache from clone"),
+    ("tables", mutate_table_read_unremapped,
+     "attn_1 reads its block_table from l_block_table_, not from kvpp_wait_L1's block_table output"),
+    ("tables", mutate_table_of_the_wrong_kind,
+     "attn_2 reads its block_table from l_slot_mapping_L2, not from kvpp_wait_L2's block_table output"),
     ("originals", mutate_extra_reader_of_an_original_cache, "mean_default reads the original cache value l_caches_1_"),
     ("originals", mutate_one_original_awaited_for_two_layers, r"is awaited as the cache of layers \[1, 2\]"),
     ("routing", mutate_one_wait_not_routed, r"waits \['kvpp_wait_L1'\] are not routed while others are"),
@@ -451,10 +499,11 @@ def test_split_keeps_order_and_isolates_split_points():
     expected = ["submod_0 [eager]: kvpp.prefetch(0, 0)", f"submod_1 [compiled]: {projections}"]
     for layer in range(4):
         suffix = f"_{layer}" if layer else ""
-        ops = [f"kvpp.wait({layer}, {layer % 2}, [l_caches_{layer}_], ['kv'])"]
+        ops = [f"kvpp.wait({layer}, {layer % 2}, [l_caches_{layer}_], ['kv'], tables=[l_slot_mapping_, "
+               "l_block_table_], table_kinds=['slot_mapping', 'block_table'])"]
         ops += [f"kvpp.prefetch({layer + 1}, {(layer + 1) % 2})"] if layer < 3 else []
-        ops += [f"kvpp_ref.write_kv(getitem, kv_c{suffix}, k_pe{suffix}, l_slot_mapping_, {layer})",
-                f"kvpp_ref.mla_attention(q_latent{suffix}, q_pe{suffix}, getitem, l_block_table_, l_seq_lens_, "
+        ops += [f"kvpp_ref.write_kv(getitem, kv_c{suffix}, k_pe{suffix}, getitem_1, {layer})",
+                f"kvpp_ref.mla_attention(q_latent{suffix}, q_pe{suffix}, getitem, getitem_2, l_seq_lens_, "
                 f"l_query_lens_, 0.5, {layer})"]
         expected.append(f"submod_{2 + 2 * layer} [eager]: " + "; ".join(ops))
         rest = ".flatten, linear, add" + (f", {projections}" if layer < 3 else "")
@@ -479,10 +528,8 @@ def test_registry_matching_and_user_specs():
 
 WRITE_KV = next(s for s in REFERENCE_SPECS if s.op == "kvpp_ref::write_kv")
 # The same op named twice: as the op, without an owner rule, and as its default overload, owner-local.
-WRITE_KV_AS_OP = AttentionOpSpec("kvpp_ref::write_kv", WRITE_KV.layer_arg, WRITE_KV.layer_kind,
-                                 WRITE_KV.cache_operands, owner=None)
-WRITE_KV_AS_DEFAULT = AttentionOpSpec("kvpp_ref::write_kv.default", WRITE_KV.layer_arg, WRITE_KV.layer_kind,
-                                      WRITE_KV.cache_operands, owner=OwnerLocal())
+WRITE_KV_AS_OP = dataclasses.replace(WRITE_KV, owner=None)
+WRITE_KV_AS_DEFAULT = dataclasses.replace(WRITE_KV, op="kvpp_ref::write_kv.default", owner=OwnerLocal())
 
 
 def specs_with(*write_kv_specs):

@@ -1,5 +1,7 @@
 """The route pass on graphs captured by Dynamo from the toy model: what it routes, what it refuses."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -20,8 +22,7 @@ ATTENTION = "kvpp_ref::mla_attention"
 
 def declared_specs(op: str, owner) -> tuple[AttentionOpSpec, ...]:
     """The toy specs with `op` declared by another owner rule."""
-    return tuple(AttentionOpSpec(s.op, s.layer_arg, s.layer_kind, s.cache_operands, owner) if s.op == op else s
-                 for s in TOY_SPECS)
+    return tuple(dataclasses.replace(s, owner=owner) if s.op == op else s for s in TOY_SPECS)
 
 
 def declared(op: str, owner) -> PassConfig:

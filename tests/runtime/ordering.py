@@ -101,13 +101,8 @@ class RecordingDeviceAPI(DeviceAPI):
 
     def gather_blocks(self, source: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
         self.access(source, "read", "gather reads the owner's blocks")
-        self.access(out, "write", "gather writes staging")
+        self.access(out, "write", "gather writes the owner's slot")
         super().gather_blocks(source, ids, out)
-
-    def scatter_blocks(self, dest: torch.Tensor, ids: torch.Tensor, source: torch.Tensor) -> None:
-        self.access(source, "read", "scatter reads staging")
-        self.access(dest, "write", "scatter writes the slot")
-        super().scatter_blocks(dest, ids, source)
 
     def access(self, tensor: torch.Tensor, mode: str, what: str) -> None:
         """Log a kernel on the current stream that reads and/or writes `tensor`'s buffer."""

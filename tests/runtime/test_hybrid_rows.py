@@ -52,7 +52,9 @@ def hybrid_forward(rt, rank, *, requests=REQUESTS, mode="owner", skip_exchange_o
                                  layer)
 
             owner_rows = rt.owner_compute(layer, routed_attention(layer), [q_latent[:1], q_pe[:1]], on_owner)
-        local_rows = ATTENTION(q_latent[1:], q_pe[1:], cache, LOCAL_TABLE, LOCAL_SEQ, LOCAL_Q, SCALE, layer)
+        # the step's table, one row per request, as this rank reads the layer (remapped where packed)
+        (table,) = rt.tables(layer, [torch.cat([OWNER_TABLE, LOCAL_TABLE])], ["block_table"])
+        local_rows = ATTENTION(q_latent[1:], q_pe[1:], cache, table[1:], LOCAL_SEQ, LOCAL_Q, SCALE, layer)
         out[layer] = (owner_rows, local_rows)
 
     with rt.forward(True, mode=mode, requests=requests):

@@ -414,16 +414,16 @@ def test_prefetch_returns_before_its_broadcast_completes(tmp_path, overlap):
 # --- device ordering ------------------------------------------------------------------------------------
 
 def ordering_ranks(rank: int, world: int, drop_waits_on: tuple[str, ...], forwards: int, side_stream: bool = False,
-                   blocks: tuple[int, ...] | None = None):
+                   blocks: tuple[int, ...] | None = None, scratch_blocks: int | None = None):
     """Decode-like forwards over a recording device API; the happens-before relation is then checked.
 
     With ``side_stream`` the later forwards run under another current stream (as under a CUDA-graph
     capture or a user's stream context): the runtime must order against that stream, not the default.
-    With ``blocks`` forward f sends the first f + 1 of them as active blocks: the staging buffer is
-    shared by every layer's gather, broadcast and scatter.
+    With ``blocks`` forward f sends the first f + 1 of them packed: each owner gathers them into its own
+    slot for the layer, the slot its attention read two layers before, and receivers receive into theirs.
     """
     api = RecordingDeviceAPI(drop_waits_on)
-    rt = toy_runtime(kvpp_group(world), 5, device_api=api, staging_fraction=0.5 if blocks is not None else None)
+    rt = toy_runtime(kvpp_group(world), 5, device_api=api, scratch_blocks=scratch_blocks)
     side = api.new_stream()
     for f in range(forwards):
         def attend(layer, view):
@@ -520,25 +520,31 @@ def fill_layer(rt: KVPPRuntime, layer: int, seed: int) -> None:
 
 def expected_layer(rt: KVPPRuntime, layer: int, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed * 1000 + layer)
-    return torch.randint(0, 256, rt.view(layer).shape, dtype=torch.uint8, generator=gen)
+    size = rt.storage.num_blocks * rt.plan.bundle_bytes_per_block(layer)  # the owner's whole bundle
+    return torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen)
 
 
-def active_fuzz_ranks(rank: int, world: int, rounds: int, fault: str | None):
-    """Random active sets over a bundle of three dtypes; check every listed block, and nothing else, moved."""
+def active_fuzz_ranks(rank: int, world: int, rounds: int, fault: str | None, scratch_blocks: int | None = None):
+    """Random active sets over a bundle of three dtypes; check every listed block arrived at its position
+    in the packed slot, in order, and nothing else moved. With whole-layer slots a set past the
+    crossover sends whole layers; compact slots always pack."""
     num_blocks = 40
     rt = toy_runtime(kvpp_group(world), spec=toy_spec(4, components=SFA_LIKE, name="sfa-like"), num_blocks=num_blocks,
-                     staging_fraction=0.5, crossover=0.5, device_api=DroppedBlock("cpu") if fault == "drop-block" else None)
+                     crossover=0.5, scratch_blocks=scratch_blocks,
+                     device_api=DroppedBlock("cpu") if fault == "drop-block" else None)
     plan = rt.plan
+    slot_blocks = rt.storage.slot_blocks
     rng = random.Random(99)  # the same sets on every rank
     bpb = plan.bundle_bytes_per_block(0)
     problems, records = [], []
     for r in range(rounds):
-        count = rng.randint(0, num_blocks if r % 4 == 3 else plan.staging_blocks(num_blocks))
+        count = rng.randint(0, min(slot_blocks, num_blocks if r % 4 == 3 else num_blocks // 2))
         blocks = rng.sample(range(num_blocks), count)
         for layer in rt.plan.owned_layers(rt.rank):
             fill_layer(rt, layer, r)
         for slot in rt.storage.scratch:  # a sentinel, so a block sent by mistake shows
             slot.fill_(0xA5)
+        whole = not plan.compact and count > num_blocks // 2  # sent as the whole layer
 
         def check(layer, view):
             if rt.plan.owner(layer) == rt.rank:
@@ -547,41 +553,44 @@ def active_fuzz_ranks(rank: int, world: int, rounds: int, fault: str | None):
             want_bytes = expected_layer(rt, layer, r)
             for where, got_c in zip(rt.plan.layout(layer, num_blocks), got):
                 want_c = want_bytes[where.offset: where.offset + where.size].view(num_blocks, -1)
-                whole = len(blocks) > plan.staging_blocks(num_blocks)  # sent as the whole layer
-                for b in range(num_blocks):
-                    expected = want_c[b] if whole or b in blocks else torch.full_like(got_c[b], 0xA5)
-                    if not torch.equal(got_c[b], expected):
-                        problems.append((r, layer, where.name, b, b in blocks))
+                want = want_c if whole else want_c[sorted(blocks)]
+                for position in range(slot_blocks):
+                    expected = want[position] if position < len(want) else torch.full_like(got_c[position], 0xA5)
+                    if not torch.equal(got_c[position], expected):
+                        listed = whole or position < len(want)
+                        problems.append((r, layer, where.name, position, listed))
 
         with rt.forward(has_history=True, blocks=blocks):
             run_layers(rt, check)
-        records.append((count, rt.last_forward()["bytes"]))
+        records.append((count, rt.last_forward()["bytes"], whole))
     rt.close()
     return {"problems": problems[:20], "n_problems": len(problems), "records": records, "bpb": bpb,
-            "staging_blocks": plan.staging_blocks(num_blocks), "num_blocks": num_blocks,
-            "layer_bytes": rt.view(0).numel()}
+            "num_blocks": num_blocks, "layer_bytes": plan.bundle_bytes_per_block(0) * num_blocks}
 
 
-def test_active_block_fuzz_every_listed_block_arrives_and_nothing_else():
-    results = launch(active_fuzz_ranks, 2, 25, None)
+@pytest.mark.parametrize("scratch_blocks", [None, 24], ids=["whole-layer-slots", "compact-slots"])
+def test_active_block_fuzz_every_listed_block_arrives_and_nothing_else(scratch_blocks):
+    results = launch(active_fuzz_ranks, 2, 25, None, scratch_blocks)
     for res in results:
         assert res["n_problems"] == 0, res["problems"]
         whole_forwards = 0
-        for count, nbytes in res["records"]:
-            if count > res["staging_blocks"]:  # beyond the staging capacity: whole layers
+        for count, nbytes, whole in res["records"]:
+            if whole:  # beyond the crossover: whole layers
                 assert nbytes == 4 * res["layer_bytes"]
                 whole_forwards += 1
             else:  # 4 layers: the listed blocks of kv (bf16 576) + indexer (int8 128) + scale (fp32 1), and ids
                 assert nbytes == 4 * count * (res["bpb"] + 8)
-        assert 0 < whole_forwards < len(res["records"])
-        assert res["layer_bytes"] == res["num_blocks"] * res["bpb"]
+        if scratch_blocks is None:
+            assert 0 < whole_forwards < len(res["records"])
+        else:
+            assert whole_forwards == 0
         assert res["bpb"] == 4 * (576 * 2 + 128 + 4)
 
 
 def test_negative_control_a_dropped_block_is_missing_at_the_receiver():
     results = launch(active_fuzz_ranks, 2, 6, "drop-block")
     assert any(res["n_problems"] for res in results)
-    assert all(listed for res in results for (_, _, _, _, listed) in res["problems"])  # only listed blocks
+    assert all(listed for res in results for (_, _, _, _, listed) in res["problems"])  # only listed positions
 
 
 class AgreementRecordingAPI(DeviceAPI):
@@ -614,7 +623,7 @@ def mismatched_sets_ranks(rank: int, world: int, cases: list[str], host_agreemen
     group = kvpp_group(world)
     agreement = kvpp_group(world, backend="gloo") if host_agreement else None
     api = AgreementRecordingAPI("cpu")
-    rt = toy_runtime(group, 4, staging_fraction=0.5, timeout=5.0, agreement_group=agreement, device_api=api)
+    rt = toy_runtime(group, 4, timeout=5.0, agreement_group=agreement, device_api=api)
     outcome = {}
     try:  # validated on each rank before the agreement: every rank refuses, nothing is issued
         with rt.forward(has_history=True, blocks=[0, TOY_BLOCKS]):
@@ -632,8 +641,9 @@ def mismatched_sets_ranks(rank: int, world: int, cases: list[str], host_agreemen
     write_owned(rt, 7)
     wrong = []
     with rt.forward(has_history=True, blocks=[0, 9]):  # an agreed forward afterwards moves exact bytes
+        # a receiver holds blocks 0 and 9 at the front of its slot, an owner at their ids
         run_layers(rt, lambda layer, view: wrong.append(layer) if not torch.equal(
-            rt.typed_views(layer)["kv"][[0, 9]], pattern(7, layer)[[0, 9]]) else None)
+            rt.typed_views(layer)["kv"][[0, 9] if rt.owns(layer) else [0, 1]], pattern(7, layer)[[0, 9]]) else None)
     outcome["after"] = "exact" if not wrong else f"wrong {wrong}"
     outcome["bytes"] = rt.last_forward()["bytes"]
     outcome["agreement_groups"] = {"agreement" if g is agreement else "kvpp" if g is group else "other"
@@ -647,22 +657,28 @@ def test_ranks_that_disagree_on_the_set_get_a_named_error(host_agreement):
     cases = list(MISMATCHES)
     for outcome in launch(mismatched_sets_ranks, 2, cases, host_agreement, timeout_s=60):
         assert {case: outcome[case] for case in cases} == dict.fromkeys(cases, "BlockSetMismatchError")
-        assert outcome["out-of-range"] == f"block id {TOY_BLOCKS} is outside the pool of {TOY_BLOCKS} blocks."
+        assert outcome["out-of-range"] == f"blocks: block id {TOY_BLOCKS} is outside the pool of {TOY_BLOCKS} blocks."
         assert outcome["after"] == "exact"
         assert outcome["agreement_groups"] == {"agreement" if host_agreement else "kvpp"}
         assert outcome["bytes"] == 4 * 2 * (TOY_BLOCK * TOY_WIDTH * 4 + 8)
 
 
-@pytest.mark.parametrize("drop", [(), ("transfer",), ("compute",)],
-                         ids=["runtime", "negative-control-no-ready-wait", "negative-control-no-done-wait"])
-def test_staging_reuse_is_ordered_on_the_device(drop):
-    results = launch(ordering_ranks, 2, drop, 4, False, (0, 3, 5, 6), timeout_s=60)
+@pytest.mark.parametrize("drop,scratch_blocks", [((), None), ((), 6), (("transfer",), 6), (("compute",), 6)],
+                         ids=["runtime", "runtime-compact", "negative-control-no-ready-wait",
+                              "negative-control-no-done-wait"])
+def test_packed_slot_reuse_is_ordered_on_the_device(drop, scratch_blocks):
+    """The owner of a layer gathers its blocks into its own slot for the layer, which its attention read
+    for the layer two before: rank 1 owns layers 3 and 4 of 5 and gathers them into slots 1 and 0, the
+    slots it read layers 1 and 2 from. Receivers receive into the front of theirs; nobody scatters."""
+    results = launch(ordering_ranks, 2, drop, 4, False, (0, 3, 5, 6), scratch_blocks, timeout_s=60)
     for res in results:
         assert res["collectives"] == 3 * 5 + 4
         if not drop:
             assert res["races"] == [], res["races"][:5]
     if drop:
         assert results[1]["races"]
+    if drop == ("transfer",):  # rank 1 gathers layer 4 into slot 0, which its attention read for layer 2
+        assert any("gather" in race for race in results[1]["races"]), results[1]["races"][:5]
 
 
 def wrong_agreement_group_ranks(rank: int, world: int):

@@ -6,8 +6,10 @@ with the cache's device) where the runtime is built in another process: ``Engine
 ``generate(device_api=...)``, the vLLM workers' ``kvpp_set_device_api``.
 
 A forward's collectives come in a fixed order, which the runtime's protocol enforces on every rank: one
-agreement all-reduce, then one broadcast per target layer in plan order (with history, in broadcast
-mode). So a fault counts broadcasts from the forward's agreement to know which layer one belongs to.
+agreement all-reduce, then the broadcasts of each target layer in plan order (with history, in broadcast
+mode): one of the whole layer, or one per bundle component of its packed blocks, all out of one buffer
+(the owner's bundle or its slot for the layer; consecutive layers never share one). So a fault counts
+layers from the forward's agreement by the buffers the broadcasts read.
 """
 
 from __future__ import annotations
@@ -28,44 +30,58 @@ class _DoneWork:
         return True
 
 
-class SkippedScatter(DeviceAPI):
-    """Receivers of an active-block broadcast leave the received blocks in staging: their scratch slot
-    keeps stale bytes, while the ids that arrived still match (so no check catches it)."""
+class UnremappedTables(DeviceAPI):
+    """Receivers read a packed scratch slot through the tables as given: block ids of the pool where the
+    slot holds positions in the step's packed list, so attention reads other blocks' bytes (or none)."""
 
-    def scatter_blocks(self, dest, ids, source) -> None:
-        return None
+    def remap_block_table(self, table, positions):
+        return table
+
+    def remap_slot_mapping(self, slots, positions, block_size, slot_blocks):
+        return slots
+
+
+class OffByOneRemap(DeviceAPI):
+    """Every remapped block-table entry points one position further into the packed slot."""
+
+    def remap_block_table(self, table, positions):
+        remapped = super().remap_block_table(table, positions)
+        return torch.where(remapped >= 0, remapped + 1, remapped)
 
 
 class DroppedBroadcast(DeviceAPI):
     """The owner of the `position`-th target layer of every forward sends zeros instead of its bytes:
-    whole layers as a zero buffer of the layer's size, active blocks as zero blocks behind the true ids
+    whole layers as a zero buffer of the layer's size, packed blocks as zero blocks behind the true ids
     (so the receivers' id check passes). The owner's own view is untouched."""
 
     def __init__(self, device, position: int) -> None:
         super().__init__(device)
         self.position = position
-        self._broadcasts = 0  # in this forward
-        self._packed_zeros = False  # the faulty layer's active blocks were packed as zeros
-        self._zeros: torch.Tensor | None = None  # what the faulty whole-layer broadcast sends
+        self._layer = -1  # the layer position of the last broadcast in this forward
+        self._buffer = None  # the buffer the last broadcast read
+        self._packed = False  # the faulty layer's blocks were packed as zeros
+        self._zeros: list[torch.Tensor] = []  # what the faulty whole-layer broadcast sends
 
     def all_reduce_max(self, tensor, group):
-        self._broadcasts = 0  # the agreement starts every forward
+        self._layer, self._buffer, self._packed = -1, None, False  # the agreement starts every forward
+        self._zeros.clear()
         return super().all_reduce_max(tensor, group)
 
     def gather_blocks(self, source, ids, out) -> None:
-        if self._broadcasts == self.position:  # the owner packs the faulty layer's blocks, before its broadcast
+        if self._layer + 1 == self.position:  # the owner packs the faulty layer's blocks, before its broadcasts
             out.zero_()
-            self._packed_zeros = True
+            self._packed = True
             return
         super().gather_blocks(source, ids, out)
 
     def broadcast(self, tensor, src, group):
-        whole_layer = self._broadcasts == self.position and src == dist.get_rank() and not self._packed_zeros
-        self._broadcasts += 1
-        self._packed_zeros = False
-        if whole_layer:
-            self._zeros = torch.zeros_like(tensor)
-            return super().broadcast(self._zeros, src, group)
+        buffer = tensor.untyped_storage().data_ptr()
+        if buffer != self._buffer:
+            self._layer, self._buffer = self._layer + 1, buffer
+            self._packed = self._packed and self._layer == self.position
+        if self._layer == self.position and src == dist.get_rank() and not self._packed:  # a whole layer
+            self._zeros.append(torch.zeros_like(tensor))
+            return super().broadcast(self._zeros[-1], src, group)
         return super().broadcast(tensor, src, group)
 
 
@@ -75,11 +91,12 @@ def dropped_broadcast_of_layer_2(device) -> DroppedBroadcast:
 
 
 class DroppedBlock(DeviceAPI):
-    """Receivers leave the highest listed block out of every active-block scatter: that block of their
-    slot keeps whatever it held before (another layer's bytes, where layers share the slot)."""
+    """Owners leave the lowest listed block out of every packed broadcast: the first position of the
+    receivers' slot keeps whatever it held before (another layer's bytes, where layers share the slot).
+    The lowest block is the one requests sharing a prefix all read."""
 
-    def scatter_blocks(self, dest, ids, source) -> None:
-        super().scatter_blocks(dest, ids[:-1], source[:-1])
+    def gather_blocks(self, source, ids, out) -> None:
+        super().gather_blocks(source, ids[1:], out[1:])
 
 
 class SwappedHeads(DeviceAPI):

@@ -26,7 +26,7 @@ def toy_spec(num_layers: int = 4, drafts: int = 0, *, width: int = TOY_WIDTH, bl
 
 def toy_plan(num_layers: int = 4, drafts: int = 0, *, group_size: int = 1, width: int = TOY_WIDTH,
              block_size: int = TOY_BLOCK, **plan_options) -> KVPPPlan:
-    """`KVPPPlan` over `toy_spec`; ``plan_options`` go to the plan (depth, layers, staging_fraction)."""
+    """`KVPPPlan` over `toy_spec`; ``plan_options`` go to the plan (depth, layers, scratch_blocks)."""
     return KVPPPlan(toy_spec(num_layers, drafts, width=width, block_size=block_size), group_size=group_size,
                     **plan_options)
 

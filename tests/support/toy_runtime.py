@@ -19,12 +19,10 @@ TOY_BLOCKS = 16  # blocks of a toy runtime's pool
 
 def toy_runtime(group: Any, num_layers: int = 4, *, spec: ModelCacheSpec | None = None,
                 layers: tuple[int, ...] | None = None, num_blocks: int = TOY_BLOCKS,
-                staging_fraction: float | None = None, **create: Any) -> KVPPRuntime:
+                scratch_blocks: int | None = None, **create: Any) -> KVPPRuntime:
     """A runtime over `group` (None: a group of one) for the toy spec (or `spec`), its plan restricted to
-    `layers` if given."""
-    plan_options: dict[str, Any] = {"layers": layers}
-    if staging_fraction is not None:
-        plan_options["staging_fraction"] = staging_fraction
+    `layers` if given; ``scratch_blocks`` makes its slots compact."""
+    plan_options: dict[str, Any] = {"layers": layers, "scratch_blocks": scratch_blocks}
     size, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
     plan = KVPPPlan(spec or toy_spec(num_layers), group_size=size, **plan_options)
     return KVPPRuntime.create(plan, allocate_cache(plan, rank, num_blocks), group, **create)

@@ -111,27 +111,34 @@ def step_requests(attn_metadata: Any, layer_name: str, block_tables: Any, num_co
     num_decodes = int(metadata.num_decodes)
     computed = np.asarray(num_computed[:num_reqs], dtype=np.int64)
     query = np.diff(np.asarray(query_start[: num_reqs + 1], dtype=np.int64))
-    blocks = request_blocks(block_tables, computed, num_reqs)
+    blocks, written = request_blocks(block_tables, computed, query, num_reqs)
     pairs = query * (computed + query)
     decode = range(num_decodes)
     requests = []
     if num_decodes:
         requests.append(RequestRows(int(query[:num_decodes].sum()), int(pairs[:num_decodes].sum()),
-                                    tuple(sorted({b for i in decode for b in blocks[i]})), owner_capable))
-    requests += [RequestRows(int(query[i]), int(pairs[i]), tuple(blocks[i]), False) for i in range(num_decodes, num_reqs)]
+                                    tuple(sorted({b for i in decode for b in blocks[i]})), owner_capable,
+                                    tuple(sorted({b for i in decode for b in written[i]}))))
+    requests += [RequestRows(int(query[i]), int(pairs[i]), tuple(blocks[i]), False, tuple(written[i]))
+                 for i in range(num_decodes, num_reqs)]
     return tuple(requests), num_decodes
 
 
-def request_blocks(block_tables: Any, computed: np.ndarray, num_reqs: int) -> list[list[int]]:
-    """Per request: the ids of its blocks holding tokens computed before the step, over every cache group
-    (see `specs.active_blocks`, their union)."""
-    out: list[set[int]] = [set() for _ in range(num_reqs)]
+def request_blocks(block_tables: Any, computed: np.ndarray, query: np.ndarray,
+                   num_reqs: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Per request: the ids of its blocks holding tokens computed before the step, and of the blocks the
+    step fills beyond them, over every cache group (see `specs.active_blocks` and `specs.written_blocks`,
+    their unions)."""
+    history: list[set[int]] = [set() for _ in range(num_reqs)]
+    written: list[set[int]] = [set() for _ in range(num_reqs)]
     for table in getattr(block_tables, "block_tables", [block_tables]):
         rows = np.asarray(table.block_table.np[:num_reqs])
         counts = -(-computed // table.block_size)
+        ends = -(-(computed + query) // table.block_size)
         for i in range(num_reqs):
-            out[i].update(rows[i, : counts[i]].tolist())
-    return [sorted(ids) for ids in out]
+            history[i].update(rows[i, : counts[i]].tolist())
+            written[i].update(rows[i, counts[i]: ends[i]].tolist())
+    return [sorted(ids) for ids in history], [sorted(ids - history[i]) for i, ids in enumerate(written)]
 
 
 def decode_rows_to_owner(runtime: KVPPRuntime | None, engine_runtime: KVPPRuntime) -> bool:

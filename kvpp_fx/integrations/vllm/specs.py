@@ -147,3 +147,18 @@ def active_blocks(block_tables: Any, num_computed_tokens: Any, num_reqs: int) ->
         counts = -(-computed // table.block_size)
         ids.append(rows[np.arange(rows.shape[1]) < counts[:, None]])
     return np.unique(np.concatenate(ids)).tolist() if ids else []
+
+
+def written_blocks(block_tables: Any, num_computed_tokens: Any, query_lens: Any, num_reqs: int) -> list[int]:
+    """Block ids a step writes that hold no token computed before it: for every scheduled request and
+    cache group, the block-table entries from ``ceil(num_computed / block_size)`` up to
+    ``ceil((num_computed + query) / block_size)``. Sorted, without duplicates."""
+    computed = np.asarray(num_computed_tokens[:num_reqs], dtype=np.int64)
+    ends = computed + np.asarray(query_lens[:num_reqs], dtype=np.int64)
+    ids = []
+    for table in getattr(block_tables, "block_tables", [block_tables]):
+        rows = np.asarray(table.block_table.np[:num_reqs])
+        columns = np.arange(rows.shape[1])[None, :]
+        first, last = -(-computed // table.block_size), -(-ends // table.block_size)
+        ids.append(rows[(columns >= first[:, None]) & (columns < last[:, None])])
+    return np.unique(np.concatenate(ids)).tolist() if ids else []

@@ -66,6 +66,7 @@ class EngineState:
     steps: int = 0  # target-model forwards
     mixed_steps: int = 0  # forwards with decode rows and prefill rows
     skipped_cache_writes: int = 0  # layer writes a non-owner skipped (decode rows on the owner)
+    packed_layers: int = 0  # non-owned layer forwards that read remapped metadata over a packed slot
     prefill_rows_with_history: int = 0  # rows whose prefill starts after computed tokens (a later chunk
     #                                     of a chunked prefill, or a prefix-cache hit)
 

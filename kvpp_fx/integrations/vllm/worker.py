@@ -36,12 +36,13 @@ import functools
 import logging
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvpp_fx.cache.allocate import allocate_cache
 from kvpp_fx.config import KVPPConfig, parse_kvpp_mode
 from kvpp_fx.config import _model_kind_of
-from kvpp_fx.integrations.vllm import owner_rows
+from kvpp_fx.integrations.vllm import owner_rows, packed_metadata
 from kvpp_fx.integrations.vllm.compilation import install_vllm_backend
 from kvpp_fx.integrations.vllm.specs import (
     INDEXER_COMPONENT,
@@ -49,6 +50,7 @@ from kvpp_fx.integrations.vllm.specs import (
     active_blocks,
     per_layer_specs,
     plan_from_specs,
+    written_blocks,
 )
 from kvpp_fx.integrations.vllm.validation import SUPPORTED_VLLM
 from kvpp_fx.integrations.vllm.state import (
@@ -215,11 +217,15 @@ def kvpp_runner_class(base: type) -> type:
             state.note_step(computed, batch.num_prompt_tokens[:num_reqs], mixed=rows is not None and 0 < rows[1] < num_reqs)
             state.awaited.clear()
             if rows is None:  # no MLA metadata: every row reads its blocks by broadcast
+                query = np.diff(self.query_start_loc.np[: num_reqs + 1])
                 forward = state.runtime.forward(has_history=has_history,
-                                                blocks=active_blocks(batch.block_table, computed, num_reqs))
+                                                blocks=active_blocks(batch.block_table, computed, num_reqs),
+                                                written=written_blocks(batch.block_table, computed, query, num_reqs))
             else:
                 forward = state.runtime.forward(has_history=has_history, mode=state.mode, requests=rows[0])
             with forward:
+                if state.runtime.packed:
+                    _rebind_packed_metadata(state)
                 return super()._model_forward(*args, **kwargs)
 
         def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
@@ -244,6 +250,13 @@ def _step_rows(runner: Any, state: EngineState, computed: Any) -> Any:
     return owner_rows.step_requests(get_forward_context().attn_metadata, state.metadata_layer, batch.block_table,
                                     computed, runner.query_start_loc.np, batch.num_reqs,
                                     owner_capable=state.owner_blocker is None)
+
+
+def _rebind_packed_metadata(state: EngineState) -> None:
+    """Non-owned layers read this forward's packed scratch slots through remapped tables."""
+    from vllm.forward_context import get_forward_context
+
+    state.packed_layers += packed_metadata.rebind(get_forward_context(), state.runtime, state.vplan.layer_index)
 
 
 def _set_mode(state: EngineState, mode: str) -> None:
@@ -317,7 +330,7 @@ def _allocate(runner: Any, state: EngineState, kv_cache_config: Any, device: Any
 def _create_runtime(state: EngineState, storage: Any) -> None:
     if state.runtime is not None:
         state.runtime.close()
-    state.mixed_steps = state.skipped_cache_writes = 0  # counted per runtime, as its stats are
+    state.mixed_steps = state.skipped_cache_writes = state.packed_layers = 0  # counted per runtime, as its stats are
     device_api = None
     if state.device_api_factory is not None:
         device_api = resolve_device_api(state.device_api_factory, storage.device)
@@ -503,6 +516,7 @@ def worker_stats(worker: Any = None) -> dict[str, Any] | None:
     stats["steps"] = state.steps
     stats["mixed_steps"] = state.mixed_steps
     stats["skipped_cache_writes"] = state.skipped_cache_writes
+    stats["packed_layers"] = state.packed_layers
     stats["kvpp_mode"] = state.mode
     stats["owner_blocker"] = state.owner_blocker
     stats["prefill_rows_with_history"] = state.prefill_rows_with_history

@@ -1,0 +1,117 @@
+"""The step's attention metadata as non-owned layers read their packed scratch slots.
+
+When a forward packs blocks (`KVPPRuntime.packed`), a rank that reads layer L from its scratch slot holds
+there only the step's listed blocks, in list order, at the front. vLLM's attention reads its block ids
+from the forward context, per layer name: ``attn_metadata[name]`` (the MLA decode and prefill block tables)
+and ``slot_mapping[name]`` (where the cache write puts each new token). So, once per forward, before the
+model runs, every non-owned target layer gets its own metadata object: a copy whose block tables and
+slot mapping are remapped by the runtime (`KVPPRuntime.tables`), shared by the non-owned layers of one
+metadata object. Owned and draft layers keep vLLM's objects, which index their persistent caches.
+
+Invariants:
+- Nothing vLLM owns is mutated: the runner's block table, slot buffer and metadata objects are read by
+  the drafter after the forward. The forward context gets new dicts; the copies hold new tensors.
+- A metadata object of a kind this module does not know, or a block id of a decode row that the packed
+  list does not hold, raises `PackedMetadataError` before attention runs: vLLM's CPU decode kernel does
+  not bound-check block ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kvpp_fx.runtime.active_blocks import BLOCK_TABLE, SLOT_MAPPING
+from kvpp_fx.runtime.runtime import KVPPRuntime
+
+
+class PackedMetadataError(RuntimeError):
+    """A non-owned layer's metadata cannot be remapped to its packed scratch slot."""
+
+
+def rebind(forward_context: Any, runtime: KVPPRuntime, layer_index: Mapping[str, int]) -> int:
+    """Give each non-owned target layer in `forward_context` metadata over its packed slot; returns how
+    many layers got it."""
+    metadata = forward_context.attn_metadata
+    if isinstance(metadata, list):  # micro-batches (DBO): one dict per micro-batch
+        remapped = [_rebind_dict(part, runtime, layer_index) for part in metadata]
+        forward_context.attn_metadata = [part for part, _ in remapped]
+        count = sum(n for _, n in remapped)
+    else:
+        forward_context.attn_metadata, count = _rebind_dict(metadata, runtime, layer_index)
+    slots = getattr(forward_context, "slot_mapping", None)
+    if isinstance(slots, dict) and slots:
+        rebound = dict(slots)
+        for name, slot in slots.items():
+            index = layer_index.get(name)
+            if index is not None and _reads_slot(runtime, index) and isinstance(slot, torch.Tensor):
+                (rebound[name],) = runtime.tables(index, [slot], [SLOT_MAPPING], request_rows=False)
+        forward_context.slot_mapping = rebound
+    return count
+
+
+def _reads_slot(runtime: KVPPRuntime, index: int) -> bool:
+    return index in runtime.plan.owners and not runtime.owns(index)
+
+
+def _rebind_dict(metadata: Any, runtime: KVPPRuntime, layer_index: Mapping[str, int]) -> tuple[Any, int]:
+    if not isinstance(metadata, dict):
+        return metadata, 0
+    out, copies, count = dict(metadata), {}, 0
+    for name, value in metadata.items():
+        index = layer_index.get(name)
+        if value is None or index is None or not _reads_slot(runtime, index):
+            continue
+        key = id(value)
+        if key not in copies:
+            copies[key] = remap_metadata(value, runtime, index)
+        out[name] = copies[key]
+        count += 1
+    return out, count
+
+
+def remap_metadata(metadata: Any, runtime: KVPPRuntime, index: int) -> Any:
+    """A copy of one MLA metadata object whose block tables and slot mapping read the packed slot."""
+    def remap(table: torch.Tensor, kind: str) -> torch.Tensor:
+        (out,) = runtime.tables(index, [table], [kind], request_rows=False)
+        return out
+
+    if not dataclasses.is_dataclass(metadata) or not hasattr(metadata, "decode") or not hasattr(metadata, "prefill"):
+        raise PackedMetadataError(
+            f"layer {index}: KVPP cannot remap attention metadata of type {type(metadata).__name__} to a packed "
+            "scratch slot (it remaps MLA metadata: decode and prefill block tables, slot mapping).")
+    changes: dict[str, Any] = {}
+    decode = metadata.decode
+    if decode is not None:
+        table = remap(decode.block_table, BLOCK_TABLE)
+        if not runtime.owner_tokens:  # decode rows sent to the owner read nothing here
+            _check_decode(runtime, index, table, decode.seq_lens)
+        changes["decode"] = dataclasses.replace(decode, block_table=table)
+    prefill = metadata.prefill
+    if prefill is not None:
+        changes["prefill"] = dataclasses.replace(prefill, block_table=remap(prefill.block_table, BLOCK_TABLE))
+    slot_mapping = getattr(metadata, "slot_mapping", None)
+    if isinstance(slot_mapping, torch.Tensor):
+        changes["slot_mapping"] = remap(slot_mapping, SLOT_MAPPING)
+    return dataclasses.replace(metadata, **changes)
+
+
+def _check_decode(runtime: KVPPRuntime, index: int, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Every block a decode row reads lies in the packed slot (checked where the host can read it at no
+    cost; a device reads it through the same list, which the runtime built from the same tables)."""
+    if not runtime.api.immediate_checks or table.numel() == 0:
+        return
+    block_size = runtime.plan.spec.block_size
+    reads = (seq_lens.to(torch.int64) + block_size - 1) // block_size
+    columns = torch.arange(table.shape[1], device=table.device)[None, :]
+    read = columns < reads[:, None].to(table.device)
+    slot_blocks = runtime.storage.slot_blocks
+    outside = read & ((table < 0) | (table >= slot_blocks))
+    if bool(outside.any()):
+        row, column = (int(v) for v in outside.nonzero()[0])
+        raise PackedMetadataError(
+            f"layer {index}: decode row {row} reads block-table entry {column}, which the step's packed list does "
+            f"not hold (the slot holds {slot_blocks} blocks); the step's blocks= and written= miss a block it reads.")
