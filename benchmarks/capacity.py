@@ -1,10 +1,19 @@
-"""Blocks per rank with KVPP vs replicated at equal memory, measured by the real allocator.
+"""Blocks per rank with KVPP vs replicated at equal memory: compact scratch against whole-layer slots.
 
-For the reference `small` preset (8 layers) at TP 2 and TP 4, each rank's cache is really allocated
-for the largest block count that fits the budget; the ratio is taken at the worst rank (the engine
-uses one block count everywhere) and set next to the formula L / (ceil(L/N) + 2 + staging) and to
-`kvpp-fx plan` for DeepSeek-V3 at TP 8. Each is measured with the active-block staging buffer (the
-default, 25 % of the pool) and without it (staging_fraction=0, the seed's layout).
+Measured by the real allocator (each rank's cache really allocated for the largest block count that
+fits the budget, the ratio taken at the worst rank, as the engine uses one block count everywhere):
+
+- the reference `small` preset (8 layers) at TP 2 and TP 4, 1 GiB per rank, with slots of S blocks from
+  a max model length of 8192 and a token budget of 512 (S = 544), and with whole-layer slots;
+- the vLLM tests' tiny DeepSeek model (6 layers of fp32 latents, block 16, its MTP layer local on every
+  rank) at TP 2 in 32 MiB per rank: whole-layer slots (what the vLLM integration allocates) and the
+  compact what-if with a max model length of 256 and a budget of 256 (the tests' longest request is 106
+  tokens).
+
+Planned by `kvpp-fx plan` (TP 8, 64 GiB per rank, block 128, bf16, token budget 8192): DeepSeek-V3, Kimi-K2
+and DeepSeek-V3.2 at max model lengths of 32K and 128K, and without a bound; DeepSeek-V3 with MTP too.
+Each ratio is set next to the formula L / ceil(L/N) * (1 - depth * S * b / M) (whole-layer slots:
+L / (ceil(L/N) + depth)).
 
     python benchmarks/capacity.py [--kv-memory 1GiB]
 """
@@ -13,19 +22,24 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import sys
 
 from _common import write_result
 
 from kvpp_fx.cache.allocate import allocate_cache
 from kvpp_fx.cache.placement import KVPPPlan
+from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
 from kvpp_fx.plan_report import build_plan, format_bytes, parse_bytes
 from kvpp_fx.reference.config import PRESETS
 
+REFERENCE_MAX_MODEL_LEN, REFERENCE_BUDGET = 8192, 512
+VLLM_TINY_MAX_MODEL_LEN, VLLM_TINY_BUDGET = 256, 256
+PLANS = ("deepseek-v3", "kimi-k2", "deepseek-v3.2-exp")
+PLAN_MEMORY = "64GiB"
+
 
 def measured_blocks(plan: KVPPPlan, rank: int, budget: int) -> tuple[int, int]:
-    blocks = plan.num_blocks(budget, rank)
+    blocks = min(plan.num_blocks(budget, rank), plan.num_blocks(budget))
     storage = allocate_cache(plan, rank, blocks)
     allocated = storage.allocated_bytes
     del storage
@@ -35,45 +49,64 @@ def measured_blocks(plan: KVPPPlan, rank: int, budget: int) -> tuple[int, int]:
     return blocks, allocated
 
 
+def measured(spec: ModelCacheSpec, tp: int, budget: int, max_model_len: int, token_budget: int) -> dict:
+    replicated, _ = measured_blocks(KVPPPlan(spec, group_size=1), 0, budget)
+    row = {"tp": tp, "replicated_blocks": replicated, "max_model_len": max_model_len, "token_budget": token_budget}
+    for label, plan in (("compact", KVPPPlan.for_requests(spec, tp, max_model_len=max_model_len,
+                                                          token_budget=token_budget)),
+                        ("whole_layer", KVPPPlan(spec, group_size=tp))):
+        per_rank = [measured_blocks(plan, rank, budget) for rank in range(tp)]
+        worst = min(b for b, _ in per_rank)
+        plan.check_pool(worst)
+        row[label] = {"blocks_per_rank": [b for b, _ in per_rank], "allocated_bytes_per_rank": [a for _, a in per_rank],
+                      "measured_ratio": worst / replicated, "formula_ratio": plan.formula_capacity_ratio(budget),
+                      "slot_blocks": plan.slot_blocks(worst)}
+    return row
+
+
+def vllm_tiny_spec() -> ModelCacheSpec:
+    """The cache vLLM reports for tests/integrations/tiny_model.py: 6 MLA layers and one MTP layer of
+    576 float32 values per token, 16 tokens per block."""
+    def layer(index: int, draft: bool) -> LayerCacheSpec:
+        return LayerCacheSpec(index, (ComponentSpec("kv", "float32", (576,)),), is_draft=draft)
+
+    return ModelCacheSpec("vllm-tiny-deepseek", 16, tuple(layer(i, i == 6) for i in range(7)))
+
+
+def planned(model: str, max_model_len: int | None, mtp: bool = False) -> dict:
+    budget = parse_bytes(PLAN_MEMORY)
+    plan = build_plan(model, tp=8, block_size=128, mtp=mtp, max_model_len=max_model_len,
+                      token_budget=8192 if max_model_len else None)
+    return {"model": model, "mtp": mtp, "max_model_len": max_model_len, "slot_blocks": plan.scratch_blocks,
+            "capacity_ratio": plan.capacity_ratio(budget), "formula_ratio": plan.formula_capacity_ratio(budget),
+            "whole_layer_ratio": plan.whole_layer().capacity_ratio(budget)}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-memory", default="1GiB")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     budget = parse_bytes(args.kv_memory)
-    config = PRESETS["small"]
-    spec = config.cache_spec(block_size=16)
-    layers = config.num_hidden_layers
-    rows = []
-    replicated_blocks, replicated_bytes = measured_blocks(KVPPPlan(spec, group_size=1), 0, budget)
-    for tp in (2, 4):
-        row = {"preset": "small", "tp": tp, "replicated_blocks": replicated_blocks}
-        for label, plan in (("", KVPPPlan(spec, group_size=tp)),
-                            ("_without_staging", KVPPPlan(spec, group_size=tp, staging_fraction=0.0))):
-            per_rank = [measured_blocks(plan, rank, budget) for rank in range(tp)]
-            worst = min(b for b, _ in per_rank)
-            row.update({f"kvpp_blocks_per_rank{label}": [b for b, _ in per_rank],
-                        f"allocated_bytes_per_rank{label}": [a for _, a in per_rank],
-                        f"measured_ratio{label}": worst / replicated_blocks,
-                        f"formula_ratio{label}": plan.formula_capacity_ratio()})
-        assert row["formula_ratio_without_staging"] == layers / (math.ceil(layers / tp) + 2)
-        rows.append(row)
-        print(f"small TP{tp}: replicated {replicated_blocks} blocks, KVPP {row['kvpp_blocks_per_rank']} blocks "
-              f"-> {row['measured_ratio']:.3f}x (formula {row['formula_ratio']:.3f}x); without staging "
-              f"{row['measured_ratio_without_staging']:.3f}x (formula {row['formula_ratio_without_staging']:.3f}x) "
-              f"at {format_bytes(budget)} per rank")
-    v3 = build_plan("deepseek-v3", tp=8, block_size=128)
-    v3_budget = parse_bytes("64GiB")
-    v3_ratio = v3.capacity_ratio(v3_budget)
-    v3_without = v3.without_staging().capacity_ratio(v3_budget)
-    v3_formula = 61 / (math.ceil(61 / 8) + 2)
-    print(f"kvpp-fx plan deepseek-v3 TP8 (64 GiB, block 128): {v3_ratio:.3f}x with staging, {v3_without:.3f}x "
-          f"without (formula {v3_formula:.3f}x)")
-    write_result("capacity", {"kv_memory_bytes": budget, "replicated_allocated_bytes": replicated_bytes,
-                              "reference": rows,
-                              "deepseek_v3_tp8": {"plan_ratio": v3_ratio, "plan_ratio_without_staging": v3_without,
-                                                  "formula_ratio": v3_formula, "kv_memory_bytes": v3_budget}},
-                 args.out)
+    spec = PRESETS["small"].cache_spec(block_size=16)
+    reference = [measured(spec, tp, budget, REFERENCE_MAX_MODEL_LEN, REFERENCE_BUDGET) for tp in (2, 4)]
+    for row in reference:
+        print(f"small TP{row['tp']}: compact {row['compact']['measured_ratio']:.3f}x (formula "
+              f"{row['compact']['formula_ratio']:.3f}x, S = {row['compact']['slot_blocks']}), whole-layer slots "
+              f"{row['whole_layer']['measured_ratio']:.3f}x at {format_bytes(budget)} per rank")
+    tiny_budget = 32 << 20
+    tiny = measured(vllm_tiny_spec(), 2, tiny_budget, VLLM_TINY_MAX_MODEL_LEN, VLLM_TINY_BUDGET)
+    print(f"vLLM tiny DeepSeek TP2 in 32 MiB: whole-layer slots {tiny['whole_layer']['measured_ratio']:.3f}x, compact "
+          f"{tiny['compact']['measured_ratio']:.3f}x (S = {tiny['compact']['slot_blocks']})")
+    plans = [planned(model, length) for model in PLANS for length in (32768, 131072, None)]
+    plans += [planned("deepseek-v3", length, mtp=True) for length in (131072, None)]
+    for p in plans:
+        print(f"kvpp-fx plan {p['model']}{' --mtp' if p['mtp'] else ''} TP8 {PLAN_MEMORY} max_model_len "
+              f"{p['max_model_len']}: {p['capacity_ratio']:.3f}x (formula {p['formula_ratio']:.3f}x; whole-layer "
+              f"slots {p['whole_layer_ratio']:.3f}x)")
+    write_result("capacity", {"kv_memory_bytes": budget, "reference": reference, "vllm_tiny": tiny,
+                              "vllm_tiny_kv_memory_bytes": tiny_budget, "plans": plans,
+                              "plan_kv_memory_bytes": parse_bytes(PLAN_MEMORY)}, args.out)
     return 0
 
 

@@ -33,14 +33,28 @@ def rows() -> list[tuple[str, str, str]]:
     out = []
     cap = _load("capacity")
     for r in cap["reference"]:
+        c, w = r["compact"], r["whole_layer"]
         out.append((f"capacity, `small` TP {r['tp']}, {cap['kv_memory_bytes'] // 2**30} GiB per rank, real allocator",
-                    f"{r['measured_ratio']:.3f}x with active-block staging (formula {r['formula_ratio']:.3f}x); "
-                    f"{r['measured_ratio_without_staging']:.3f}x without (formula "
-                    f"{r['formula_ratio_without_staging']:.3f}x)", "`python benchmarks/capacity.py`"))
-    v3 = cap["deepseek_v3_tp8"]
-    out.append(("capacity, DeepSeek-V3 TP 8, 64 GiB, `kvpp-fx plan`",
-                f"{v3['plan_ratio']:.3f}x with staging; {v3['plan_ratio_without_staging']:.3f}x without "
-                f"(formula {v3['formula_ratio']:.3f}x)", "same"))
+                    f"{c['measured_ratio']:.3f}x with compact slots of {c['slot_blocks']} blocks (max model length "
+                    f"{r['max_model_len']:,}, formula {c['formula_ratio']:.3f}x); {w['measured_ratio']:.3f}x with "
+                    f"whole-layer slots (formula {w['formula_ratio']:.3f}x)", "`python benchmarks/capacity.py`"))
+    tiny = cap["vllm_tiny"]
+    out.append((f"capacity, vLLM tests' tiny DeepSeek TP 2, {cap['vllm_tiny_kv_memory_bytes'] // 2**20} MiB, real "
+                "allocator", f"{tiny['whole_layer']['measured_ratio']:.3f}x with whole-layer slots (what vLLM runs); "
+                f"{tiny['compact']['measured_ratio']:.3f}x with compact slots of {tiny['compact']['slot_blocks']} blocks "
+                f"(max model length {tiny['max_model_len']})", "same"))
+    for model in dict.fromkeys(p["model"] for p in cap["plans"]):
+        for mtp in (False, True):
+            plans = [p for p in cap["plans"] if p["model"] == model and p["mtp"] == mtp]
+            if not plans:
+                continue
+            bounded = "; ".join(f"{p['capacity_ratio']:.3f}x at {p['max_model_len'] // 1024}K (S = {p['slot_blocks']})"
+                                for p in plans if p["max_model_len"])
+            whole = next(p for p in plans if not p["max_model_len"])
+            out.append((f"capacity, {model}{' with MTP' if mtp else ''} TP 8, "
+                        f"{cap['plan_kv_memory_bytes'] // 2**30} GiB, `kvpp-fx plan`",
+                        f"{bounded}; {whole['capacity_ratio']:.3f}x without a bound (whole-layer slots, formula "
+                        f"{whole['formula_ratio']:.3f}x)", "same"))
     ovl = _load("overlap")
     out.append((f"transfer hidden, runtime only, {ovl['layers']} x {ovl['layer_bytes'] // 2**20} MiB layers, "
                 "sleep stand-in", f"{ovl['hidden_fraction_vs_compute']:.3f} (1 - exposed/transfer); "
@@ -98,6 +112,11 @@ def rows() -> list[tuple[str, str, str]]:
     out.append((f"active-block crossover, {ab['pool_blocks']}-block pool, {ab['layer_bytes'] / 2**20:.1f} MiB layers",
                 f"{cross:.2f} of the pool" if cross is not None else "none: active blocks never slower",
                 "`python benchmarks/active_blocks.py`"))
+    chunks = [r for r in ab["rows"] if r["fraction"] in (0.05, 0.2, 0.5)]
+    out.append(("packed blocks vs the staged path (gather, broadcast, scatter), per forward of 2 layers",
+                "; ".join(f"{r['blocks']} blocks ({r['active_bytes'] / 2**20:.2f} MiB, the same bytes): "
+                          f"{r['active_s'] * 1e3:.1f} ms vs {r['staged_s'] * 1e3:.1f} ms "
+                          f"({r['active_over_staged']:.2f}x)" for r in chunks), "same"))
     pt = _load("pass_time")
     for mode, m in pt["modes"].items():
         split = (f"; split {m['split_s'] * 1e3:.0f} ms (torch.fx split_module {m['split_module_s'] * 1e3:.0f} ms)"

@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from kvpp_fx.cache.cost import OWNER, AttentionShape, LinkModel, StepLoad, choose_mode
-from kvpp_fx.cache.placement import KVPPPlan
+from kvpp_fx.cache.placement import UNBOUNDED_BLOCKS, KVPPPlan
 from kvpp_fx.cache.spec import ModelCacheSpec, load_hf_config
 
 _UNITS = {
@@ -102,7 +102,9 @@ def plan_report(plan: KVPPPlan, available_bytes: int, *, max_model_len: int | No
     plan.check_pool(blocks)
     ranks = []
     for rank in range(plan.group_size):
-        rank_blocks = min(plan.num_blocks(available_bytes, rank), blocks)  # a rank may hold no per-block bytes
+        rank_blocks = plan.num_blocks(available_bytes, rank)
+        if rank_blocks == UNBOUNDED_BLOCKS:  # only compact slots: the group's pool is the other ranks' bound
+            rank_blocks = blocks
         ranks.append({
             "rank": rank,
             "owned_layers": list(plan.owned_layers(rank)),

@@ -11,8 +11,9 @@ Invariants:
 - Every component has a typed view ``[blocks, block_size, *per_token]`` over the byte view, at the
   component-major offset of ``plan.layout``, and a block view ``[blocks, bytes_per_block]`` (uint8) over
   the same bytes, which the owner gathers from and packs into whatever the dtype.
-- A slot's ids region ends where its bundle region starts, so the ids of n packed blocks and the first
-  component's n blocks are one contiguous payload (`packed_payloads`).
+- A slot's ids region (padded to 4 KiB, `ids_region_bytes`) ends where its bundle region starts, so the
+  ids of n packed blocks, at the region's end, and the first component's n blocks are one contiguous
+  payload (`packed_payloads`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvpp_fx.cache.placement import BLOCK_ID_BYTES, KVPPPlan
+from kvpp_fx.cache.placement import BLOCK_ID_BYTES, KVPPPlan, ids_region_bytes
 
 TORCH_DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -76,7 +77,7 @@ class CacheStorage:
                                                                           tuple[torch.Tensor, ...]]:
         """One broadcast's tensors for `count` packed blocks of `layer` in slot `slot`: the ids
         (``[count]`` int64) and, per component, the bytes that travel (the first joined with the ids)."""
-        slot_bytes, ids_bytes = self.scratch[slot], self.slot_blocks * BLOCK_ID_BYTES
+        slot_bytes, ids_bytes = self.scratch[slot], ids_region_bytes(self.slot_blocks)
         ids = slot_bytes[ids_bytes - count * BLOCK_ID_BYTES: ids_bytes].view(torch.int64)
         parts = tuple(v[:count].reshape(-1) for v in self.slot_block_views(slot, layer))
         if not parts:
@@ -85,7 +86,7 @@ class CacheStorage:
         return ids, first, parts[1:]
 
     def _slot_region(self, slot: int) -> torch.Tensor:
-        start = self.slot_blocks * BLOCK_ID_BYTES
+        start = ids_region_bytes(self.slot_blocks)
         return self.scratch[slot][start: start + self.slot_blocks * self.plan.largest_target_bytes_per_block]
 
     @property
@@ -137,7 +138,7 @@ def allocate_cache(plan: KVPPPlan, rank: int, num_blocks: int,
         if plan.is_local(layer, rank):
             backing, start, blocks = persistent[layer], 0, num_blocks
         else:
-            backing, start, blocks = scratch[plan.slot(layer)], slot_blocks * BLOCK_ID_BYTES, slot_blocks
+            backing, start, blocks = scratch[plan.slot(layer)], ids_region_bytes(slot_blocks), slot_blocks
         view = backing[start: start + blocks * plan.bundle_bytes_per_block(layer)]
         byte_views[layer] = view
         typed[layer] = _typed_views(plan, layer, view, blocks)

@@ -12,7 +12,8 @@ Invariants (from the reference implementation unless marked):
 - Every buffer (each owned bundle, each local draft cache, each scratch slot) is 2 MiB aligned, and
   (ours) the padding is counted in the budget: ``bytes_for(num_blocks(a)) <= a`` always holds.
 - (ours) A scratch slot holds ``scratch_blocks`` blocks of the largest target bundle (S, compact
-  scratch), or the whole pool where no bound is given, plus one 8-byte id per block in front of them.
+  scratch), or the whole pool where no bound is given, plus one 8-byte id per block in front of them
+  (that region padded to 4 KiB, so the bundle region is aligned).
   A step's broadcast is packed into the front of the slot and attention reads it through remapped
   block tables, so no other buffer holds cache bytes. S is a fixed cost: it does not grow with the pool.
 - (ours) ``scratch_blocks_for(max_model_len, token_budget, block_size)``: the blocks of the longest
@@ -41,6 +42,14 @@ MIN_DEPTH = 2
 DEFAULT_CROSSOVER_FRACTION = 0.25
 # Each packed block travels with its id (int64), so receivers can check they hold the owner's set.
 BLOCK_ID_BYTES = 8
+# A slot's ids region is padded to this, so the bundle region after it starts aligned for vector loads
+# (vLLM's CPU kernels, device kernels).
+IDS_ALIGNMENT = 4096
+
+
+def ids_region_bytes(blocks: int) -> int:
+    """The bytes in front of a scratch slot's bundle region that hold its blocks' ids."""
+    return align_up(blocks * BLOCK_ID_BYTES, IDS_ALIGNMENT)
 # `KVPPPlan.num_blocks` of a rank whose buffers do not grow with the pool (it owns no layer and its
 # slots are compact): the group's pool is then bounded by the other ranks.
 UNBOUNDED_BLOCKS = 1 << 62
@@ -140,7 +149,7 @@ class BufferPlan:
 
     kind: str
     key: int  # the layer index for persistent/draft buffers, the slot for scratch buffers
-    bytes_per_block: int
+    bytes_per_block: int  # a scratch slot's include each block's id
     fixed_blocks: int | None = None
 
     @property
@@ -153,7 +162,10 @@ class BufferPlan:
         return num_blocks if self.fixed_blocks is None else self.fixed_blocks
 
     def nbytes(self, num_blocks: int) -> int:
-        return align_up(self.blocks(num_blocks) * self.bytes_per_block)
+        blocks = self.blocks(num_blocks)
+        if self.kind == "scratch":  # the ids region, padded, then the bundle region
+            return align_up(ids_region_bytes(blocks) + blocks * (self.bytes_per_block - BLOCK_ID_BYTES))
+        return align_up(blocks * self.bytes_per_block)
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,8 @@ def run_engine(config: RefConfig, prompts: list[list[int]], max_new_tokens: int,
     records = engine.backend.records if engine.backend is not None else []
     result = {"outputs": [r.output for r in engine.requests], "stats": engine.runtime.stats(), "steps": engine.steps,
               "num_blocks": engine.runtime.storage.num_blocks,
+              "slot_blocks": engine.runtime.storage.slot_blocks if engine.plan.compact else None,
+              "allocated_bytes": engine.runtime.storage.allocated_bytes,
               "cached_tokens": [r.cached_tokens for r in engine.requests],
               "drafts": [(r.drafts_proposed, r.drafts_accepted) for r in engine.requests],
               "dump_dirs": [str(r.dump_dir) for r in records if r.dump_dir is not None]}

@@ -62,7 +62,7 @@ class PackedBlocks:
     _equal: torch.Tensor  # scratch for one layer's comparison, so no layer allocates
     _layer_arrived: torch.Tensor
     _payloads: dict[tuple[int, int], tuple] = field(default_factory=dict)
-    _remapped: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _remapped: dict[tuple[str, int, bool], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def prepare(cls, blocks: Any, written: Any, storage: CacheStorage, api: DeviceAPI) -> PackedBlocks:
@@ -121,18 +121,24 @@ class PackedBlocks:
 
     # --- the tables attention reads ----------------------------------------------------------------
 
-    def remap(self, api: DeviceAPI, table: torch.Tensor, kind: str, owner_rows: tuple[int, ...] = ()) -> torch.Tensor:
+    def remap(self, api: DeviceAPI, table: torch.Tensor, kind: str, owner_rows: tuple[int, ...] = (),
+              unlisted_in_range: bool = False) -> torch.Tensor:
         """`table` as a non-owner's attention reads the packed slot; one tensor per input per forward.
 
         ``owner_rows``: in a hybrid forward, the block-table rows of the requests whose attention runs
         on the owner. This rank's ops may still read them (an owner-local op runs every row), but never
-        use what they read there: they point at position 0, which every slot holds."""
-        key = (kind, id(table))
+        use what they read there: they point at position 0, which every slot holds.
+        ``unlisted_in_range``: unlisted entries point at position 0 instead of S, for kernels that read
+        a row's padding entries and mask what they read (vLLM's CPU decode kernel); the caller then
+        checks the entries its rows do use (`packed_metadata`)."""
+        key = (kind, id(table), unlisted_in_range)
         cached = self._remapped.get(key)
         if cached is not None and cached[0] is table:
             return cached[1]
         if kind == BLOCK_TABLE:
             out = api.remap_block_table(table, self.positions)
+            if unlisted_in_range:
+                out = out.masked_fill(out == self.slot_blocks, 0)
             if owner_rows and table.dim() == 2:
                 out[torch.tensor(owner_rows, dtype=torch.long, device=out.device)] = 0
         elif kind == SLOT_MAPPING:

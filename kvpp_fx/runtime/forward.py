@@ -343,7 +343,7 @@ class Forward:
     # --- tables, inside a layer's turn -----------------------------------------------------------------
 
     def tables(self, layer: int, tables: list[torch.Tensor], kinds: list[str],
-               request_rows: bool = True) -> list[torch.Tensor]:
+               request_rows: bool = True, unlisted_in_range: bool = False) -> list[torch.Tensor]:
         if len(tables) != len(kinds):
             raise ValueError(f"layer {layer}: {len(tables)} tables but {len(kinds)} table kinds.")
         position = self.runtime.order.positions.get(layer)
@@ -356,7 +356,7 @@ class Forward:
         api = self.runtime.api
         owner_rows = (tuple(k for k, mode in enumerate(self.rows.modes) if mode == OWNER)
                       if self.rows is not None and request_rows else ())
-        return [active.remap(api, table, kind, owner_rows) for table, kind in zip(tables, kinds)]
+        return [active.remap(api, table, kind, owner_rows, unlisted_in_range) for table, kind in zip(tables, kinds)]
 
     # --- owner mode, inside a layer's turn --------------------------------------------------------
 

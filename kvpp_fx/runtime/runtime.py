@@ -326,14 +326,17 @@ class KVPPRuntime:
         return self._current().wait(layer, slot, routed)
 
     def tables(self, layer: int, tables: Sequence[torch.Tensor], kinds: Sequence[str], *,
-               request_rows: bool = True) -> list[torch.Tensor]:
+               request_rows: bool = True, unlisted_in_range: bool = False) -> list[torch.Tensor]:
         """The block tables and slot mappings `layer`'s attention reads, for tables of `kinds`
         ("block_table", "slot_mapping"): remapped to the packed scratch slot where this rank reads the
         layer from it (`PackedBlocks.remap`), the tables as given elsewhere (an owned layer, a
         whole-layer broadcast, owner mode). ``request_rows``: a block table's rows are the forward's
         requests in order (as ``requests=`` names them, the graph's contract), so in a hybrid forward the
-        owner requests' rows, which this rank reads but never uses, point at a position every slot holds."""
-        return self._current().tables(layer, list(tables), list(kinds), request_rows)
+        owner requests' rows, which this rank reads but never uses, point at a position every slot holds.
+        ``unlisted_in_range``: a block-table entry of a block the forward did not list points at position
+        0 rather than out of the slot, for kernels that read padding entries; the caller checks the
+        entries its rows use."""
+        return self._current().tables(layer, list(tables), list(kinds), request_rows, unlisted_in_range)
 
     def enter_layer(self, layer: int, *, routed: bool = False) -> bool:
         """The plan's schedule for `layer`, run when a graph compiled for any layer reaches it (its layer

@@ -19,7 +19,7 @@ from tests.support.launch import launch
 pytestmark = pytest.mark.multirank
 
 NEW_TOKENS = 12
-POOL = 64  # staging: 25 % = 16 blocks; the workload reads at most 9 per step
+POOL = 64  # compact slots of 18 blocks (max_model_len 256 + a 24-token budget); the workload reads at most 9
 
 
 def expected(preset, prompts):
@@ -49,6 +49,7 @@ def run(preset, world, graph_mode, *, speculative=False, device_api=None):
 def check_active_path(results, preset, layers):
     per_block = bundle_bytes_per_block(preset) + BLOCK_ID_BYTES
     for res in results:
+        assert res["slot_blocks"] == -(-256 // 16) - (-24 // 16) == 18 and res["num_blocks"] == POOL  # S far below
         steps = res["steps"]
         assert steps[0]["has_history"] is False and steps[0]["broadcast_bytes"] == 0
         assert any(s["requests"][0][1] % 16 and s["requests"][0][1] < 48 for s in steps[1:3]), \

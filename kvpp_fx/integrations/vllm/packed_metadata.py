@@ -13,7 +13,8 @@ Invariants:
   the drafter after the forward. The forward context gets new dicts; the copies hold new tensors.
 - A metadata object of a kind this module does not know, or a block id of a decode row that the packed
   list does not hold, raises `PackedMetadataError` before attention runs: vLLM's CPU decode kernel does
-  not bound-check block ids.
+  not bound-check block ids. It also reads every row's entries up to the batch's longest row and masks
+  them, so the rows' padding (stale ids) points at a position the slot holds.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def _rebind_dict(metadata: Any, runtime: KVPPRuntime, layer_index: Mapping[str, 
 def remap_metadata(metadata: Any, runtime: KVPPRuntime, index: int) -> Any:
     """A copy of one MLA metadata object whose block tables and slot mapping read the packed slot."""
     def remap(table: torch.Tensor, kind: str) -> torch.Tensor:
-        (out,) = runtime.tables(index, [table], [kind], request_rows=False)
+        # vLLM's CPU decode kernel reads every row up to the batch's longest and masks the rest, so a
+        # row's padding (stale ids of earlier requests) must stay inside the slot.
+        (out,) = runtime.tables(index, [table], [kind], request_rows=False, unlisted_in_range=True)
         return out
 
     if not dataclasses.is_dataclass(metadata) or not hasattr(metadata, "decode") or not hasattr(metadata, "prefill"):
@@ -88,7 +91,8 @@ def remap_metadata(metadata: Any, runtime: KVPPRuntime, index: int) -> Any:
     if decode is not None:
         table = remap(decode.block_table, BLOCK_TABLE)
         if not runtime.owner_tokens:  # decode rows sent to the owner read nothing here
-            _check_decode(runtime, index, table, decode.seq_lens)
+            (strict,) = runtime.tables(index, [decode.block_table], [BLOCK_TABLE], request_rows=False)
+            _check_decode(runtime, index, strict, decode.seq_lens)
         changes["decode"] = dataclasses.replace(decode, block_table=table)
     prefill = metadata.prefill
     if prefill is not None:
@@ -100,8 +104,9 @@ def remap_metadata(metadata: Any, runtime: KVPPRuntime, index: int) -> Any:
 
 
 def _check_decode(runtime: KVPPRuntime, index: int, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
-    """Every block a decode row reads lies in the packed slot (checked where the host can read it at no
-    cost; a device reads it through the same list, which the runtime built from the same tables)."""
+    """Every block a decode row reads lies in the packed slot: `table` is remapped with unlisted blocks
+    out of the slot's range (checked where the host can read it at no cost; a device reads it through
+    the same list, which the worker built from the same tables)."""
     if not runtime.api.immediate_checks or table.numel() == 0:
         return
     block_size = runtime.plan.spec.block_size
