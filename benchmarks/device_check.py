@@ -378,7 +378,7 @@ def make_seam_api(device: torch.device, *, drop: str | None = None, late_ms: flo
 
 ORDER_LAYERS, ORDER_BLOCKS, ORDER_BLOCK, ORDER_WIDTH = 8, 64, 16, 64  # 256 KiB per layer, fp32
 ORDER_FORWARDS = 3
-ACTIVE = [1, 5, 9, 20, 33, 47, 63]  # 7 of 64 blocks: under the 16-block staging, under the crossover
+ACTIVE = [1, 5, 9, 20, 33, 47, 63]  # 7 of 64 blocks: under the crossover, packed
 HEADS_PER_RANK, ROPE, SCALE = 2, 8, 0.125
 
 
@@ -412,7 +412,8 @@ def _broadcast_forwards(rt: Any, stall: Stall, blocks: list[int] | None) -> list
 
     The owner writes the forward's bytes into its persistent view just before each prefetch; attention's
     read is a copy on the compute stream. Returns every (forward, layer) whose read bytes differ from
-    the owner's (only the listed blocks count on receivers when `blocks` is given). A stall before a
+    the owner's (only the listed blocks count on receivers when `blocks` is given: packed at the front of
+    the slot, in sorted order). A stall before a
     ready point makes a broadcast that does not wait for it send stale bytes; a stall before a read
     makes the next broadcast into that slot, if unordered, overwrite it first.
     """
@@ -441,8 +442,8 @@ def _broadcast_forwards(rt: Any, stall: Stall, blocks: list[int] | None) -> list
     wrong = []
     for f, layer, got in reads:
         want = _expected(f, layer, device)
-        if blocks is not None and plan.owner(layer) != me:
-            got, want = got[blocks], want[blocks]
+        if blocks is not None and plan.owner(layer) != me:  # packed: the listed blocks, in order, in front
+            got, want = got[: len(blocks)], want[sorted(blocks)]
         if not torch.equal(got, want):
             wrong.append(f"forward {f} layer {layer}")
     return wrong
@@ -781,8 +782,7 @@ def _device_engine_class():
             self.requests, self.steps, self.last_logits = [], [], None
             self.kvpp_mode = kvpp_mode
             storage = self.runtime.storage
-            for buffer in (*storage.persistent.values(), *storage.scratch,
-                           *([storage.staging] if storage.staging is not None else [])):
+            for buffer in (*storage.persistent.values(), *storage.scratch):
                 buffer.zero_()
 
     return DeviceEngine

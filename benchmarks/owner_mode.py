@@ -22,7 +22,8 @@ and KVPP on. Both serve the same requests in the same order, so their schedules 
 How the runtime counts bytes (per rank, per decode step; L target layers, N ranks, H heads, T query
 tokens, fp32 activations and cache):
 - broadcast mode with active blocks: each layer's owner packs the blocks the step reads (every
-  component) and their int64 ids into staging, and one broadcast carries them; the owner counts the
+  component) and their int64 ids into the front of its own scratch slot, and one broadcast per
+  component carries them (one here: the latent cache); the owner counts the
   payload it sends, each receiver the payload it receives. A rank owns some layers and receives the
   others, so it counts ``L * blocks * (block_size * (kv_lora_rank + rope) * 4 + 8)``.
 - owner mode: for each layer, every rank sends its heads' queries to the owner in one gather
@@ -69,7 +70,7 @@ PREFILL_LIMIT = 4096  # longer byte contexts are synthetic (the timed context is
 BYTE_STEPS_PER_MODE = 3
 WARMUP_ROUNDS = 2
 TIMED_MODES = ("owner", "broadcast", "auto")
-CROSSOVER = 0.25  # the runtime's default crossover and staging fraction of the pool
+CROSSOVER = 0.25  # the runtime's default crossover fraction of the pool (whole-layer slots)
 GOAL = 1.10
 ITEMSIZE = 4  # fp32 activations and cache
 BLOCK_ID_BYTES = 8

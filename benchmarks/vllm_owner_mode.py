@@ -11,7 +11,7 @@ Reported per mode and context:
 - the bytes of the last decode step on each rank (``last_forward``), against the formula:
   broadcast: per layer, the request's history blocks, ``ceil(computed / 16) x (16 x 576 x 4 + 8)`` bytes
   (sent by the owner, received by the other rank), or the whole layer, ``num_blocks x 16 x 576 x 4``,
-  once the blocks pass the staging buffer or the crossover (``KVPPPlan.uses_active_blocks``); owner:
+  once the blocks pass the crossover (``KVPPPlan.uses_active_blocks``); owner:
   per layer, ``T x 2 heads x (576 + 512) x 4`` bytes for T = 1 decode token, whatever the context;
 - the ratio of the longest context's bytes to the shortest's, per mode (the issue asks <= 1.3 for owner);
 - the median decode step time, against an engine with KVPP off, at the longest context.

@@ -3,7 +3,7 @@
     python benchmarks/vllm_serving.py [--layers 16] [--kv-memory 48MiB] [--requests 16] [--input-len 500]
 
 A tiny random DeepSeek-V3 with 16 layers (16 / (8 + 2) = 1.6x the blocks at TP 2 in theory, less the
-staging buffer and the 2 MiB padding) is served at TP 2 with a fixed ``--kv-cache-memory-bytes``, KVPP
+2 MiB padding) is served at TP 2 with a fixed ``--kv-cache-memory-bytes``, KVPP
 off and then on, each driven by vLLM's own benchmark client (``vllm bench serve``, whose module runs
 here: the CPU wheel's ``vllm`` script does not start) with more concurrent long-prompt requests than
 KVPP off can hold. Both servers run eagerly in bfloat16 on the platform's MLA backend, so that only

@@ -7,9 +7,11 @@ drop the remap of the packed slot through the device API, and the tokens change.
 """
 
 import functools
+import re
 
 import pytest
 
+from kvpp_fx.launch import RankFailure
 from kvpp_fx.reference.config import PRESETS
 from kvpp_fx.reference.engine import EngineConfig, RequestTooLongError, build_engine
 from kvpp_fx.reference.generate import rank_groups, run_generation
@@ -47,15 +49,25 @@ def test_steps_wider_than_the_slot_send_rows_to_their_owners_and_match_recomputa
         assert res["outputs"] == truth
         assert res["slot_blocks"] == SLOT and res["num_blocks"] == POOL
         steps = res["steps"]
-        both = [s for s in steps if len(s["requests"]) == 2]
-        assert both and all(s["mode"] in ("hybrid", "owner") for s in both), [s["mode"] for s in both]
-        assert any(s["mode"] == "hybrid" for s in both)  # one request broadcast, the other on the owner
+        # once both requests decode they touch 7 blocks: one of them goes to the owners, the other is
+        # broadcast; a step of one request always fits
+        hybrid = [s for s in steps if s["mode"] == "hybrid"]
+        assert len(hybrid) >= NEW_TOKENS // 2 and all(len(s["requests"]) == 2 for s in hybrid)
+        assert all(sorted(s["paths"]) == ["broadcast", "owner"] for s in hybrid)
         assert all(s["mode"] == "broadcast" for s in steps if len(s["requests"]) == 1)
 
 
 @pytest.mark.parametrize("fault", ["OffByOneRemap", "UnremappedTables"])
-def test_negative_control_a_wrong_remap_changes_the_tokens(fault):
-    prompts, results = run(device_api=f"tests.support.faults:{fault}")
+def test_negative_control_a_wrong_remap_changes_the_tokens_or_fails(fault):
+    """A receiver reading its packed slot one position off, or through the pool's ids: its attention
+    reads other blocks' bytes (the tokens change), or an index the slot does not hold (the reference op
+    raises)."""
+    try:
+        prompts, results = run(device_api=f"tests.support.faults:{fault}")
+    except RankFailure as exc:
+        # an index of the slot's 5 blocks, or of its 5 x 16 token slots, that it does not hold
+        assert re.search(r"is out of bounds for dimension 0 with size (5|80)\b", str(exc)), str(exc)[-2000:]
+        return
     assert results[0]["outputs"] != expected("tiny", tuple(tuple(p) for p in prompts))
 
 
