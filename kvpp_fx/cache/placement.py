@@ -50,6 +50,8 @@ IDS_ALIGNMENT = 4096
 def ids_region_bytes(blocks: int) -> int:
     """The bytes in front of a scratch slot's bundle region that hold its blocks' ids."""
     return align_up(blocks * BLOCK_ID_BYTES, IDS_ALIGNMENT)
+
+
 # `KVPPPlan.num_blocks` of a rank whose buffers do not grow with the pool (it owns no layer and its
 # slots are compact): the group's pool is then bounded by the other ranks.
 UNBOUNDED_BLOCKS = 1 << 62
@@ -149,7 +151,7 @@ class BufferPlan:
 
     kind: str
     key: int  # the layer index for persistent/draft buffers, the slot for scratch buffers
-    bytes_per_block: int  # a scratch slot's include each block's id
+    bytes_per_block: int  # a scratch slot's includes each block's 8-byte id
     fixed_blocks: int | None = None
 
     @property
@@ -291,7 +293,9 @@ class KVPPPlan:
         return max((self.bundle_bytes_per_block(i) for i in self.target_layers), default=0)
 
     def needs_scratch(self, rank: int) -> bool:
-        return len(self.owned_layers(rank)) < len(self.target_layers)
+        """Every rank of an enabled group: it receives the layers it does not own, and packs the blocks of
+        the ones it owns into its own slot (a rank that owns every layer of a stage included)."""
+        return self.enabled and bool(self.target_layers)
 
     def buffers(self, rank: int) -> tuple[BufferPlan, ...]:
         """The physical buffers `rank` allocates, in allocation order."""

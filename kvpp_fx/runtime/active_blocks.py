@@ -62,7 +62,7 @@ class PackedBlocks:
     _equal: torch.Tensor  # scratch for one layer's comparison, so no layer allocates
     _layer_arrived: torch.Tensor
     _payloads: dict[tuple[int, int], tuple] = field(default_factory=dict)
-    _remapped: dict[tuple[str, int, bool], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _remapped: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def prepare(cls, blocks: Any, written: Any, storage: CacheStorage, api: DeviceAPI) -> PackedBlocks:
@@ -131,7 +131,7 @@ class PackedBlocks:
         ``unlisted_in_range``: unlisted entries point at position 0 instead of S, for kernels that read
         a row's padding entries and mask what they read (vLLM's CPU decode kernel); the caller then
         checks the entries its rows do use (`packed_metadata`)."""
-        key = (kind, id(table), unlisted_in_range)
+        key = (kind, id(table), owner_rows, unlisted_in_range)
         cached = self._remapped.get(key)
         if cached is not None and cached[0] is table:
             return cached[1]

@@ -20,7 +20,8 @@ Invariants:
 - Everything a forward moves, every rank agreed on in `begin`, before any byte moved; that includes
   which requests' rows go to the owner.
 - A non-owner's attention reads a packed slot only through tables remapped for this forward's list
-  (`tables`): an unlisted block is out of the slot's range, never another block's bytes.
+  (`tables`): an unlisted block is out of the slot's range (or, asked for kernels that read padding,
+  position 0, which the caller checks).
 - In a forward given ``requests=`` with owner rows, every target layer exchanged them before the next
   layer's wait (and the last before the forward ends): an op that skipped its exchange read a scratch
   slot that does not hold those rows' blocks (`OwnerRoutingError`).

@@ -76,20 +76,27 @@ def _rebind_dict(metadata: Any, runtime: KVPPRuntime, layer_index: Mapping[str, 
 
 def remap_metadata(metadata: Any, runtime: KVPPRuntime, index: int) -> Any:
     """A copy of one MLA metadata object whose block tables and slot mapping read the packed slot."""
-    def remap(table: torch.Tensor, kind: str) -> torch.Tensor:
-        # vLLM's CPU decode kernel reads every row up to the batch's longest and masks the rest, so a
-        # row's padding (stale ids of earlier requests) must stay inside the slot.
-        (out,) = runtime.tables(index, [table], [kind], request_rows=False, unlisted_in_range=True)
+    def remap(table: torch.Tensor, kind: str, in_range: bool = False) -> torch.Tensor:
+        (out,) = runtime.tables(index, [table], [kind], request_rows=False, unlisted_in_range=in_range)
         return out
 
     if not dataclasses.is_dataclass(metadata) or not hasattr(metadata, "decode") or not hasattr(metadata, "prefill"):
         raise PackedMetadataError(
             f"layer {index}: KVPP cannot remap attention metadata of type {type(metadata).__name__} to a packed "
             "scratch slot (it remaps MLA metadata: decode and prefill block tables, slot mapping).")
+    others = [f.name for f in dataclasses.fields(metadata)
+              if "block_table" in f.name and isinstance(getattr(metadata, f.name), torch.Tensor)]
+    if others:  # block ids this module does not remap (sparse MLA's top-level table, for one)
+        raise PackedMetadataError(
+            f"layer {index}: {type(metadata).__name__} holds block ids in {others}, which KVPP does not remap to "
+            "a packed scratch slot.")
     changes: dict[str, Any] = {}
     decode = metadata.decode
     if decode is not None:
-        table = remap(decode.block_table, BLOCK_TABLE)
+        # vLLM's CPU decode kernel reads every row up to the batch's longest and masks the rest, so a
+        # row's padding (stale ids of earlier requests) must stay inside the slot; the entries the rows
+        # use are checked below.
+        table = remap(decode.block_table, BLOCK_TABLE, in_range=True)
         if not runtime.owner_tokens:  # decode rows sent to the owner read nothing here
             (strict,) = runtime.tables(index, [decode.block_table], [BLOCK_TABLE], request_rows=False)
             _check_decode(runtime, index, strict, decode.seq_lens)

@@ -216,7 +216,9 @@ def kvpp_runner_class(base: type) -> type:
             rows = _step_rows(self, state, computed)
             state.note_step(computed, batch.num_prompt_tokens[:num_reqs], mixed=rows is not None and 0 < rows[1] < num_reqs)
             state.awaited.clear()
-            if rows is None:  # no MLA metadata: every row reads its blocks by broadcast
+            if not _packs(state):  # whole layers: the step's metadata cannot be remapped to packed slots
+                forward = state.runtime.forward(has_history=has_history)
+            elif rows is None:  # no MLA metadata: every row reads its blocks by broadcast
                 query = np.diff(self.query_start_loc.np[: num_reqs + 1])
                 forward = state.runtime.forward(has_history=has_history,
                                                 blocks=active_blocks(batch.block_table, computed, num_reqs),
@@ -250,6 +252,17 @@ def _step_rows(runner: Any, state: EngineState, computed: Any) -> Any:
     return owner_rows.step_requests(get_forward_context().attn_metadata, state.metadata_layer, batch.block_table,
                                     computed, runner.query_start_loc.np, batch.num_reqs,
                                     owner_capable=state.owner_blocker is None)
+
+
+def _packs(state: EngineState) -> bool:
+    """Whether this step's non-owned layers can read packed slots: not with micro-batched (DBO) metadata,
+    whose per-micro-batch slot mappings KVPP does not remap, nor for SFA models, whose sparse and indexer
+    metadata hold block tables `packed_metadata` does not remap. Those steps send whole layers."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if INDEXER_COMPONENT in {c.name for layer in state.plan.spec.layers for c in layer.components}:
+        return False
+    return not (is_forward_context_available() and isinstance(get_forward_context().attn_metadata, list))
 
 
 def _rebind_packed_metadata(state: EngineState) -> None:
