@@ -54,7 +54,8 @@ _LAX_BOOL = pydantic.TypeAdapter(bool)
 
 KVPP_MODES = ("broadcast", "owner", "auto")
 # ``kvpp_fx`` is written by the vLLM plugin itself (the compile digest and the inner backend).
-KNOWN_KEYS = ("enable_kvpp", "kvpp_mode", "kvpp_fx")
+KNOWN_KEYS = ("enable_kvpp", "kvpp_mode", "kvpp_scratch_blocks", "kvpp_fx")
+USER_KEYS = KNOWN_KEYS[:-1]
 
 
 def parse_enable_kvpp(value: Any) -> bool:
@@ -200,23 +201,28 @@ def check_keys(additional_config: Mapping[str, Any]) -> None:
                      if isinstance(k, str) and k.startswith(("kvpp", "enable_kvpp")) and k not in KNOWN_KEYS)
     if unknown:
         raise ValueError(f"unknown KVPP key(s) in additional_config: {unknown}; the known keys are "
-                         f"{list(KNOWN_KEYS[:2])} ({KNOWN_KEYS[2]!r} is written by kvpp-fx).")
+                         f"{list(USER_KEYS)} ({KNOWN_KEYS[-1]!r} is written by kvpp-fx).")
 
 
 @dataclass(frozen=True)
 class KVPPConfig:
     """Whether KVPP is on, how large its group is (TP x PCP), and how steps move attention's inputs
-    (``kvpp_mode``: "broadcast", "owner" or "auto", the cost model's choice per request)."""
+    (``kvpp_mode``: "broadcast", "owner" or "auto", the cost model's choice per request), and how many
+    blocks a scratch slot holds when the user fixes it (``kvpp_scratch_blocks``; None: the engine
+    sizes slots from its max model length and token budget, or keeps whole-layer slots)."""
 
     enable_kvpp: bool = False
     tp: int = 1
     pcp: int = 1
     mode: str = "auto"
+    scratch_blocks: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int("tp", self.tp)
         _positive_int("pcp", self.pcp)
         parse_kvpp_mode(self.mode)
+        if self.scratch_blocks is not None:
+            _positive_int("additional_config.kvpp_scratch_blocks", self.scratch_blocks)
 
     @classmethod
     def from_additional_config(
@@ -230,7 +236,8 @@ class KVPPConfig:
         check_keys(additional_config)
         raw = additional_config.get("enable_kvpp", False)
         mode = parse_kvpp_mode(additional_config.get("kvpp_mode", "auto"))
-        return cls(enable_kvpp=parse_enable_kvpp(raw), tp=tp, pcp=pcp, mode=mode)
+        scratch_blocks = additional_config.get("kvpp_scratch_blocks")
+        return cls(enable_kvpp=parse_enable_kvpp(raw), tp=tp, pcp=pcp, mode=mode, scratch_blocks=scratch_blocks)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> KVPPConfig:

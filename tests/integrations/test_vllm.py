@@ -43,6 +43,10 @@ SKIPPED_GATHER = "tests.support.faults:SkippedGather"
 # Owner mode's bytes per decode token and layer at TP 2 (the tiny model: 4 heads, kv_lora_rank 512, rope
 # 64, float32): a non-owner sends its 2 heads' absorbed queries and receives their latent outputs.
 OWNER_BYTES_PER_TOKEN = 2 * (512 + 64 + 512) * 4
+# Every row that reads history is a decode row (what compact slots need), on any host; 768-token requests
+# in blocks of 16, 64 MiB of KV per rank.
+NO_HISTORY_ROWS = {**FP32, "block_size": 16, "max_model_len": 768, "enable_chunked_prefill": False,
+                   "enable_prefix_caching": False, "kv_cache_memory_bytes": 64 << 20}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -133,6 +137,12 @@ def test_configs_at_construction(tiny_deepseek):
         "eager-mtp": _on(**eager, speculative_config=MTP),
         "breakable-cudagraph": {**_on(**base), "env": {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}},
         "expert-parallel": _on(**base, enable_expert_parallel=True),
+        "scratch-zero": _on(**eager, additional_config={"enable_kvpp": True, "kvpp_scratch_blocks": 0}),
+        "scratch-mtp": _on(**eager, speculative_config=MTP, additional_config={"enable_kvpp": True,
+                                                                              "kvpp_scratch_blocks": 64}),
+        "scratch-short": _on(**eager, **NO_HISTORY_ROWS, additional_config={"enable_kvpp": True,
+                                                                             "kvpp_scratch_blocks": 47}),
+        "scratch": _on(**eager, **NO_HISTORY_ROWS, additional_config={"enable_kvpp": True, "kvpp_scratch_blocks": 48}),
         "off": {"args": dict(base, tensor_parallel_size=2, compilation_config={"cudagraph_mode": "FULL"})},
         "off-unset": {"args": dict(base, tensor_parallel_size=2, compilation_config={"cudagraph_mode": "FULL"},
                                    additional_config={"enable_kvpp": False})},
@@ -144,7 +154,12 @@ def test_configs_at_construction(tiny_deepseek):
         "maybe": "additional_config.enable_kvpp must be a boolean, got 'maybe'.",
         "bad-mode": "additional_config.kvpp_mode must be one of ['broadcast', 'owner', 'auto'], got 'sideways'.",
         "unknown-key": "unknown KVPP key(s) in additional_config: ['kvpp_mod']; the known keys are "
-                       "['enable_kvpp', 'kvpp_mode']",
+                       "['enable_kvpp', 'kvpp_mode', 'kvpp_scratch_blocks']",
+        "scratch-zero": "additional_config.kvpp_scratch_blocks must be a positive integer, got 0.",
+        "scratch-mtp": "additional_config.kvpp_scratch_blocks cannot run here: speculative decoding is on",
+        # 768 tokens in blocks of 16: 48 blocks
+        "scratch-short": "additional_config.kvpp_scratch_blocks=47 holds fewer blocks than one request of "
+                         "max_model_len=768 tokens needs (48 blocks of 16 tokens); set it to at least 48",
         "unknown-key-off": "unknown KVPP key(s) in additional_config: ['enable_kvpp_owner']",
         "full-graph": MSG_GRAPH_MODE,
         "full-and-piecewise-asked": MSG_GRAPH_MODE,
@@ -162,7 +177,8 @@ def test_configs_at_construction(tiny_deepseek):
     digest = compile_digest()
     for name, inner in (("defaults", "inductor"), ("mode-3", "inductor"), ("aot-off", "inductor"),
                         ("mode-2-eager", "eager"), ("kvpp-backend", "inductor"), ("breakable-cudagraph", None),
-                        ("expert-parallel", "inductor"), ("eager", None), ("eager-mtp", None), ("owner-mode", None)):
+                        ("expert-parallel", "inductor"), ("eager", None), ("eager-mtp", None), ("owner-mode", None),
+                        ("scratch", None)):
         result = results[name]
         assert result["error"] is None, (name, result)
         assert result["worker_cls"] == KVPP_CPU_WORKER, name
@@ -181,6 +197,7 @@ def test_configs_at_construction(tiny_deepseek):
         for key in ("mode", "backend", "cudagraph_mode"):
             assert results[name][key] == no_plugin[key]
     assert results["owner-mode"]["additional_config"]["kvpp_mode"] == "owner"
+    assert results["scratch"]["additional_config"]["kvpp_scratch_blocks"] == 48
     assert results["off"]["additional_config"] == no_plugin["additional_config"] == {}
     assert results["off"]["hash"] == no_plugin["hash"]
 
@@ -271,7 +288,8 @@ def test_each_rank_holds_its_own_layers_the_mtp_layer_and_two_scratch(runs):
 
 def test_vllm_plans_the_kvpp_block_count(runs):
     """32 MiB per rank: 3 owned + 1 MTP buffers of n blocks (16 x 576 x 4 B each) and 2 whole-layer
-    scratch slots of n blocks with an 8-byte id each, every buffer 2 MiB aligned; nothing else."""
+    scratch slots of n blocks with an 8-byte id each, every buffer 2 MiB aligned; nothing else. With MTP
+    the slots hold whole layers (`scratch.compact_blocker`)."""
     page, budget, align = 16 * 576 * 4, 32 << 20, 2 << 20
 
     def padded(nbytes):
@@ -284,6 +302,9 @@ def test_vllm_plans_the_kvpp_block_count(runs):
     assert runs["default"]["num_blocks"] == [expected, expected]
     assert [s["allocated_bytes"] for s in runs["default"]["stats"]] == [cost(expected)] * 2
     assert runs["off"]["num_blocks"][0] == budget // (7 * page)  # replicated: 6 layers + MTP, unpadded
+    for stats in runs["default"]["stats"]:  # MTP's verification rows read history as prefill rows
+        assert stats["scratch_blocks"] is None and stats["slot_blocks"] == expected
+        assert "speculative decoding is on" in stats["compact_blocker"]
 
 
 def test_broadcasts_on_decode_steps_never_on_the_first_prefill(runs):
@@ -316,14 +337,20 @@ def test_mtp_verification_rows_on_cpu_mla_take_the_broadcast_path(runs):
 def owner_runs(tiny_deepseek):
     """TP 2 without MTP, float32 on CPU_MLA, the staggered workload (a 700-token prompt, then two short
     ones that prefill next to its decode rows: a mixed step), then more phases on each engine: KVPP off;
-    eager with kvpp_mode left to "auto"; vLLM's default compilation (mode 2, inductor) with
-    kvpp_mode="owner"; mode 3 (`cpu_mode3`) on "auto", then in broadcast mode. Faults: the owner
+    eager with kvpp_mode left to "auto", then in broadcast mode, on compact slots of 48 blocks
+    (kvpp_scratch_blocks); vLLM's default compilation (mode 2, inductor) with kvpp_mode="owner"; mode 3
+    (`cpu_mode3`) on "auto", then in broadcast mode. Every KVPP engine here has compact slots: no row
+    but a decode reads history (`NO_HISTORY_ROWS`), and those two on the slots their max_model_len and
+    token budget give (176 blocks). Faults: the owner
     scattering each rank the next rank's heads (SwappedHeads), and no gather at all, so the owner uses
     its own queries for every rank's heads (SkippedGather)."""
-    staggered = {**FP32, "max_model_len": 1024}
+    staggered = NO_HISTORY_ROWS
     variants = {
         "off": {"args": {**staggered, **EAGER}, "workload": "staggered"},
-        "eager": {"kvpp": True, "args": {**staggered, **EAGER}, "workload": "staggered", "phases": [
+        "eager": {"kvpp": True, "workload": "staggered",
+                  "args": {**staggered, **EAGER, "additional_config": {"enable_kvpp": True, "kvpp_scratch_blocks": 48}},
+                  "zero_blocks": [200, 201], "phases": [
+            {"name": "broadcast", "mode": "broadcast", "workload": "staggered"},
             {"name": "swapped-heads", "mode": "owner", "workload": "staggered", "fault": SWAPPED_HEADS},
             {"name": "skipped-gather", "mode": "owner", "workload": "staggered", "fault": SKIPPED_GATHER}]},
         "default": {"kvpp": True, "workload": "staggered",
@@ -376,6 +403,64 @@ def test_mixed_steps_route_decode_rows_to_the_owner_next_to_a_prefill(owner_runs
     # "auto" weighs the step: the long prompt's decodes go to the owner; the first prefill reads nothing.
     auto = owner_runs["eager"]["stats"][0]
     assert auto["kvpp_mode"] == "auto" and auto["modes"]["owner"] > auto["modes"]["broadcast"]
+
+
+def test_compact_slots_hold_the_plans_block_count(owner_runs):
+    """vLLM CPU runs CPU_MLA with a token budget of max(max_model_len, 2048): with a max model length of
+    768 in blocks of 16 the slots hold 48 + 128 = 176 blocks; the eager engine fixes 48
+    (kvpp_scratch_blocks). 64 MiB per rank: 3 owned buffers of n blocks (16 x 576 x 4 B each) and two
+    slots of S blocks behind a 4 KiB ids region, every buffer 2 MiB aligned; nothing else. Whole-layer
+    slots would hold fewer (341 blocks)."""
+    page, budget, align = 16 * 576 * 4, 64 << 20, 2 << 20
+
+    def padded(nbytes):
+        return -(-nbytes // align) * align
+
+    def cost(n, slot):
+        return 3 * padded(n * page) + 2 * padded(-(-slot * 8 // 4096) * 4096 + slot * page)
+
+    def most(fits):
+        return max(n for n in range(1, budget // page + 1) if fits(n))
+
+    whole = most(lambda n: 3 * padded(n * page) + 2 * padded(4096 + n * page) <= budget)
+    config = owner_runs["default"]["config"]
+    assert (config["max_model_len"], config["max_num_batched_tokens"], config["block_size"]) == (768, 2048, 16)
+    derived = -(-768 // 16) + -(-2048 // 16)
+    for name, slot in (("eager", 48), ("default", derived), ("mode3", derived)):
+        run = owner_runs[name]
+        expected = most(lambda n: cost(n, slot) <= budget)
+        assert expected > whole, (expected, whole)
+        assert run["num_blocks"] == [expected, expected], name
+        for stats in run["stats"]:
+            assert (stats["scratch_blocks"], stats["slot_blocks"], stats["compact_blocker"]) == (slot, slot, None)
+            assert (stats["num_blocks"], stats["allocated_bytes"]) == (expected, cost(expected, slot)), name
+            assert stats["packed_layers"] > 0, name
+
+
+def test_steps_wider_than_a_compact_slot_send_their_decode_rows_to_the_owners(owner_runs):
+    """Broadcast mode on slots of 48 blocks: once the two short prompts decode next to the long one, the
+    step reads 45 + 8 + 7 blocks, more than a slot holds, and its decode rows go to their owners (owner-mode
+    forwards); the long prompt's first decodes (46 blocks) still broadcast. Tokens: KVPP off's. The
+    control: the same workload and mode on slots of 176 blocks (mode 3) never goes to the owners."""
+    off = owner_runs["off"]["tokens"]
+    phase = owner_runs["eager"]["phases"]["broadcast"]
+    assert phase["tokens"] == off
+    for stats in phase["stats"]:
+        assert stats["kvpp_mode"] == "broadcast" and stats["slot_blocks"] == 48
+        assert stats["modes"]["owner"] > 0 and stats["modes"]["broadcast"] > 0 and stats["exchanges"] > 0, stats
+    wide = owner_runs["mode3"]["phases"]["broadcast"]
+    assert wide["tokens"] == off
+    for stats in wide["stats"]:
+        assert stats["slot_blocks"] == 176 and stats["modes"]["owner"] == 0 and stats["exchanges"] == 0, stats
+
+
+def test_block_zeroer_leaves_compact_slots_alone(owner_runs):
+    """vLLM's zeroer of freshly allocated blocks, on the engine with slots of 48 blocks: blocks 200 and 201
+    are zeroed in the persistent views, the slots keep their bytes; vLLM's own zeroer (the control)
+    indexes the 48-block slot views by pool id and fails."""
+    for probe in owner_runs["eager"]["zero_blocks"]:
+        assert probe == {"persistent_zeroed": True, "slots_untouched": True, "slot_blocks": 48,
+                         "vllm_own": "IndexError"}, probe
 
 
 def test_owner_mode_negative_controls_change_the_tokens(owner_runs):

@@ -101,3 +101,63 @@ def test_eager_attention_outside_a_forward_raises_unless_passing_through():
         module(torch.zeros(1))
     with passthrough():  # dummy and profile runs
         assert module(torch.zeros(1)).item() == 1
+
+
+def tiny_vllm_plans(slot_blocks: int):
+    """The tiny test model's layout at TP 2 (6 layers of 16 x 576 float32 per block): compact slots of
+    `slot_blocks` blocks, and whole-layer slots."""
+    from kvpp_fx.integrations.vllm.specs import VllmPlan
+
+    spec = toy_spec(6, block_size=16, components=(ComponentSpec("kv", "float32", (576,)),))
+    compact = KVPPPlan(spec, group_size=2, scratch_blocks=slot_blocks, request_blocks=48)
+    return VllmPlan(compact, {}, {}, {}), VllmPlan(compact.whole_layer(), {}, {}, {})
+
+
+def test_vllm_takes_compact_slots_where_they_hold_more_blocks():
+    from kvpp_fx.integrations.vllm.scratch import ScratchLayoutError, choose_plan
+
+    page, mib = 16 * 576 * 4, 1 << 20
+    compact, whole = tiny_vllm_plans(96)
+    # 32 MiB: 3 persistent buffers (2 MiB aligned) beside two 4 MiB slots hold 227 blocks, beside two
+    # whole-layer slots 170.
+    assert (compact.plan.num_blocks(32 * mib), whole.plan.num_blocks(32 * mib)) == (8 * mib // page, 170)
+    chosen, why = choose_plan(compact, whole, 32 * mib, explicit=False)
+    assert chosen is compact and "compact slots of 96 blocks: 227 blocks per rank" in why
+    # 16 MiB: 56 blocks either way, and slots of 96 blocks are wider than that pool; 12 MiB: the two
+    # slots leave no 2 MiB buffer for an owned layer.
+    chosen, why = choose_plan(compact, whole, 16 * mib, explicit=False)
+    assert chosen is whole and "scratch slots of 96 blocks are wider than the pool of 56 blocks" in why
+    with pytest.raises(ScratchLayoutError, match="kvpp_scratch_blocks=96: the pool of 0 blocks .* holds no other"):
+        choose_plan(compact, whole, 12 * mib, explicit=True)
+    # Slots of 48 blocks: 113 blocks at 20 MiB, as whole-layer slots hold (a tie keeps those), 113
+    # against 56 at 16 MiB.
+    small, _ = tiny_vllm_plans(48)
+    chosen, why = choose_plan(small, whole, 20 * mib, explicit=False)
+    assert chosen is whole and "whole-layer slots hold 113 blocks per rank, compact slots of 48 blocks 113" in why
+    assert choose_plan(small, whole, 16 * mib, explicit=False)[0] is small
+    # An explicit S is taken where it fits, even where whole-layer slots would hold more.
+    assert choose_plan(small, whole, 20 * mib, explicit=True)[0] is small
+
+
+def test_compact_slots_need_every_history_row_to_be_sheddable():
+    from types import SimpleNamespace as NS
+
+    from kvpp_fx.integrations.vllm.scratch import compact_blocker
+
+    def config(**changes):
+        base = dict(model_config=NS(use_mla=True, is_hybrid=False, hf_config=NS()), speculative_config=None,
+                    scheduler_config=NS(enable_chunked_prefill=False), cache_config=NS(enable_prefix_caching=False),
+                    parallel_config=NS(use_ubatching=False))
+        return NS(**{**base, **changes})
+
+    assert compact_blocker(config(), None) is None
+    cases = {
+        "decode rows cannot go to their owners (backend X)": (config(), "backend X"),
+        "the model is SFA": (config(model_config=NS(use_mla=True, is_hybrid=False, hf_config=NS(index_topk=8))), None),
+        "speculative decoding is on": (config(speculative_config=NS(method="mtp")), None),
+        "chunked prefill is on": (config(scheduler_config=NS(enable_chunked_prefill=True)), None),
+        "prefix caching is on": (config(cache_config=NS(enable_prefix_caching=True)), None),
+        "micro-batching (DBO) is on": (config(parallel_config=NS(use_ubatching=True)), None),
+    }
+    for reason, (vllm_config, owner_blocker) in cases.items():
+        assert reason in compact_blocker(vllm_config, owner_blocker), reason

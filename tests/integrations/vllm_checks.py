@@ -187,6 +187,8 @@ def generate(model_dir: str, variant_json: str = "{}") -> dict:
         llm.collective_rpc("kvpp_set_device_api", args=(variant["fault"],))
         result["faulty"] = run()
         result["faulty_stats"] = llm.collective_rpc(worker_stats)
+    if variant.get("zero_blocks"):
+        result["zero_blocks"] = llm.collective_rpc(zero_blocks_probe, args=(variant["zero_blocks"],))
     result["phases"] = {}
     for phase in variant.get("phases", []):
         llm.reset_prefix_cache()
@@ -205,9 +207,38 @@ def _config_summary(llm) -> dict:
     return {"mode": int(compilation.mode), "backend": compilation.backend,
             "splitting_ops": list(compilation.splitting_ops or []),
             "cudagraph_mode": str(compilation.cudagraph_mode), "block_size": config.cache_config.block_size,
+            "max_model_len": config.model_config.max_model_len,
+            "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
             "chunked_prefill": bool(config.scheduler_config.enable_chunked_prefill),
             "prefix_caching": bool(config.cache_config.enable_prefix_caching),
             "kvpp_fx": dict(config.additional_config.get("kvpp_fx", {}))}
+
+
+def zero_blocks_probe(worker, block_ids: list[int]) -> dict:
+    """vLLM's block zeroer on this worker's cache, as a step with ``new_block_ids_to_zero`` runs it: each
+    view's blocks set to 1 first (a scratch slot's first blocks); then which were zeroed. The control:
+    vLLM's own zeroer of the platform's runner class on the same views."""
+    import torch
+
+    runner = worker.model_runner
+    state = runner._kvpp
+    storage, plan, rank = state.runtime.storage, state.plan, state.runtime.rank
+    views = {index: storage.typed_views(index)["kv"] for index in sorted(set(state.vplan.layer_index.values()))}
+    marked = torch.as_tensor(block_ids)
+    for index, view in views.items():
+        view[marked if plan.is_local(index, rank) else torch.arange(min(len(block_ids), view.shape[0]))] = 1
+    runner._zero_block_ids(block_ids)
+    out = {"persistent_zeroed": all(bool((view[marked] == 0).all()) for index, view in views.items()
+                                    if plan.is_local(index, rank)),
+           "slots_untouched": all(bool((view[: len(block_ids)] == 1).all()) for index, view in views.items()
+                                  if not plan.is_local(index, rank)),
+           "slot_blocks": storage.slot_blocks}
+    try:
+        type(runner).__mro__[1]._zero_block_ids(runner, block_ids)
+        out["vllm_own"] = None
+    except Exception as exc:  # the control: pool ids on views of S blocks
+        out["vllm_own"] = type(exc).__name__
+    return out
 
 
 def vllm_num_blocks(worker) -> int:

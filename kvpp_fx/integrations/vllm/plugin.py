@@ -9,7 +9,8 @@ With ``enable_kvpp`` on, the wrapper validates the configuration as given with t
 (before vLLM's platform hooks, which on CPU quietly turn a requested FULL cudagraph mode into NONE) and
 notes what the user chose (`compile_modes.Requested`). After vLLM resolved it, it checks the platform,
 release and model runner (`validation.check_execution`), sets what the compilation mode needs
-(`compile_modes.configure_compilation`), applies the KVPP rules again, and points
+(`compile_modes.configure_compilation`), applies the KVPP rules again (and checks an explicit
+``kvpp_scratch_blocks``, `scratch.check_explicit`), and points
 ``parallel_config.worker_cls`` at KVPP's subclass of the platform's worker (see `worker`), so only the
 worker processes of that engine are hooked.
 """
@@ -38,12 +39,14 @@ def enable_kvpp(vllm_config, requested) -> KVPPConfig:
     """For a resolved config with KVPP on: check it runs, set what its compilation mode needs, then
     route its workers to the KVPP hooks. `requested`: `compile_modes.Requested` of the config as given."""
     from kvpp_fx.integrations.vllm.compile_modes import configure_compilation
+    from kvpp_fx.integrations.vllm.scratch import check_explicit
     from kvpp_fx.integrations.vllm.state import hooked_worker_qualname
     from kvpp_fx.integrations.vllm.validation import check_execution
 
     check_execution(vllm_config)
     configure_compilation(vllm_config, requested)
     config = validate_vllm_config(vllm_config)
+    check_explicit(vllm_config, config)
     parallel = vllm_config.parallel_config
     parallel.worker_cls = hooked_worker_qualname(str(parallel.worker_cls))
     logger.info("KVPP on: group size %d (TP %d x PCP %d); workers %s.", config.size, config.tp, config.pcp,

@@ -97,11 +97,14 @@ def per_layer_specs(kv_cache_config: Any) -> dict[str, Any]:
 
 
 def plan_from_specs(specs: Mapping[str, Any], group_size: int, num_target_layers: int | None = None,
-                    *, depth: int | None = None) -> VllmPlan:
+                    *, depth: int | None = None, scratch_blocks: int | None = None,
+                    max_model_len: int | None = None) -> VllmPlan:
     """A KVPP plan from vLLM's per-layer specs (``model_runner.get_kv_cache_spec()``).
 
     ``num_target_layers`` is the target model's ``num_hidden_layers``: layers at or above it belong to
-    the MTP drafter and stay local. None treats every layer as a target.
+    the MTP drafter and stay local. None treats every layer as a target. ``scratch_blocks``: S blocks
+    per scratch slot (compact slots; `scratch.slot_blocks`), None for whole-layer slots;
+    ``max_model_len`` bounds the longest request (`KVPPPlan.check_pool`).
     """
     if not specs:
         raise KVPPSpecError("vLLM reported no KV cache layers.")
@@ -127,7 +130,9 @@ def plan_from_specs(specs: Mapping[str, Any], group_size: int, num_target_layers
         is_draft = num_target_layers is not None and index >= num_target_layers
         layers.append(LayerCacheSpec(index, ordered, is_draft=is_draft))
     spec = ModelCacheSpec("vllm", block_sizes.pop(), tuple(layers))
-    plan = KVPPPlan(spec, group_size=group_size) if depth is None else KVPPPlan(spec, group_size, depth)
+    options = {} if depth is None else {"depth": depth}
+    request_blocks = None if max_model_len is None else -(-max_model_len // spec.block_size)
+    plan = KVPPPlan(spec, group_size, scratch_blocks=scratch_blocks, request_blocks=request_blocks, **options)
     pages = {name: int(s.page_size_bytes) for name, s in specs.items()}
     return VllmPlan(plan, index_of, component_name, pages)
 

@@ -62,6 +62,9 @@ class EngineState:
     device_api_factory: str | None = None  # "module:callable" (the tests' fault seam), None: the default
     mode: str = "auto"  # the runtime's mode for each step (additional_config.kvpp_mode; kvpp_set_mode)
     owner_blocker: str | None = None  # why decode rows cannot go to the owner here, or None
+    compact_blocker: str | None = None  # why scratch slots here must hold whole layers, or None
+    scratch_blocks: int | None = None  # S of the compact slots this worker plans, None: whole-layer slots
+    scratch_choice: str = ""  # why this layout (`scratch.choose_plan`)
     metadata_layer: str | None = None  # a target MLA layer whose metadata names the step's decode rows
     steps: int = 0  # target-model forwards
     mixed_steps: int = 0  # forwards with decode rows and prefill rows

@@ -9,12 +9,14 @@ subclass of its own class (vLLM's V1 ``GPUModelRunner`` or its CPU subclass). No
 process changes, except one module attribute: ``gpu_model_runner.allocate_kv_cache`` delegates to
 vLLM's function unless a KVPP runner is allocating.
 
-- Budget: ``determine_available_memory`` returns the *logical* budget ``plan.num_blocks(avail) x the
-  sum of vLLM's page sizes``, so vLLM's unchanged planner lands on the block count KVPP can hold.
+- Budget: ``determine_available_memory`` picks compact or whole-layer scratch slots (`scratch`) and
+  returns the *logical* budget ``plan.num_blocks(avail) x the sum of vLLM's page sizes``, so vLLM's
+  unchanged planner lands on the block count KVPP can hold.
 - Allocation: the runner's ``initialize_kv_cache_tensors`` runs with KVPP's allocator in place of
-  vLLM's: owned layers get persistent bundles, the others a scratch slot, MTP layers a local draft
-  cache. vLLM binds them by layer name. A self-check then proves every cache layer is bound to its
-  KVPP view and vLLM's ``num_blocks`` is at most the budget's.
+  vLLM's: owned layers get persistent bundles, the others a scratch slot (S blocks when compact), MTP
+  layers a local draft cache. vLLM binds them by layer name. A self-check then proves every cache
+  layer is bound to its KVPP view and vLLM's ``num_blocks`` is at most the budget's. With compact
+  slots the block zeroer and copy-on-write touch only the persistent views.
 - Steps: ``_model_forward`` (the target model's forward inside ``execute_model``) runs under
   ``runtime.forward(has_history, blocks)``: ``has_history = any(num_computed_tokens > 0)`` over the
   input batch, ``blocks`` = `specs.active_blocks` of its block table (when the runtime takes them). Drafting (``sample_tokens``) runs outside it: MTP layers are local and get no kvpp ops.
@@ -40,9 +42,10 @@ import numpy as np
 import torch
 
 from kvpp_fx.cache.allocate import allocate_cache
+from kvpp_fx.cache.placement import PoolTooSmallError
 from kvpp_fx.config import KVPPConfig, parse_kvpp_mode
 from kvpp_fx.config import _model_kind_of
-from kvpp_fx.integrations.vllm import owner_rows, packed_metadata
+from kvpp_fx.integrations.vllm import owner_rows, packed_metadata, scratch
 from kvpp_fx.integrations.vllm.compilation import install_vllm_backend
 from kvpp_fx.integrations.vllm.specs import (
     INDEXER_COMPONENT,
@@ -123,13 +126,13 @@ def kvpp_worker_class(base: type) -> type:
             state: EngineState = self.model_runner._kvpp
             with state.active():
                 available = super().determine_available_memory()
-            vplan = _plan(self.model_runner, state, self.model_runner.get_kv_cache_spec())
-            state.vplan = vplan
+            vplan = _choose_layout(self.model_runner, state, available)
             blocks = vplan.plan.num_blocks(available)
             state.budget_blocks = blocks
             logical = blocks * vplan.logical_bytes_per_block
-            logger.warning("KVPP: %d blocks per rank in %d bytes (replicated: %d); logical budget %d bytes.",
-                           blocks, available, vplan.plan.replicated_num_blocks(available), logical)
+            logger.warning("KVPP: %d blocks per rank in %d bytes (without KVPP: %d; %s); logical budget %d bytes.",
+                           blocks, available, available // vplan.logical_bytes_per_block, state.scratch_choice,
+                           logical)
             return logical
 
         def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
@@ -158,7 +161,7 @@ def kvpp_worker_class(base: type) -> type:
 
 
 RUNNER_HOOKS = ("load_model", "initialize_kv_cache_tensors", "execute_model", "_model_forward", "_dummy_run",
-                "sample_tokens", "get_kv_cache_spec")
+                "sample_tokens", "get_kv_cache_spec", "_update_states", "_zero_block_ids", "_init_kv_zero_meta")
 
 
 @functools.cache
@@ -180,10 +183,15 @@ def kvpp_runner_class(base: type) -> type:
             state = self._kvpp
             state.vplan = _plan(self, state, self.get_kv_cache_spec())
             hooked = _hook_attention(self, state)
+            state.compact_blocker = scratch.compact_blocker(self.vllm_config, state.owner_blocker) \
+                if state.config.size > 1 else "KVPP is off"
+            if state.config.scratch_blocks is not None and state.compact_blocker is not None:
+                raise scratch.ScratchLayoutError(scratch.refusal(state.compact_blocker))
             plan = state.plan
             logger.warning("KVPP: layers %s broadcast, drafts %s local; eager waits on %d modules; decode rows "
-                           "to the owner: %s.", list(plan.target_layers), list(plan.local_draft_layers), hooked,
-                           state.owner_blocker or "possible")
+                           "to the owner: %s; compact scratch slots: %s.", list(plan.target_layers),
+                           list(plan.local_draft_layers), hooked, state.owner_blocker or "possible",
+                           state.compact_blocker or "possible")
             return result
 
         def initialize_kv_cache_tensors(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
@@ -204,6 +212,29 @@ def kvpp_runner_class(base: type) -> type:
         def execute_model(self, *args: Any, **kwargs: Any) -> Any:
             with self._kvpp.active():
                 return super().execute_model(*args, **kwargs)
+
+        # vLLM's block zeroer and copy-on-write index every cache view by pool block id. A compact slot
+        # holds only the step's packed blocks, which each step overwrites before attention reads them:
+        # those operations touch the persistent views only.
+        def _init_kv_zero_meta(self) -> None:
+            if not _compact(self._kvpp):
+                super()._init_kv_zero_meta()
+
+        def _zero_block_ids(self, block_ids: list[int]) -> None:
+            if not _compact(self._kvpp):
+                return super()._zero_block_ids(block_ids)
+            for view in _persistent_views(self._kvpp):
+                view[torch.as_tensor(block_ids, dtype=torch.long, device=view.device)] = 0
+
+        def _update_states(self, scheduler_output: Any) -> Any:
+            if not (_compact(self._kvpp) and getattr(scheduler_output, "kv_cache_block_copies", None)):
+                return super()._update_states(scheduler_output)
+            every = self.kv_caches
+            self.kv_caches = _persistent_views(self._kvpp)
+            try:
+                return super()._update_states(scheduler_output)
+            finally:
+                self.kv_caches = every
 
         def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
             state = self._kvpp
@@ -291,8 +322,35 @@ def num_target_layers(runner: Any) -> int:
     return int(getattr(hf, "num_hidden_layers"))
 
 
-def _plan(runner: Any, state: EngineState, specs: dict[str, Any]) -> VllmPlan:
-    return plan_from_specs(specs, state.config.size, num_target_layers(runner))
+def _plan(runner: Any, state: EngineState, specs: dict[str, Any], scratch_blocks: int | None = None) -> VllmPlan:
+    return plan_from_specs(specs, state.config.size, num_target_layers(runner), scratch_blocks=scratch_blocks,
+                           max_model_len=int(runner.model_config.max_model_len))
+
+
+def _choose_layout(runner: Any, state: EngineState, available: int) -> VllmPlan:
+    """Compact or whole-layer scratch slots for this worker's budget (`scratch.choose_plan`)."""
+    specs = runner.get_kv_cache_spec()
+    whole = _plan(runner, state, specs)
+    if state.compact_blocker is not None:
+        state.vplan, state.scratch_blocks = whole, None
+        state.scratch_choice = f"whole-layer slots: {state.compact_blocker}"
+        return whole
+    slots = scratch.slot_blocks(runner.vllm_config, state.config, whole.plan.spec.block_size)
+    chosen, state.scratch_choice = scratch.choose_plan(_plan(runner, state, specs, slots), whole, available,
+                                                       explicit=state.config.scratch_blocks is not None)
+    state.vplan, state.scratch_blocks = chosen, chosen.plan.scratch_blocks
+    return chosen
+
+
+def _compact(state: EngineState) -> bool:
+    return state.plan is not None and state.plan.compact
+
+
+def _persistent_views(state: EngineState) -> list[torch.Tensor]:
+    """This rank's vLLM cache views that index the pool: its owned layers' and the drafts'."""
+    storage, vplan = state.runtime.storage, state.vplan
+    return [storage.typed_views(index)[vplan.component[name]] for name, index in vplan.layer_index.items()
+            if state.plan.is_local(index, state.runtime.rank)]
 
 
 # --- allocation ---------------------------------------------------------------------------------------
@@ -321,13 +379,14 @@ def _install_allocator() -> None:
 
 
 def _allocate(runner: Any, state: EngineState, kv_cache_config: Any, device: Any) -> dict[str, torch.Tensor]:
-    vplan = _plan(runner, state, per_layer_specs(kv_cache_config))
+    vplan = _plan(runner, state, per_layer_specs(kv_cache_config), state.scratch_blocks)
     if state.vplan is not None and vplan.plan.spec != state.vplan.plan.spec:
         raise KVPPAllocationError(f"vLLM's KV cache config {vplan.plan.spec} differs from the model's cache "
                                   f"specs {state.vplan.plan.spec}.")
     state.vplan = vplan
     if state.group is None:
         state.group, state.agreement_group, state.group_ranks = _kvpp_group(state.config)
+    _check_layout(state, kv_cache_config.num_blocks)
     rank = torch.distributed.get_rank(state.group)
     storage = allocate_cache(vplan.plan, rank, kv_cache_config.num_blocks, device)
     _create_runtime(state, storage)
@@ -338,6 +397,23 @@ def _allocate(runner: Any, state: EngineState, kv_cache_config: Any, device: Any
     # vLLM's per-layer cache view is [blocks, heads=1, tokens, record]; MLA layers squeeze the head.
     return {name: storage.typed_views(index)[vplan.component[name]].unsqueeze(1)
             for name, index in vplan.layer_index.items()}
+
+
+def _check_layout(state: EngineState, num_blocks: int) -> None:
+    """Every rank of the group chose the same slots (each chose from its own budget), and vLLM's block
+    count, the smallest any worker's budget holds, still fits compact ones."""
+    layouts: list[Any] = [None] * len(state.group_ranks)
+    torch.distributed.all_gather_object(layouts, state.scratch_blocks, group=state.agreement_group)
+    if len(set(layouts)) != 1:
+        raise KVPPAllocationError(
+            f"the ranks of KVPP group {state.group_ranks} chose different scratch slots ({layouts}: blocks per slot, "
+            "None for whole layers) from different KV cache budgets; give every rank the same KV cache memory, or "
+            "set additional_config.kvpp_scratch_blocks.")
+    if state.plan.compact:
+        try:
+            state.plan.check_pool(num_blocks)
+        except PoolTooSmallError as exc:
+            raise KVPPAllocationError(f"vLLM planned {num_blocks} blocks: {exc}") from None
 
 
 def _create_runtime(state: EngineState, storage: Any) -> None:
@@ -530,6 +606,9 @@ def worker_stats(worker: Any = None) -> dict[str, Any] | None:
     stats["mixed_steps"] = state.mixed_steps
     stats["skipped_cache_writes"] = state.skipped_cache_writes
     stats["packed_layers"] = state.packed_layers
+    stats["scratch_blocks"] = state.scratch_blocks
+    stats["slot_blocks"] = runtime.storage.slot_blocks
+    stats["compact_blocker"] = state.compact_blocker
     stats["kvpp_mode"] = state.mode
     stats["owner_blocker"] = state.owner_blocker
     stats["prefill_rows_with_history"] = state.prefill_rows_with_history
