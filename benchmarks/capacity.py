@@ -5,10 +5,12 @@ fits the budget, the ratio taken at the worst rank, as the engine uses one block
 
 - the reference `small` preset (8 layers) at TP 2 and TP 4, 1 GiB per rank, with slots of S blocks from
   a max model length of 8192 and a token budget of 512 (S = 544), and with whole-layer slots;
-- the vLLM tests' tiny DeepSeek model (6 layers of fp32 latents, block 16, its MTP layer local on every
-  rank) at TP 2 in 32 MiB per rank: whole-layer slots (what the vLLM integration allocates) and the
-  compact what-if with a max model length of 256 and a budget of 256 (the tests' longest request is 106
-  tokens).
+- the vLLM tests' tiny DeepSeek model (6 layers of fp32 latents, block 16) at TP 2 in 32 MiB per rank:
+  with its MTP layer (local on every rank), whole-layer slots (what the vLLM integration allocates with
+  MTP) and the compact what-if at a max model length and budget of 256; without it, at the owner-mode
+  tests' max model length and budget of 768 (S = 96), compact slots (what the integration allocates
+  there on CPU_MLA, `integrations/vllm/scratch.py`) and whole-layer ones. The vLLM ratios are against
+  vLLM's own replicated count (unpadded per-layer tensors, as the tests check).
 
 Planned by `kvpp-fx plan` (TP 8, 64 GiB per rank, block 128, bf16, token budget 8192): DeepSeek-V3, Kimi-K2
 and DeepSeek-V3.2 at max model lengths of 32K and 128K, and without a bound; DeepSeek-V3 with MTP too.
@@ -34,6 +36,7 @@ from kvpp_fx.reference.config import PRESETS
 
 REFERENCE_MAX_MODEL_LEN, REFERENCE_BUDGET = 8192, 512
 VLLM_TINY_MAX_MODEL_LEN, VLLM_TINY_BUDGET = 256, 256
+VLLM_TINY_COMPACT_MAX_MODEL_LEN, VLLM_TINY_COMPACT_BUDGET = 768, 768  # tests/integrations/test_vllm.py
 PLANS = ("deepseek-v3", "kimi-k2", "deepseek-v3.2-exp")
 PLAN_MEMORY = "64GiB"
 
@@ -49,8 +52,12 @@ def measured_blocks(plan: KVPPPlan, rank: int, budget: int) -> tuple[int, int]:
     return blocks, allocated
 
 
-def measured(spec: ModelCacheSpec, tp: int, budget: int, max_model_len: int, token_budget: int) -> dict:
-    replicated, _ = measured_blocks(KVPPPlan(spec, group_size=1), 0, budget)
+def measured(spec: ModelCacheSpec, tp: int, budget: int, max_model_len: int, token_budget: int,
+             replicated: int | None = None) -> dict:
+    """`replicated`: the replicated engine's own block count, where it is not KVPP's allocator at group
+    size 1 (vLLM's unpadded per-layer tensors)."""
+    if replicated is None:
+        replicated, _ = measured_blocks(KVPPPlan(spec, group_size=1), 0, budget)
     row = {"tp": tp, "replicated_blocks": replicated, "max_model_len": max_model_len, "token_budget": token_budget}
     for label, plan in (("compact", KVPPPlan.for_requests(spec, tp, max_model_len=max_model_len,
                                                           token_budget=token_budget)),
@@ -64,13 +71,13 @@ def measured(spec: ModelCacheSpec, tp: int, budget: int, max_model_len: int, tok
     return row
 
 
-def vllm_tiny_spec() -> ModelCacheSpec:
-    """The cache vLLM reports for tests/integrations/tiny_model.py: 6 MLA layers and one MTP layer of
-    576 float32 values per token, 16 tokens per block."""
+def vllm_tiny_spec(mtp: bool = True) -> ModelCacheSpec:
+    """The cache vLLM reports for tests/integrations/tiny_model.py: 6 MLA layers and (with MTP) one MTP
+    layer of 576 float32 values per token, 16 tokens per block."""
     def layer(index: int, draft: bool) -> LayerCacheSpec:
         return LayerCacheSpec(index, (ComponentSpec("kv", "float32", (576,)),), is_draft=draft)
 
-    return ModelCacheSpec("vllm-tiny-deepseek", 16, tuple(layer(i, i == 6) for i in range(7)))
+    return ModelCacheSpec("vllm-tiny-deepseek", 16, tuple(layer(i, i == 6) for i in range(7 if mtp else 6)))
 
 
 def planned(model: str, max_model_len: int | None, mtp: bool = False) -> dict:
@@ -95,16 +102,23 @@ def main(argv=None):
               f"{row['compact']['formula_ratio']:.3f}x, S = {row['compact']['slot_blocks']}), whole-layer slots "
               f"{row['whole_layer']['measured_ratio']:.3f}x at {format_bytes(budget)} per rank")
     tiny_budget = 32 << 20
-    tiny = measured(vllm_tiny_spec(), 2, tiny_budget, VLLM_TINY_MAX_MODEL_LEN, VLLM_TINY_BUDGET)
-    print(f"vLLM tiny DeepSeek TP2 in 32 MiB: whole-layer slots {tiny['whole_layer']['measured_ratio']:.3f}x, compact "
-          f"{tiny['compact']['measured_ratio']:.3f}x (S = {tiny['compact']['slot_blocks']})")
+    # vLLM's replicated cache: one unpadded tensor of num_blocks pages per layer
+    page = vllm_tiny_spec().layers[0].bytes_per_block(16)
+    tiny = measured(vllm_tiny_spec(), 2, tiny_budget, VLLM_TINY_MAX_MODEL_LEN, VLLM_TINY_BUDGET,
+                    replicated=tiny_budget // (7 * page))
+    print(f"vLLM tiny DeepSeek with MTP TP2 in 32 MiB: whole-layer slots {tiny['whole_layer']['measured_ratio']:.3f}x, "
+          f"compact {tiny['compact']['measured_ratio']:.3f}x (S = {tiny['compact']['slot_blocks']})")
+    tiny_compact = measured(vllm_tiny_spec(mtp=False), 2, tiny_budget, VLLM_TINY_COMPACT_MAX_MODEL_LEN,
+                            VLLM_TINY_COMPACT_BUDGET, replicated=tiny_budget // (6 * page))
+    print(f"vLLM tiny DeepSeek TP2 in 32 MiB: compact {tiny_compact['compact']['measured_ratio']:.3f}x (S = "
+          f"{tiny_compact['compact']['slot_blocks']}), whole-layer slots {tiny_compact['whole_layer']['measured_ratio']:.3f}x")
     plans = [planned(model, length) for model in PLANS for length in (32768, 131072, None)]
     plans += [planned("deepseek-v3", length, mtp=True) for length in (131072, None)]
     for p in plans:
         print(f"kvpp-fx plan {p['model']}{' --mtp' if p['mtp'] else ''} TP8 {PLAN_MEMORY} max_model_len "
               f"{p['max_model_len']}: {p['capacity_ratio']:.3f}x (formula {p['formula_ratio']:.3f}x; whole-layer "
               f"slots {p['whole_layer_ratio']:.3f}x)")
-    write_result("capacity", {"kv_memory_bytes": budget, "reference": reference, "vllm_tiny": tiny,
+    write_result("capacity", {"kv_memory_bytes": budget, "reference": reference, "vllm_tiny": tiny, "vllm_tiny_compact": tiny_compact,
                               "vllm_tiny_kv_memory_bytes": tiny_budget, "plans": plans,
                               "plan_kv_memory_bytes": parse_bytes(PLAN_MEMORY)}, args.out)
     return 0

@@ -31,7 +31,7 @@ from kvpp_fx.topology import create_kvpp_process_groups, kvpp_groups
 def make_engine(rank, world, kvpp, group, *, kv_memory=None, num_blocks=None, active_blocks=True):
     torch._dynamo.reset()
     engine_config = EngineConfig(graph_mode="piecewise", inner="eager", token_budget=TOKEN_BUDGET,
-                                 active_blocks=active_blocks)
+                                 active_blocks=active_blocks, compact_scratch=active_blocks)
     return build_engine(PRESETS["small"], engine_config=engine_config, num_blocks=num_blocks, kv_memory=kv_memory,
                         kvpp=kvpp, tp=TPInfo(rank, world, dist.group.WORLD), kvpp_group=group)
 

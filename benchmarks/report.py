@@ -40,9 +40,13 @@ def rows() -> list[tuple[str, str, str]]:
                     f"whole-layer slots (formula {w['formula_ratio']:.3f}x)", "`python benchmarks/capacity.py`"))
     tiny = cap["vllm_tiny"]
     out.append((f"capacity, vLLM tests' tiny DeepSeek TP 2, {cap['vllm_tiny_kv_memory_bytes'] // 2**20} MiB, real "
-                "allocator", f"{tiny['whole_layer']['measured_ratio']:.3f}x with whole-layer slots (what vLLM runs); "
-                f"{tiny['compact']['measured_ratio']:.3f}x with compact slots of {tiny['compact']['slot_blocks']} blocks "
-                f"(max model length {tiny['max_model_len']})", "same"))
+                "allocator", f"with MTP: {tiny['whole_layer']['measured_ratio']:.3f}x with whole-layer slots (what vLLM "
+                f"runs with MTP), {tiny['compact']['measured_ratio']:.3f}x with compact slots of "
+                f"{tiny['compact']['slot_blocks']} blocks (max model length {tiny['max_model_len']}); without: "
+                f"{cap['vllm_tiny_compact']['compact']['measured_ratio']:.3f}x with compact slots of "
+                f"{cap['vllm_tiny_compact']['compact']['slot_blocks']} blocks (max model length "
+                f"{cap['vllm_tiny_compact']['max_model_len']}, what vLLM runs on CPU_MLA), "
+                f"{cap['vllm_tiny_compact']['whole_layer']['measured_ratio']:.3f}x with whole-layer slots", "same"))
     for model in dict.fromkeys(p["model"] for p in cap["plans"]):
         for mtp in (False, True):
             plans = [p for p in cap["plans"] if p["model"] == model and p["mtp"] == mtp]
