@@ -183,10 +183,18 @@ def test_kvpp_mode_defaults_to_auto_and_is_checked():
         KVPPConfig(enable_kvpp=True, mode="Owner")
 
 
-@pytest.mark.parametrize("key", ["kvpp_mod", "kvppmode", "enable_kvpp_owner", "kvpp_scratch_blocks"])
+@pytest.mark.parametrize("key", ["kvpp_mod", "kvppmode", "enable_kvpp_owner", "kvpp_scratch_block"])
 def test_unknown_kvpp_keys_are_named_even_with_kvpp_off(key):
     with pytest.raises(ValueError, match=rf"unknown KVPP key\(s\) in additional_config: \['{key}'\]; the known keys "
-                                         r"are \['enable_kvpp', 'kvpp_mode'\]"):
+                                         r"are \['enable_kvpp', 'kvpp_mode', 'kvpp_scratch_blocks'\]"):
         KVPPConfig.from_additional_config({key: True})
+
+
+def test_kvpp_scratch_blocks_is_a_positive_integer_or_absent():
+    assert KVPPConfig.from_additional_config({"enable_kvpp": True}).scratch_blocks is None
+    assert KVPPConfig.from_additional_config({"enable_kvpp": True, "kvpp_scratch_blocks": 48}).scratch_blocks == 48
+    for bad in (0, -1, True, 4.0, "48"):
+        with pytest.raises(ValueError, match=r"kvpp_scratch_blocks must be a positive integer, got"):
+            KVPPConfig.from_additional_config({"enable_kvpp": True, "kvpp_scratch_blocks": bad})
     # other plugins' keys are theirs
     assert not KVPPConfig.from_additional_config({"ascend_scheduler_config": {}, "kvpp_fx": {}}).enabled

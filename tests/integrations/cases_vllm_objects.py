@@ -168,16 +168,19 @@ def test_step_requests_group_the_decode_rows_and_name_each_prefill():
     table.append_row(([7, 3, 9],), 0)  # decode after 40 computed tokens
     table.append_row(([3, 4],), 1)     # decode after 17, sharing block 3
     table.append_row(([5, 2],), 2)     # a first prefill of 30 tokens
-    computed = np.array([40, 17, 0, 0])
-    query_start = np.array([0, 1, 2, 32, 32])
+    table.append_row(([6, 8],), 3)     # a prefill of 10 tokens after 16 computed (a resumed session)
+    computed = np.array([40, 17, 0, 16])
+    query_start = np.array([0, 1, 2, 32, 42])
     # The layer's metadata as vLLM's MLA builder sets it for this batch: the first two requests decode.
     metadata = {"model.layers.0.self_attn.attn": types.SimpleNamespace(num_decodes=2)}
-    requests, decodes = step_requests(metadata, "model.layers.0.self_attn.attn", table, computed, query_start, 3, True)
+    requests, decodes = step_requests(metadata, "model.layers.0.self_attn.attn", table, computed, query_start, 4, True)
     assert decodes == 2
     assert [(r.query_tokens, r.attention_pairs, r.blocks, r.owner_capable) for r in requests] == [
-        (2, 41 + 18, (3, 4, 7, 9), True), (30, 900, (), False)]
-    # the decodes write into blocks that hold history (9 after 40 tokens, 4 after 17); the prefill fills 5, 2
-    assert [r.written for r in requests] == [(), (2, 5)]
+        (2, 41 + 18, (3, 4, 7, 9), True), (30, 900, (), False), (10, 260, (6,), False)]
+    # The decodes write into blocks that hold history (9 after 40 tokens, 4 after 17). The first prefill
+    # fills 5 and 2, but attends over its own new keys: they take no slot position. The later prefill
+    # reads its history from the slot, and its block 8 has a position.
+    assert [r.written for r in requests] == [(), (), (8,)]
     assert step_requests({}, "model.layers.0.self_attn.attn", table, computed, query_start, 3, True) is None
     assert step_requests(metadata, "model.layers.0.self_attn.attn", table, computed, query_start, 3,
                          False)[0][0].owner_capable is False

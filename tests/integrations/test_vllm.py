@@ -338,27 +338,27 @@ def owner_runs(tiny_deepseek):
     """TP 2 without MTP, float32 on CPU_MLA, the staggered workload (a 700-token prompt, then two short
     ones that prefill next to its decode rows: a mixed step), then more phases on each engine: KVPP off;
     eager with kvpp_mode left to "auto", then in broadcast mode, on compact slots of 48 blocks
-    (kvpp_scratch_blocks); vLLM's default compilation (mode 2, inductor) with kvpp_mode="owner"; mode 3
-    (`cpu_mode3`) on "auto", then in broadcast mode. Every KVPP engine here has compact slots: no row
-    but a decode reads history (`NO_HISTORY_ROWS`), and those two on the slots their max_model_len and
-    token budget give (176 blocks). Faults: the owner
+    (kvpp_scratch_blocks); mode 3 (`cpu_mode3`, inductor pieces) on "auto", then in broadcast and in
+    owner mode. (Mode 2, vLLM CPU's default compilation, runs the same exchange below the graph, in
+    ``forward_mqa``; its engines are `runs`.) Every KVPP engine here
+    has compact slots: no row but a decode reads history (`NO_HISTORY_ROWS`), and mode 3 on the slots its
+    max_model_len and token budget give (176 blocks). Faults: the owner
     scattering each rank the next rank's heads (SwappedHeads), and no gather at all, so the owner uses
     its own queries for every rank's heads (SkippedGather)."""
     staggered = NO_HISTORY_ROWS
     variants = {
-        "off": {"args": {**staggered, **EAGER}, "workload": "staggered"},
+        "off": {"args": {**staggered, **EAGER}, "workload": "staggered",
+                "phases": [{"name": "many-short", "workload": "many_short"}]},
         "eager": {"kvpp": True, "workload": "staggered",
                   "args": {**staggered, **EAGER, "additional_config": {"enable_kvpp": True, "kvpp_scratch_blocks": 48}},
-                  "zero_blocks": [200, 201], "phases": [
+                  "zero_blocks": [1, 200], "phases": [
             {"name": "broadcast", "mode": "broadcast", "workload": "staggered"},
+            {"name": "many-short", "mode": "broadcast", "workload": "many_short"},
             {"name": "swapped-heads", "mode": "owner", "workload": "staggered", "fault": SWAPPED_HEADS},
             {"name": "skipped-gather", "mode": "owner", "workload": "staggered", "fault": SKIPPED_GATHER}]},
-        "default": {"kvpp": True, "workload": "staggered",
-                    "args": {**staggered, "additional_config": {"enable_kvpp": True, "kvpp_mode": "owner"}},
-                    "phases": [{"name": "skipped-gather", "mode": "owner", "workload": "staggered",
-                                "fault": SKIPPED_GATHER}]},
         "mode3": {"kvpp": True, "mode3": True, "args": staggered, "workload": "staggered", "phases": [
             {"name": "broadcast", "mode": "broadcast", "workload": "staggered"},
+            {"name": "owner", "mode": "owner", "workload": "staggered"},
             {"name": "swapped-heads", "mode": "owner", "workload": "staggered", "fault": SWAPPED_HEADS}]},
     }
     return {name: run_check("generate", tiny_deepseek, json.dumps(v)) for name, v in variants.items()}
@@ -368,8 +368,8 @@ def _owner_path_runs(owner_runs):
     """(name, run, reference tokens) of every run that sent decode rows to the owner."""
     off = owner_runs["off"]
     return [("eager auto", owner_runs["eager"], off["tokens"]),
-            ("mode 2 owner", owner_runs["default"], off["tokens"]),
-            ("mode 3 auto", owner_runs["mode3"], off["tokens"])]
+            ("mode 3 auto", owner_runs["mode3"], off["tokens"]),
+            ("mode 3 owner", owner_runs["mode3"]["phases"]["owner"], off["tokens"])]
 
 
 def test_owner_and_auto_give_the_tokens_of_kvpp_off(owner_runs):
@@ -387,7 +387,7 @@ def test_owner_and_auto_give_the_tokens_of_kvpp_off(owner_runs):
 def test_owner_mode_moves_bytes_independent_of_context(owner_runs):
     """In owner mode no block moves: each decode token costs the formula's bytes per layer, whatever its
     history (700 tokens here); broadcast mode moves the history."""
-    owner = owner_runs["default"]["stats"]
+    owner = owner_runs["mode3"]["phases"]["owner"]["stats"]
     broadcast = owner_runs["mode3"]["phases"]["broadcast"]["stats"]
     for stats in owner:
         assert stats["kvpp_mode"] == "owner" and stats["broadcasts"] == 0
@@ -407,7 +407,7 @@ def test_mixed_steps_route_decode_rows_to_the_owner_next_to_a_prefill(owner_runs
 
 def test_compact_slots_hold_the_plans_block_count(owner_runs):
     """vLLM CPU runs CPU_MLA with a token budget of max(max_model_len, 2048): with a max model length of
-    768 in blocks of 16 the slots hold 48 + 128 = 176 blocks; the eager engine fixes 48
+    768 in blocks of 16 mode 3's slots hold 48 + 128 = 176 blocks; the eager engine fixes 48
     (kvpp_scratch_blocks). 64 MiB per rank: 3 owned buffers of n blocks (16 x 576 x 4 B each) and two
     slots of S blocks behind a 4 KiB ids region, every buffer 2 MiB aligned; nothing else. Whole-layer
     slots would hold fewer (341 blocks)."""
@@ -423,10 +423,10 @@ def test_compact_slots_hold_the_plans_block_count(owner_runs):
         return max(n for n in range(1, budget // page + 1) if fits(n))
 
     whole = most(lambda n: 3 * padded(n * page) + 2 * padded(4096 + n * page) <= budget)
-    config = owner_runs["default"]["config"]
+    config = owner_runs["mode3"]["config"]
     assert (config["max_model_len"], config["max_num_batched_tokens"], config["block_size"]) == (768, 2048, 16)
     derived = -(-768 // 16) + -(-2048 // 16)
-    for name, slot in (("eager", 48), ("default", derived), ("mode3", derived)):
+    for name, slot in (("eager", 48), ("mode3", derived)):
         run = owner_runs[name]
         expected = most(lambda n: cost(n, slot) <= budget)
         assert expected > whole, (expected, whole)
@@ -454,10 +454,21 @@ def test_steps_wider_than_a_compact_slot_send_their_decode_rows_to_the_owners(ow
         assert stats["slot_blocks"] == 176 and stats["modes"]["owner"] == 0 and stats["exchanges"] == 0, stats
 
 
+def test_a_step_of_many_fresh_prompts_packs_nothing_into_a_compact_slot(owner_runs):
+    """20 prompts of 33 tokens prefill in one step and write 60 blocks, more than the 48 a slot holds:
+    prefill rows without history take no slot positions, so that step packs nothing; their decodes
+    (60 blocks of history, then more) go to the owners in broadcast mode. Tokens: KVPP off's."""
+    phase = owner_runs["eager"]["phases"]["many-short"]
+    off = owner_runs["off"]["phases"]["many-short"]["tokens"]
+    assert len(off) == 20 and phase["tokens"] == off
+    for stats in phase["stats"]:
+        assert stats["slot_blocks"] == 48 and stats["modes"]["owner"] > 0, stats
+
+
 def test_block_zeroer_leaves_compact_slots_alone(owner_runs):
-    """vLLM's zeroer of freshly allocated blocks, on the engine with slots of 48 blocks: blocks 200 and 201
-    are zeroed in the persistent views, the slots keep their bytes; vLLM's own zeroer (the control)
-    indexes the 48-block slot views by pool id and fails."""
+    """vLLM's zeroer of freshly allocated blocks, on the engine with slots of 48 blocks: blocks 1 and 200
+    are zeroed in the persistent views, the slots keep their bytes (position 1 included); vLLM's own
+    zeroer (the control) indexes the 48-block slot views by pool id and fails."""
     for probe in owner_runs["eager"]["zero_blocks"]:
         assert probe == {"persistent_zeroed": True, "slots_untouched": True, "slot_blocks": 48,
                          "vllm_own": "IndexError"}, probe
@@ -465,7 +476,7 @@ def test_block_zeroer_leaves_compact_slots_alone(owner_runs):
 
 def test_owner_mode_negative_controls_change_the_tokens(owner_runs):
     off = owner_runs["off"]["tokens"]
-    for engine, phase in (("eager", "swapped-heads"), ("eager", "skipped-gather"), ("default", "skipped-gather"),
+    for engine, phase in (("eager", "swapped-heads"), ("eager", "skipped-gather"),
                           ("mode3", "swapped-heads")):
         run = owner_runs[engine]["phases"][phase]
         assert run["tokens"] != off, (engine, phase)

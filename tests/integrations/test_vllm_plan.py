@@ -156,7 +156,10 @@ def test_compact_slots_need_every_history_row_to_be_sheddable():
         "the model is SFA": (config(model_config=NS(use_mla=True, is_hybrid=False, hf_config=NS(index_topk=8))), None),
         "speculative decoding is on": (config(speculative_config=NS(method="mtp")), None),
         "chunked prefill is on": (config(scheduler_config=NS(enable_chunked_prefill=True)), None),
+        "long_prefill_token_threshold is set": (config(scheduler_config=NS(enable_chunked_prefill=False,
+                                                                           long_prefill_token_threshold=256)), None),
         "prefix caching is on": (config(cache_config=NS(enable_prefix_caching=True)), None),
+        "a KV connector is set": (config(kv_transfer_config=NS(kv_connector="MooncakeConnectorV2")), None),
         "micro-batching (DBO) is on": (config(parallel_config=NS(use_ubatching=True)), None),
     }
     for reason, (vllm_config, owner_blocker) in cases.items():

@@ -123,7 +123,9 @@ SHARED_PREFIX = [(11 * i + 5) % 500 for i in range(300)]
 FIRST_WAVE = [SHARED_PREFIX + [(3 * i + 7) % 500 for i in range(60)]]
 SECOND_WAVE = [SHARED_PREFIX + [(13 * i + 2) % 500 for i in range(90)],
                SHARED_PREFIX + [(17 * i + 9) % 500 for i in range(40)]]
-WORKLOADS = {"short": [PROMPTS], "shared_prefixes": [FIRST_WAVE, SECOND_WAVE]}
+# 20 prompts of 33 tokens in one step: 60 blocks of 16 written, 80 once their 16 new tokens are in.
+MANY_SHORT = [[(7 * i + 3 * k + 1) % 500 for i in range(33)] for k in range(20)]
+WORKLOADS = {"short": [PROMPTS], "shared_prefixes": [FIRST_WAVE, SECOND_WAVE], "many_short": [MANY_SHORT]}
 # A long prompt first; the two short ones join once it decodes: their prefill step carries its decode
 # row (a mixed step), and long-history decodes are what "auto" sends to the owner on the CPU link.
 STAGGERED = ([(7 * i + 3) % 500 for i in range(700)], [[(5 * i + 1) % 500 for i in range(120)],

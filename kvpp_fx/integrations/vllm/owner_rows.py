@@ -119,7 +119,11 @@ def step_requests(attn_metadata: Any, layer_name: str, block_tables: Any, num_co
         requests.append(RequestRows(int(query[:num_decodes].sum()), int(pairs[:num_decodes].sum()),
                                     tuple(sorted({b for i in decode for b in blocks[i]})), owner_capable,
                                     tuple(sorted({b for i in decode for b in written[i]}))))
-    requests += [RequestRows(int(query[i]), int(pairs[i]), tuple(blocks[i]), False, tuple(written[i]))
+    # A prefill row without history attends over its own new keys, never the cache: on a rank reading
+    # the layer from its scratch slot its blocks need no position there (their writes are dropped; the
+    # owner's persistent copy is what later steps receive). So a step of fresh prompts packs nothing.
+    requests += [RequestRows(int(query[i]), int(pairs[i]), tuple(blocks[i]), False,
+                             tuple(written[i]) if computed[i] > 0 else ())
                  for i in range(num_decodes, num_reqs)]
     return tuple(requests), num_decodes
 

@@ -10,15 +10,24 @@ every step only where each row that reads history is a decode row its owner can 
 - no prefill row reads history: neither chunked prefill (later chunks) nor prefix caching (hits);
 - no speculative decoding: its verification rows reach vLLM CPU's decode kernel as prefill rows
   with history (one query per request there);
+- no ``long_prefill_token_threshold`` (it splits long prompts even without chunked prefill) and no KV
+  connector (external tokens arrive as history);
 - no micro-batched (DBO) steps, whose per-micro-batch metadata KVPP does not remap.
+
+Prefill rows without history take no slot positions (`owner_rows.step_requests`), so a budget of
+fresh prompts packs nothing, however many requests share it. One source of prefill history stays
+outside what the configuration shows: a resumed streaming-input session (``AsyncLLM.generate`` with an
+async-generator prompt). Such a step still broadcasts its history, and one wider than a slot is
+refused on every rank before anything moves (`ScratchOverflowError`).
 
 Elsewhere vLLM keeps whole-layer slots, and an explicit ``kvpp_scratch_blocks`` is refused naming
 the reason. Where compact slots can run, the worker takes whichever layout holds more blocks in its
 budget (`choose_plan`): S includes the token budget, so on a small pool whole-layer slots can win.
 
 Invariants:
-- Every rank of a group takes the same layout: the choice is checked across the group when the
-  cache is allocated (`KVPPAllocationError` otherwise), before any step runs.
+- Every rank of a group takes the same layout: each chooses from the group's smallest budget, and
+  the choice is checked across the group when the cache is allocated (`KVPPAllocationError`
+  otherwise), before any step runs.
 - An explicit S holds a request of ``max_model_len`` tokens, or the engine is refused at construction.
 """
 
@@ -48,8 +57,13 @@ def config_blocker(vllm_config: Any) -> str | None:
                 "never go to the owner")
     if getattr(scheduler, "enable_chunked_prefill", False):
         return "chunked prefill is on: a later chunk reads its history as a prefill row, which never goes to the owner"
+    if getattr(scheduler, "long_prefill_token_threshold", 0):
+        return ("long_prefill_token_threshold is set: a long prompt's later part reads its history as a prefill row, "
+                "which never goes to the owner")
     if getattr(cache, "enable_prefix_caching", False):
         return "prefix caching is on: a prefix hit is a prefill row's history, which never goes to the owner"
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        return "a KV connector is set: its external tokens are a prefill row's history, and it reads whole pools"
     if getattr(parallel, "use_ubatching", False):
         return "micro-batching (DBO) is on: its per-micro-batch metadata is not remapped to packed slots"
     return None

@@ -323,8 +323,11 @@ def num_target_layers(runner: Any) -> int:
 
 
 def _plan(runner: Any, state: EngineState, specs: dict[str, Any], scratch_blocks: int | None = None) -> VllmPlan:
+    # Only compact slots bound the pool below by a max-length request: whole-layer plans take any pool
+    # vLLM plans, the small ones of CUDA graph memory profiling included.
+    max_model_len = None if scratch_blocks is None else int(runner.model_config.max_model_len)
     return plan_from_specs(specs, state.config.size, num_target_layers(runner), scratch_blocks=scratch_blocks,
-                           max_model_len=int(runner.model_config.max_model_len))
+                           max_model_len=max_model_len)
 
 
 def _choose_layout(runner: Any, state: EngineState, available: int) -> VllmPlan:
@@ -336,10 +339,26 @@ def _choose_layout(runner: Any, state: EngineState, available: int) -> VllmPlan:
         state.scratch_choice = f"whole-layer slots: {state.compact_blocker}"
         return whole
     slots = scratch.slot_blocks(runner.vllm_config, state.config, whole.plan.spec.block_size)
-    chosen, state.scratch_choice = scratch.choose_plan(_plan(runner, state, specs, slots), whole, available,
+    # Each rank measures its own budget (vLLM CPU's default is what the process has left); the group
+    # chooses from the smallest, so every rank chooses alike.
+    chosen, state.scratch_choice = scratch.choose_plan(_plan(runner, state, specs, slots), whole,
+                                                       _group_minimum(available),
                                                        explicit=state.config.scratch_blocks is not None)
     state.vplan, state.scratch_blocks = chosen, chosen.plan.scratch_blocks
     return chosen
+
+
+def _group_minimum(available: int) -> int:
+    """The smallest of `available` over vLLM's TP group, which is the KVPP group wherever compact slots
+    can run (PCP 1; `scratch.compact_blocker`)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return available
+    value = torch.tensor([available], dtype=torch.int64)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+    return int(value.item())
 
 
 def _compact(state: EngineState) -> bool:
