@@ -63,10 +63,11 @@ def occupancy_bytes(rank, world, group, num_blocks):
 
     Requests of 13 blocks each (prompt + 24 new tokens), 2 of them (~10 %) or as many as fit (~100 %),
     each prefilled in one step so that all of them decode together; the step with the most live blocks
-    is reported.
+    is reported. On whole-layer slots: in a compact slot the ~100 % step does not fit, and its rows go to
+    their owners instead of broadcasting.
     """
     torch._dynamo.reset()
-    engine_config = EngineConfig(graph_mode="piecewise", inner="eager", token_budget=512)
+    engine_config = EngineConfig(graph_mode="piecewise", inner="eager", token_budget=512, compact_scratch=False)
     engine = build_engine(PRESETS["small"], engine_config=engine_config, num_blocks=num_blocks, kvpp=True,
                           tp=TPInfo(rank, world, dist.group.WORLD), kvpp_group=group)
     block_size, per_request, new_tokens = engine.config.block_size, 13, 24

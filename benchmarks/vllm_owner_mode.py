@@ -10,8 +10,9 @@ Reported per mode and context:
 
 - the bytes of the last decode step on each rank (``last_forward``), against the formula:
   broadcast: per layer, the request's history blocks, ``ceil(computed / 16) x (16 x 576 x 4 + 8)`` bytes
-  (sent by the owner, received by the other rank), or the whole layer, ``num_blocks x 16 x 576 x 4``,
-  once the blocks pass the crossover (``KVPPPlan.uses_active_blocks``); owner:
+  (sent by the owner, received by the other rank), or, with whole-layer slots, the whole layer,
+  ``num_blocks x 16 x 576 x 4``, once the blocks pass the crossover (``KVPPPlan.uses_active_blocks``;
+  this engine takes compact slots, which always pack: `integrations/vllm/scratch.py`); owner:
   per layer, ``T x 2 heads x (576 + 512) x 4`` bytes for T = 1 decode token, whatever the context;
 - the ratio of the longest context's bytes to the shortest's, per mode (the issue asks <= 1.3 for owner);
 - the median decode step time, against an engine with KVPP off, at the longest context.
@@ -75,6 +76,7 @@ def engine_main(model: str, kvpp: bool, contexts: list[int], decode_steps: int) 
             if kvpp:
                 stats = llm.collective_rpc(worker_stats)
                 run["num_blocks"] = stats[0]["num_blocks"]
+                run["scratch_blocks"] = stats[0]["scratch_blocks"]
                 run["last_step"] = [{"rank": s["rank"], "bytes": s["last_forward"]["bytes"],
                                      "mode": s["last_forward"]["mode"], "exchanges": s["last_forward"]["exchanges"],
                                      "broadcasts": s["last_forward"]["broadcasts"]} for s in stats]
@@ -93,9 +95,10 @@ def run_engine(model: str, kvpp: bool, contexts: list[int], decode_steps: int) -
     return json.loads(line.removeprefix("ENGINE "))
 
 
-def formula(mode: str, computed: int, num_blocks: int) -> int:
+def formula(mode: str, computed: int, num_blocks: int, scratch_blocks: int | None = None) -> int:
     """Bytes one rank moves in a decode step over `computed` tokens at TP 2 (each rank sends its 3 layers'
-    blocks and receives the other 3's)."""
+    blocks and receives the other 3's), on the slots the engine took (`scratch_blocks`: compact slots of
+    that many blocks, which always pack; None: whole-layer slots)."""
     from kvpp_fx.cache.placement import KVPPPlan
     from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
 
@@ -104,7 +107,7 @@ def formula(mode: str, computed: int, num_blocks: int) -> int:
     blocks = -(-computed // BLOCK_SIZE)
     spec = ModelCacheSpec("tiny", BLOCK_SIZE, tuple(LayerCacheSpec(i, (ComponentSpec("kv", "float32", (576,)),))
                                                     for i in range(NUM_LAYERS)))
-    if KVPPPlan(spec, group_size=2).uses_active_blocks(blocks, num_blocks):
+    if KVPPPlan(spec, group_size=2, scratch_blocks=scratch_blocks).uses_active_blocks(blocks, num_blocks):
         return NUM_LAYERS * blocks * BLOCK_BYTES
     return NUM_LAYERS * num_blocks * BLOCK_SIZE * RECORD  # whole layers
 
@@ -131,8 +134,11 @@ def main() -> None:
         rows.append({"mode": run["mode"], "context": run["context"], "bytes_per_rank": [r["bytes"] for r in last],
                      "last_step_mode": [r["mode"] for r in last], "decode_step_s": run["decode_step_s"]["median"],
                      "num_blocks": run["num_blocks"],
-                     "broadcast_formula_upper": formula("broadcast", run["context"] + args.decode_steps, run["num_blocks"]),
-                     "broadcast_formula_lower": formula("broadcast", run["context"], run["num_blocks"]),
+                     "scratch_blocks": run["scratch_blocks"],
+                     "broadcast_formula_upper": formula("broadcast", run["context"] + args.decode_steps, run["num_blocks"],
+                                                        run["scratch_blocks"]),
+                     "broadcast_formula_lower": formula("broadcast", run["context"], run["num_blocks"],
+                                                        run["scratch_blocks"]),
                      "owner_formula": formula("owner", run["context"], run["num_blocks"])})
     by = {(r["mode"], r["context"]): r for r in rows}
     shortest, longest = min(contexts), max(contexts)

@@ -214,8 +214,8 @@ def kvpp_runner_class(base: type) -> type:
                 return super().execute_model(*args, **kwargs)
 
         # vLLM's block zeroer and copy-on-write index every cache view by pool block id. A compact slot
-        # holds only the step's packed blocks, which each step overwrites before attention reads them:
-        # those operations touch the persistent views only.
+        # holds S positions of copies each step rewrites, never uninitialized memory (it is allocated
+        # zeroed): those operations touch the persistent views only.
         def _init_kv_zero_meta(self) -> None:
             if not _compact(self._kvpp):
                 super()._init_kv_zero_meta()
