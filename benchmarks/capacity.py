@@ -7,9 +7,9 @@ fits the budget, the ratio taken at the worst rank, as the engine uses one block
   a max model length of 8192 and a token budget of 512 (S = 544), and with whole-layer slots;
 - the vLLM tests' tiny DeepSeek model (6 layers of fp32 latents, block 16) at TP 2 in 32 MiB per rank:
   with its MTP layer (local on every rank), whole-layer slots (what the vLLM integration allocates with
-  MTP) and the compact what-if at a max model length and budget of 256; without it, at the owner-mode
-  tests' max model length and budget of 768 (S = 96), compact slots (what the integration allocates
-  there on CPU_MLA, `integrations/vllm/scratch.py`) and whole-layer ones. The vLLM ratios are against
+  MTP) and the compact what-if at a max model length and budget of 256; without it, as the owner-mode
+  tests run it (64 MiB, max model length 768, vLLM CPU's budget of 2048: S = 176), compact slots (what
+  the integration allocates there on CPU_MLA, `integrations/vllm/scratch.py`) and whole-layer ones. The vLLM ratios are against
   vLLM's own replicated count (unpadded per-layer tensors, as the tests check).
 
 Planned by `kvpp-fx plan` (TP 8, 64 GiB per rank, block 128, bf16, token budget 8192): DeepSeek-V3, Kimi-K2
@@ -36,7 +36,9 @@ from kvpp_fx.reference.config import PRESETS
 
 REFERENCE_MAX_MODEL_LEN, REFERENCE_BUDGET = 8192, 512
 VLLM_TINY_MAX_MODEL_LEN, VLLM_TINY_BUDGET = 256, 256
-VLLM_TINY_COMPACT_MAX_MODEL_LEN, VLLM_TINY_COMPACT_BUDGET = 768, 768  # tests/integrations/test_vllm.py
+# tests/integrations/test_vllm.py's compact engines: vLLM CPU sets CPU_MLA's token budget to
+# max(max_model_len, 2048), 64 MiB per rank
+VLLM_TINY_COMPACT_MAX_MODEL_LEN, VLLM_TINY_COMPACT_BUDGET, VLLM_TINY_COMPACT_MEMORY = 768, 2048, 64 << 20
 PLANS = ("deepseek-v3", "kimi-k2", "deepseek-v3.2-exp")
 PLAN_MEMORY = "64GiB"
 
@@ -108,9 +110,9 @@ def main(argv=None):
                     replicated=tiny_budget // (7 * page))
     print(f"vLLM tiny DeepSeek with MTP TP2 in 32 MiB: whole-layer slots {tiny['whole_layer']['measured_ratio']:.3f}x, "
           f"compact {tiny['compact']['measured_ratio']:.3f}x (S = {tiny['compact']['slot_blocks']})")
-    tiny_compact = measured(vllm_tiny_spec(mtp=False), 2, tiny_budget, VLLM_TINY_COMPACT_MAX_MODEL_LEN,
-                            VLLM_TINY_COMPACT_BUDGET, replicated=tiny_budget // (6 * page))
-    print(f"vLLM tiny DeepSeek TP2 in 32 MiB: compact {tiny_compact['compact']['measured_ratio']:.3f}x (S = "
+    tiny_compact = measured(vllm_tiny_spec(mtp=False), 2, VLLM_TINY_COMPACT_MEMORY, VLLM_TINY_COMPACT_MAX_MODEL_LEN,
+                            VLLM_TINY_COMPACT_BUDGET, replicated=VLLM_TINY_COMPACT_MEMORY // (6 * page))
+    print(f"vLLM tiny DeepSeek TP2 in 64 MiB: compact {tiny_compact['compact']['measured_ratio']:.3f}x (S = "
           f"{tiny_compact['compact']['slot_blocks']}), whole-layer slots {tiny_compact['whole_layer']['measured_ratio']:.3f}x")
     plans = [planned(model, length) for model in PLANS for length in (32768, 131072, None)]
     plans += [planned("deepseek-v3", length, mtp=True) for length in (131072, None)]
@@ -119,6 +121,7 @@ def main(argv=None):
               f"{p['max_model_len']}: {p['capacity_ratio']:.3f}x (formula {p['formula_ratio']:.3f}x; whole-layer "
               f"slots {p['whole_layer_ratio']:.3f}x)")
     write_result("capacity", {"kv_memory_bytes": budget, "reference": reference, "vllm_tiny": tiny, "vllm_tiny_compact": tiny_compact,
+                              "vllm_tiny_compact_kv_memory_bytes": VLLM_TINY_COMPACT_MEMORY,
                               "vllm_tiny_kv_memory_bytes": tiny_budget, "plans": plans,
                               "plan_kv_memory_bytes": parse_bytes(PLAN_MEMORY)}, args.out)
     return 0

@@ -42,10 +42,12 @@ def rows() -> list[tuple[str, str, str]]:
     out.append((f"capacity, vLLM tests' tiny DeepSeek TP 2, {cap['vllm_tiny_kv_memory_bytes'] // 2**20} MiB, real "
                 "allocator", f"with MTP: {tiny['whole_layer']['measured_ratio']:.3f}x with whole-layer slots (what vLLM "
                 f"runs with MTP), {tiny['compact']['measured_ratio']:.3f}x with compact slots of "
-                f"{tiny['compact']['slot_blocks']} blocks (max model length {tiny['max_model_len']}); without: "
+                f"{tiny['compact']['slot_blocks']} blocks (max model length {tiny['max_model_len']}); without, in "
+                f"{cap['vllm_tiny_compact_kv_memory_bytes'] // 2**20} MiB: "
                 f"{cap['vllm_tiny_compact']['compact']['measured_ratio']:.3f}x with compact slots of "
                 f"{cap['vllm_tiny_compact']['compact']['slot_blocks']} blocks (max model length "
-                f"{cap['vllm_tiny_compact']['max_model_len']}, what vLLM runs on CPU_MLA), "
+                f"{cap['vllm_tiny_compact']['max_model_len']}, token budget {cap['vllm_tiny_compact']['token_budget']}: "
+                "what vLLM runs on CPU_MLA), "
                 f"{cap['vllm_tiny_compact']['whole_layer']['measured_ratio']:.3f}x with whole-layer slots", "same"))
     for model in dict.fromkeys(p["model"] for p in cap["plans"]):
         for mtp in (False, True):
