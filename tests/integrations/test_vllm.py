@@ -7,7 +7,6 @@ layer and a locally trained tokenizer (`tiny_model`).
 """
 
 import concurrent.futures
-import contextlib
 import json
 import os
 import signal
@@ -573,12 +572,13 @@ def _complete_concurrently(port: int) -> list[str]:
         return list(pool.map(complete, SERVE_PROMPTS))
 
 
-@contextlib.contextmanager
-def openai_server(model: str, kvpp: bool, log: Path):
-    """vLLM's OpenAI server at TP 2 with KVPP on or off, started but not yet healthy (`wait_healthy`):
-    yields (process, port, log) and stops it at exit. KVPP on runs vLLM's default compilation; KVPP off,
-    the reference, runs eager (vLLM CPU's own compiled default gives other tokens than its
-    eager mode on this model, KVPP or not)."""
+def serve_and_query(model: str, kvpp: bool, log: Path) -> dict:
+    """Start vLLM's OpenAI server at TP 2, send two concurrent completions requests; with KVPP on,
+    read the workers' KVPP stats, then install the fault (receivers skip their scatter) through the
+    workers' test seam and ask again. Stop it.
+
+    KVPP on runs vLLM's default compilation; KVPP off, the reference, runs eager (vLLM CPU's own
+    compiled default gives other tokens than its eager mode on this model, KVPP or not)."""
     port = _free_port()
     settings = ([] if kvpp else ["--enforce-eager", "--compilation-config",
                                  json.dumps({"custom_ops": ["-rotary_embedding"]})])
@@ -592,7 +592,21 @@ def openai_server(model: str, kvpp: bool, log: Path):
         server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                   start_new_session=True)
     try:
-        yield server, port, log
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                time.sleep(2)
+        result = {"texts": _complete_concurrently(port)}
+        if kvpp:
+            result["stats"] = _post(port, "/collective_rpc", {"method": "kvpp_stats"})["results"]
+            _post(port, "/collective_rpc", {"method": "kvpp_set_device_api", "args": [FAULT]})
+            result["faulty"] = _complete_concurrently(port)
+        return result
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -602,36 +616,9 @@ def openai_server(model: str, kvpp: bool, log: Path):
             server.wait(timeout=30)
 
 
-def wait_healthy(server, port: int, log: Path, deadline: float) -> None:
-    while True:
-        assert server.poll() is None, log.read_text()[-4000:]
-        assert time.monotonic() < deadline, log.read_text()[-4000:]
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                return
-        except OSError:
-            time.sleep(2)
-
-
-def query(port: int, kvpp: bool) -> dict:
-    """Two concurrent completions requests; with KVPP on, then the workers' KVPP stats, and the same
-    requests again with the fault (receivers skip their scatter) installed through the workers' seam."""
-    result = {"texts": _complete_concurrently(port)}
-    if kvpp:
-        result["stats"] = _post(port, "/collective_rpc", {"method": "kvpp_stats"})["results"]
-        _post(port, "/collective_rpc", {"method": "kvpp_set_device_api", "args": [FAULT]})
-        result["faulty"] = _complete_concurrently(port)
-    return result
-
-
 def test_openai_server_same_text_with_kvpp(tiny_deepseek, tmp_path):
-    """Both servers start side by side (their start-up is mostly imports, one core each)."""
-    with openai_server(tiny_deepseek, True, tmp_path / "on.log") as on_server, \
-            openai_server(tiny_deepseek, False, tmp_path / "off.log") as off_server:
-        deadline = time.monotonic() + 400
-        for server in (on_server, off_server):
-            wait_healthy(*server, deadline)
-        on, off = query(on_server[1], True), query(off_server[1], False)
+    on = serve_and_query(tiny_deepseek, True, tmp_path / "on.log")
+    off = serve_and_query(tiny_deepseek, False, tmp_path / "off.log")
     assert on["texts"] == off["texts"]
     assert all(len(text) > 5 for text in on["texts"]) and on["texts"][0] != on["texts"][1]
     # The server's own workers ran KVPP: each rank broadcast and holds half the layers.
