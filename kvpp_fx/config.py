@@ -133,7 +133,7 @@ class Deployment:
             if value is not None:
                 fields[name] = int(value)
         fields["graph_mode"] = _graph_mode_of(vllm_config)
-        fields["model_kind"] = _model_kind_of(getattr(vllm_config, "model_config", None))
+        fields["model_kind"] = model_kind_of(getattr(vllm_config, "model_config", None))
         spec = getattr(vllm_config, "speculative_config", None)
         if spec is not None:
             # vLLM's names: SpeculativeConfig.method, .num_speculative_tokens_per_batch_size (a
@@ -168,7 +168,7 @@ def _graph_mode_of(vllm_config: Any) -> str:
     return "eager"
 
 
-def _model_kind_of(model_config: Any) -> str:
+def model_kind_of(model_config: Any) -> str:
     if model_config is None:
         return "mla"
     if getattr(model_config, "is_hybrid", False):

@@ -4,6 +4,8 @@ main run from collecting it)."""
 
 from __future__ import annotations
 
+import tests.integrations.triton_interpreter  # noqa: F401, I001  (before vLLM: V2's Triton kernels, interpreted)
+
 import types
 
 import numpy as np
@@ -29,7 +31,9 @@ from kvpp_fx.config import (
     Deployment,
     KVPPConfig,
 )
-from kvpp_fx.integrations.vllm.specs import KVPPSpecError, active_blocks, per_layer_specs, plan_from_specs
+from kvpp_fx.integrations.vllm.batch import StepBatch, active_blocks, written_blocks
+from kvpp_fx.integrations.vllm.runner_v1 import block_rows
+from kvpp_fx.integrations.vllm.specs import KVPPSpecError, per_layer_specs, plan_from_specs
 
 ON = KVPPConfig(enable_kvpp=True, tp=2)
 
@@ -128,6 +132,12 @@ def test_specs_kvpp_cannot_place_are_named(specs, match):
         plan_from_specs(specs, 2)
 
 
+def v1_batch(table, computed, query=None):
+    """The step batch V1's adapter builds from its block table, for the first len(computed) requests."""
+    n = len(computed)
+    return StepBatch.of(computed, query if query is not None else [1] * n, [0] * n, block_rows(table, n))
+
+
 def test_active_blocks_from_vllms_block_table():
     from vllm.v1.worker.block_table import MultiGroupBlockTable
 
@@ -138,15 +148,13 @@ def test_active_blocks_from_vllms_block_table():
     table.append_row(([3, 11],), 2)    # a prefix-cache hit of 16 tokens: block 3, shared with row 0
     table.append_row(([30],), 3)       # not scheduled this step (beyond num_reqs)
     computed = [40, 0, 16, 16]
-    assert active_blocks(table, computed, 3) == [3, 7, 9]
-    assert active_blocks(table, [32, 0, 0, 0], 1) == [3, 7]  # exactly two full blocks
-    assert active_blocks(table, computed, 4) == [3, 7, 9, 30]
+    assert active_blocks(v1_batch(table, computed[:3])) == [3, 7, 9]
+    assert active_blocks(v1_batch(table, [32])) == [3, 7]  # exactly two full blocks
+    assert active_blocks(v1_batch(table, computed)) == [3, 7, 9, 30]
 
 
 def test_written_blocks_from_vllms_block_table():
     from vllm.v1.worker.block_table import MultiGroupBlockTable
-
-    from kvpp_fx.integrations.vllm.specs import written_blocks
 
     table = MultiGroupBlockTable(max_num_reqs=4, max_num_batched_tokens=64, pin_memory=False,
                                  device=torch.device("cpu"), block_sizes=[16], max_num_blocks=[8])
@@ -154,8 +162,8 @@ def test_written_blocks_from_vllms_block_table():
     table.append_row(([5, 2],), 1)     # a first prefill of 20 tokens: blocks 5 and 2
     table.append_row(([3, 11],), 2)    # a decode after 17 tokens: writes into block 11, which holds history
     table.append_row(([30],), 3)       # not scheduled this step (beyond num_reqs)
-    assert written_blocks(table, [32, 0, 17, 0], [1, 20, 1, 1], 3) == [2, 5, 9]
-    assert written_blocks(table, [32, 0, 17, 0], [1, 20, 1, 1], 4) == [2, 5, 9, 30]
+    assert written_blocks(v1_batch(table, [32, 0, 17], [1, 20, 1])) == [2, 5, 9]
+    assert written_blocks(v1_batch(table, [32, 0, 17, 0], [1, 20, 1, 1])) == [2, 5, 9, 30]
 
 
 def test_step_requests_group_the_decode_rows_and_name_each_prefill():
@@ -169,11 +177,12 @@ def test_step_requests_group_the_decode_rows_and_name_each_prefill():
     table.append_row(([3, 4],), 1)     # decode after 17, sharing block 3
     table.append_row(([5, 2],), 2)     # a first prefill of 30 tokens
     table.append_row(([6, 8],), 3)     # a prefill of 10 tokens after 16 computed (a resumed session)
-    computed = np.array([40, 17, 0, 16])
-    query_start = np.array([0, 1, 2, 32, 42])
+    computed = [40, 17, 0, 16]
+    query = [1, 1, 30, 10]
+    batch = v1_batch(table, computed, query)
     # The layer's metadata as vLLM's MLA builder sets it for this batch: the first two requests decode.
     metadata = {"model.layers.0.self_attn.attn": types.SimpleNamespace(num_decodes=2)}
-    requests, decodes = step_requests(metadata, "model.layers.0.self_attn.attn", table, computed, query_start, 4, True)
+    requests, decodes = step_requests(metadata, "model.layers.0.self_attn.attn", batch, True)
     assert decodes == 2
     assert [(r.query_tokens, r.attention_pairs, r.blocks, r.owner_capable) for r in requests] == [
         (2, 41 + 18, (3, 4, 7, 9), True), (30, 900, (), False), (10, 260, (6,), False)]
@@ -181,20 +190,86 @@ def test_step_requests_group_the_decode_rows_and_name_each_prefill():
     # fills 5 and 2, but attends over its own new keys: they take no slot position. The later prefill
     # reads its history from the slot, and its block 8 has a position.
     assert [r.written for r in requests] == [(), (), (8,)]
-    assert step_requests({}, "model.layers.0.self_attn.attn", table, computed, query_start, 3, True) is None
-    assert step_requests(metadata, "model.layers.0.self_attn.attn", table, computed, query_start, 3,
-                         False)[0][0].owner_capable is False
+    first_three = v1_batch(table, computed[:3], query[:3])
+    assert step_requests({}, "model.layers.0.self_attn.attn", first_three, True) is None
+    assert step_requests(metadata, "model.layers.0.self_attn.attn", first_three, False)[0][0].owner_capable is False
     # micro-batches (DBO) come as a list of metadata dicts, whose rows are not the batch's: no requests,
     # so the step broadcasts every row's blocks
-    assert step_requests([metadata, metadata], "model.layers.0.self_attn.attn", table, computed, query_start, 3,
-                         True) is None
+    assert step_requests([metadata, metadata], "model.layers.0.self_attn.attn", first_three, True) is None
+
+
+def _v2_block_tables(block_sizes=(16, 32), widths=(8, 4)):
+    import vllm.v1.worker.cpu_worker  # noqa: F401  (vLLM CPU's stand-ins for CUDA streams and pinned memory)
+    from vllm.v1.worker.gpu.block_table import BlockTables
+
+    return BlockTables(block_sizes=list(block_sizes), max_num_reqs=4, max_num_batched_tokens=64,
+                       max_num_blocks_per_group=list(widths), device=torch.device("cpu"))
+
+
+def test_v2_host_block_tables_equal_the_gathered_device_tables():
+    """V2 keeps block ids in device tables only (staged writes, gathered by a Triton kernel, here
+    interpreted). KVPP's mirror records what ``append_block_ids`` stages: its rows in batch order equal
+    the rows V2's ``gather_block_tables`` gives attention, in two cache groups, through new requests,
+    appends and a row rewritten. The control: a write that bypasses the mirror shows."""
+    from kvpp_fx.integrations.vllm.runner_v2 import HostBlockTables
+
+    tables = _v2_block_tables()
+    mirror = HostBlockTables.attach(tables)
+    tables.append_block_ids(0, ([7, 3, 9], [1]), overwrite=True)
+    tables.append_block_ids(2, ([5, 2, 10], [4, 6]), overwrite=True)
+    tables.apply_staged_writes()
+    tables.append_block_ids(0, ([11], []), overwrite=False)  # a decode opens a block
+    tables.append_block_ids(2, ([6, 8], [2]), overwrite=True)  # a resumed request's row, rewritten shorter
+    tables.append_block_ids(1, ([12], [13]), overwrite=True)
+    tables.apply_staged_writes()
+
+    def matches(idx):
+        """Each row's entries up to its block count (the gather leaves the rest of its buffer as it was)."""
+        gathered = tables.gather_block_tables(torch.as_tensor(idx), num_reqs_padded=len(idx))
+        mirrored = mirror.step_rows(np.asarray(idx))
+        counts = tables.num_blocks.np[:, idx]
+        return all(g[i, :n].tolist() == m.rows[i, :n].tolist()
+                   for g, m, group_counts in zip(gathered, mirrored, counts) for i, n in enumerate(group_counts))
+
+    assert matches([2, 0, 1]) and matches([1]) and matches([0, 2])
+    rows = mirror.step_rows(np.array([0, 2]))
+    assert [r.block_size for r in rows] == [16, 32]
+    assert rows[0].rows.tolist() == [[7, 3, 9, 11, 0, 0, 0, 0], [6, 8, 0, 0, 0, 0, 0, 0]]
+    assert rows[1].rows.tolist() == [[1, 0, 0, 0], [2, 0, 0, 0]]
+    type(tables).append_block_ids(tables, 1, ([14], [15]), overwrite=False)  # vLLM's own, unmirrored
+    tables.apply_staged_writes()
+    assert not matches([2, 0, 1]) and matches([2, 0])
+
+
+def test_v2_step_batch_from_a_real_input_batch():
+    """The step V2's adapter hands the runtime: counts and query lengths of V2's ``InputBatch`` in batch
+    order, and the mirrored rows of the requests its ``idx_mapping_np`` names."""
+    import dataclasses
+
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+
+    from kvpp_fx.integrations.vllm.batch import request_blocks
+    from kvpp_fx.integrations.vllm.runner_v2 import HostBlockTables, step_batch
+
+    tables = _v2_block_tables(block_sizes=(16,), widths=(8,))
+    runner = types.SimpleNamespace(pcp_manager=None, _kvpp_tables=HostBlockTables.attach(tables))
+    tables.append_block_ids(3, ([7, 3, 9],), overwrite=True)  # batch row 0: a decode after 40 tokens
+    tables.append_block_ids(1, ([5, 2],), overwrite=True)  # batch row 1: a first prefill of 30 tokens
+    tables.apply_staged_writes()
+    dummy = InputBatch.make_dummy(2, 31, InputBuffers(4, 64, torch.device("cpu")))
+    batch = dataclasses.replace(dummy, idx_mapping_np=np.array([3, 1]), num_computed_tokens_np=np.array([40, 0]),
+                                query_start_loc_np=np.array([0, 1, 31]), prefill_len_np=np.array([40, 30]))
+    step = step_batch(runner, batch)
+    assert step.num_computed.tolist() == [40, 0] and step.query_lens.tolist() == [1, 30] and step.has_history
+    assert request_blocks(step) == ([[3, 7, 9], []], [[], [2, 5]])
+    assert active_blocks(step) == [3, 7, 9] and written_blocks(step) == [2, 5]
 
 
 def test_owner_rows_are_refused_where_vllm_cannot_run_them():
     from kvpp_fx.integrations.vllm.owner_rows import OWNER_CAPABLE_BACKENDS, OwnerRowsUnsupportedError, \
         why_not_owner_capable
     from kvpp_fx.integrations.vllm.state import EngineState
-    from kvpp_fx.integrations.vllm.worker import _set_mode
+    from kvpp_fx.integrations.vllm.attention import set_mode as _set_mode
 
     assert why_not_owner_capable({"CPU_MLA"}, "mla", 1) is None and OWNER_CAPABLE_BACKENDS == ("CPU_MLA",)
     assert "TRITON_MLA builds its decode metadata" in why_not_owner_capable({"TRITON_MLA"}, "mla", 1)
@@ -290,23 +365,34 @@ def test_vllm_version_range():
 
 
 def test_hooks_reach_vllms_worker_and_runner_classes():
+    """Both of vLLM's model runners, V1 and V2 (vLLM's default wherever Triton runs), on CPU and CUDA."""
     from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu import attn_utils
+    from vllm.v1.worker.gpu import model_runner as v2_runner_module
     from vllm.v1.worker.gpu_worker import Worker
 
     from kvpp_fx.integrations.vllm import worker
 
-    original = gpu_model_runner.allocate_kv_cache
+    originals = {"v1": gpu_model_runner.allocate_kv_cache, "v2": attn_utils.allocate_kv_cache,
+                 "bracket": v2_runner_module.set_forward_context}
     for base in (CPUWorker, Worker):
         assert issubclass(worker.kvpp_worker_class(base), base)
     for base in (CPUModelRunner, gpu_model_runner.GPUModelRunner):
-        hooked = worker.kvpp_runner_class(base)
-        assert issubclass(hooked, base)
+        hooked, kind = worker.kvpp_runner_class(base)
+        assert issubclass(hooked, base) and kind == "V1"
         assert {"_model_forward", "initialize_kv_cache_tensors", "load_model"} <= set(vars(hooked))
-    # vLLM's own allocator still runs whenever no KVPP runner is allocating.
-    assert gpu_model_runner.allocate_kv_cache is not original
-    assert gpu_model_runner.allocate_kv_cache.__wrapped__ is original
+    for base in (CPUModelRunnerV2, v2_runner_module.GPUModelRunner):
+        hooked, kind = worker.kvpp_runner_class(base)
+        assert issubclass(hooked, base) and kind == "V2"
+        assert {"execute_model", "prepare_attn", "initialize_kv_cache", "load_model", "update_requests"} <= set(vars(hooked))
+    # vLLM's own allocator and forward context still run whenever no KVPP runner is allocating or stepping.
+    assert gpu_model_runner.allocate_kv_cache is not originals["v1"]
+    assert gpu_model_runner.allocate_kv_cache.__wrapped__ is originals["v1"]
+    assert attn_utils.allocate_kv_cache.__wrapped__ is originals["v2"]
+    assert v2_runner_module.set_forward_context.__wrapped__ is originals["bracket"]
     qualname = worker.hooked_worker_qualname("vllm.v1.worker.gpu_worker.Worker")
     assert worker.__getattr__(qualname.rsplit(".", 1)[1]) is worker.kvpp_worker_class(Worker)
 
@@ -323,12 +409,12 @@ def test_a_hook_that_cannot_be_applied_names_vllm_version_and_hook():
     with pytest.raises(worker.KVPPHookError) as err:
         worker.kvpp_worker_class(NoBudget)
     assert f"vLLM {vllm.__version__}" in str(err.value) and "NoBudget.determine_available_memory" in str(err.value)
-    with pytest.raises(worker.KVPPHookError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+    with pytest.raises(worker.KVPPHookError, match="V1 and V2 GPUModelRunner"):
         worker.kvpp_runner_class(NoBudget)
 
 
 def test_post_allocation_self_check_catches_unbound_layers_and_block_mismatch():
-    from kvpp_fx.integrations.vllm import worker
+    from kvpp_fx.integrations.vllm.allocation import self_check
     from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError
 
     specs = {attn(i): mla() for i in range(3)}
@@ -340,35 +426,36 @@ def test_post_allocation_self_check_catches_unbound_layers_and_block_mismatch():
     layers = {name: types.SimpleNamespace(kv_cache=storage.typed_views(i)["kv"]) for i, name in enumerate(specs)}
     runner = types.SimpleNamespace(compilation_config=types.SimpleNamespace(static_forward_context=layers),
                                    get_kv_cache_spec=lambda: specs)
-    worker._self_check(runner, state, config)
+    self_check(runner, state, config)
     layers[attn(1)].kv_cache = storage.typed_views(1)["kv"].clone()  # vLLM's own tensor, not KVPP's view
     with pytest.raises(KVPPAllocationError, match="'model.layers.1.self_attn.attn' is not bound"):
-        worker._self_check(runner, state, config)
+        self_check(runner, state, config)
     layers[attn(1)].kv_cache = storage.typed_views(1)["kv"]
     # vLLM gives every worker the smallest count any worker's budget holds (pipeline stages differ).
     state.budget_blocks = 9
-    worker._self_check(runner, state, config)
+    self_check(runner, state, config)
     state.budget_blocks = 7
     with pytest.raises(KVPPAllocationError, match="vLLM planned 8 blocks, the KVPP budget holds 7"):
-        worker._self_check(runner, state, config)
+        self_check(runner, state, config)
 
 
-def test_the_v2_model_runner_is_refused_by_name():
-    """V2's runner (vLLM's default wherever Triton runs) is not a subclass of V1's; its classes import
-    without Triton, and hooking one names the setting that selects V1."""
-    from vllm.v1.worker.cpu.model_runner import CPUModelRunner as CPUModelRunnerV2
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+def test_dbo_and_dspark_are_refused_by_name():
+    """Micro-batched steps run every layer once per micro-batch on threads of their own; DSpark drafts keep
+    cache layers kvpp-fx has not placed. Both are refused at construction, whichever runner."""
+    from kvpp_fx.integrations.vllm.validation import MSG_DBO, MSG_DSPARK, check_execution
 
-    from kvpp_fx.integrations.vllm import worker
-    from kvpp_fx.integrations.vllm.validation import MSG_V2_RUNNER, check_execution
-
-    for base in (CPUModelRunnerV2, GPUModelRunnerV2):
-        with pytest.raises(worker.KVPPHookError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
-            worker.kvpp_runner_class(base)
-    config = types.SimpleNamespace(use_v2_model_runner=True)
-    with pytest.raises(ValueError) as err:
-        check_execution(config, platform=types.SimpleNamespace(device_name="cpu"))
-    assert str(err.value) == MSG_V2_RUNNER
+    cpu = types.SimpleNamespace(device_name="cpu")
+    plain = types.SimpleNamespace(parallel_config=types.SimpleNamespace(use_ubatching=False), speculative_config=None)
+    check_execution(plain, platform=cpu)  # the control: accepted
+    check_execution(types.SimpleNamespace(parallel_config=plain.parallel_config,
+                                          speculative_config=types.SimpleNamespace(method="mtp")), platform=cpu)
+    for config, message in ((types.SimpleNamespace(parallel_config=types.SimpleNamespace(use_ubatching=True),
+                                                   speculative_config=None), MSG_DBO),
+                            (types.SimpleNamespace(parallel_config=plain.parallel_config,
+                                                   speculative_config=types.SimpleNamespace(method="dspark")), MSG_DSPARK)):
+        with pytest.raises(ValueError) as err:
+            check_execution(config, platform=cpu)
+        assert str(err.value) == message
 
 
 # --- compilation modes ---------------------------------------------------------------------------------
@@ -502,7 +589,7 @@ class StandInCapture:
 
 
 def _breakable_model(runtime, num_layers):
-    from kvpp_fx.integrations.vllm import worker
+    from kvpp_fx.integrations.vllm import attention
     from kvpp_fx.integrations.vllm.state import EngineState
 
     class Attention(torch.nn.Module):
@@ -514,7 +601,7 @@ def _breakable_model(runtime, num_layers):
     for i in range(num_layers):
         module = Attention()
         module._kvpp_engine, module._kvpp_layer = state, i
-        module.__class__ = worker._waiting_class(Attention)
+        module.__class__ = attention.waiting_class(Attention)
         layers.append(module)
     return state, layers
 
@@ -524,7 +611,7 @@ def test_under_breakable_cuda_graphs_the_waits_rerun_on_every_replay():
     only the recorded segments: the waits must be eager segments, or a replayed step skips them."""
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
 
-    from kvpp_fx.integrations.vllm import worker
+    from kvpp_fx.integrations.vllm import attention
     from kvpp_fx.ops import passthrough
     from kvpp_fx.runtime.errors import SkippedLayerError
     from kvpp_fx.runtime.runtime import KVPPRuntime
@@ -554,7 +641,7 @@ def test_under_breakable_cuda_graphs_the_waits_rerun_on_every_replay():
         try:
             with passthrough():
                 for layer in layers:
-                    worker.await_layer(state, layer._kvpp_layer)
+                    attention.await_layer(state, layer._kvpp_layer)
         finally:
             BreakableCUDAGraphCapture._tls.active = None
         assert plain.segments == []

@@ -24,6 +24,7 @@ import torch
 
 from kvpp_fx.config import MSG_DCP, MSG_GRAPH_MODE, MSG_SPEC_METHOD, MSG_SPEC_TOKENS, MSG_VLLM_CONNECTOR
 from kvpp_fx.integrations.vllm.compile_modes import KVPP_BACKEND, MSG_BACKEND, TORCH_BACKENDS, compile_digest
+from kvpp_fx.integrations.vllm.validation import MSG_DBO
 from tests.integrations.tiny_model import NUM_LAYERS, make_tiny_deepseek
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +98,7 @@ def test_against_vllm_objects():
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     summary = out.stdout.strip().splitlines()[-1]
     passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 38 and "skipped" not in summary, out.stdout[-1000:]
+    assert passed and int(passed.group(1)) >= 43 and "skipped" not in summary, out.stdout[-1000:]
 
 
 def test_plugin_is_harmless_when_off(tiny_deepseek):
@@ -147,6 +148,8 @@ def test_configs_at_construction(tiny_deepseek):
         "eager-mtp": _on(**eager, speculative_config=MTP),
         "breakable-cudagraph": {**_on(**base), "env": {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}},
         "expert-parallel": _on(**base, enable_expert_parallel=True),
+        "v1": {**_on(**eager), "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
+        "dbo": _on(**eager, enable_dbo=True),
         "scratch-zero": _on(**eager, additional_config={"enable_kvpp": True, "kvpp_scratch_blocks": 0}),
         "scratch-mtp": _on(**eager, speculative_config=MTP, additional_config={"enable_kvpp": True,
                                                                               "kvpp_scratch_blocks": 64}),
@@ -178,6 +181,7 @@ def test_configs_at_construction(tiny_deepseek):
         "connector": MSG_VLLM_CONNECTOR.format(name="OffloadingConnector"),
         "ngram": MSG_SPEC_METHOD,
         "mtp-dynamic": MSG_SPEC_TOKENS,
+        "dbo": MSG_DBO,
     }
     for name, message in refused.items():
         assert results[name]["is_value_error"], (name, results[name])
@@ -188,10 +192,12 @@ def test_configs_at_construction(tiny_deepseek):
     for name, inner in (("defaults", "inductor"), ("mode-3", "inductor"), ("aot-off", "inductor"),
                         ("mode-2-eager", "eager"), ("kvpp-backend", "inductor"), ("breakable-cudagraph", None),
                         ("expert-parallel", "inductor"), ("eager", None), ("eager-mtp", None), ("owner-mode", None),
-                        ("scratch", None)):
+                        ("scratch", None), ("v1", None)):
         result = results[name]
         assert result["error"] is None, (name, result)
         assert result["worker_cls"] == KVPP_CPU_WORKER, name
+        # V2, vLLM's default wherever Triton runs, unless the user selects V1
+        assert result["model_runner"] == ("V1" if name == "v1" else "V2"), name
         assert result["additional_config"]["kvpp_fx"]["digest"] == digest, name
         if inner is None:
             assert result["mode"] == 0 and "inner_backend" not in result["additional_config"]["kvpp_fx"], name
@@ -255,6 +261,7 @@ def runs(tiny_deepseek):
 
 def test_mtp_tokens_identical_with_kvpp(runs):
     off, on = runs["off"], runs["default"]
+    assert off["config"]["model_runner"] == on["config"]["model_runner"] == "V2"  # nothing set but enable_kvpp
     assert on["tokens"] == off["tokens"]
     assert all(len(t) == 16 for t in on["tokens"])
     assert len(set(on["tokens"][0])) > 1  # real, varied tokens, not one repeated id
@@ -292,7 +299,9 @@ def test_each_rank_holds_its_own_layers_the_mtp_layer_and_two_scratch(runs):
         assert [s["persistent_layers"] for s in stats] == [[0, 1, 2, 6], [3, 4, 5, 6]]
         assert [s["draft_layers"] for s in stats] == [[6], [6]]
         assert [s["scratch_buffers"] for s in stats] == [2, 2]
-        assert [(s["worker_class"], s["runner_class"]) for s in stats] == [("KVPPCPUWorker", "KVPPCPUModelRunner")] * 2
+        # vLLM's default model runner here, as wherever Triton runs: V2
+        assert [(s["worker_class"], s["runner_class"], s["model_runner"]) for s in stats] == \
+            [("KVPPCPUWorker", "KVPPCPUModelRunnerV2", "V2")] * 2
         assert [s["attention_backends"] for s in stats] == [["CPU_MLA"]] * 2
 
 
@@ -388,6 +397,7 @@ def test_owner_and_auto_give_the_tokens_of_kvpp_off(owner_runs):
     for name, run, reference in _owner_path_runs(owner_runs):
         assert run["tokens"] == reference, name
         for stats in run["stats"]:
+            assert stats["model_runner"] == "V2", (name, stats["model_runner"])
             assert stats["exchanges"] > 0 and stats["rows"]["owner"] > 0, (name, stats)
             # each rank owns 3 of the 6 layers and skips the other 3's writes when decode rows go to the owner
             assert stats["skipped_cache_writes"] > 0, (name, stats)
@@ -477,11 +487,12 @@ def test_a_step_of_many_fresh_prompts_packs_nothing_into_a_compact_slot(owner_ru
 
 def test_block_zeroer_leaves_compact_slots_alone(owner_runs):
     """vLLM's zeroer of freshly allocated blocks, on the engine with slots of 48 blocks: blocks 1 and 200
-    are zeroed in the persistent views, the slots keep their bytes (position 1 included); vLLM's own
-    zeroer (the control) indexes the 48-block slot views by pool id and fails."""
+    are zeroed in the persistent views, the slots keep their bytes (position 1 included). The control:
+    vLLM's own V2 zeroer, built over every view, refuses the 48-block slot views (it asserts every view
+    holds the pool's blocks)."""
     for probe in owner_runs["eager"]["zero_blocks"]:
         assert probe == {"persistent_zeroed": True, "slots_untouched": True, "slot_blocks": 48,
-                         "vllm_own": "IndexError"}, probe
+                         "model_runner": "V2", "vllm_own": "AssertionError"}, probe
 
 
 def test_owner_mode_negative_controls_change_the_tokens(owner_runs):
@@ -507,6 +518,55 @@ def test_mode_3_runs_the_pass_before_vllms_split(owner_runs):
     for stats in broadcast["stats"]:
         assert ("target", tuple(range(NUM_LAYERS))) in {(g["kind"], tuple(g["layers"])) for g in stats["compiled_graphs"]}
         assert stats["broadcasts"] == NUM_LAYERS * (stats["forwards"] - 1)
+
+
+@pytest.fixture(scope="module")
+def v1_runs(tiny_deepseek):
+    """vLLM's V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``; deprecated, still shipped by vLLM 0.32): TP 2,
+    float32 on CPU_MLA, eager, KVPP off and on; then the negative control on the KVPP engine (receivers read
+    their packed slots through vLLM's own tables)."""
+    v1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    common = {**FP32, **EAGER}
+    variants = {"off": {"args": common, "env": v1}, "on": {"kvpp": True, "args": common, "env": v1, "fault": FAULT}}
+    return run_engines(tiny_deepseek, variants)
+
+
+def test_the_v1_model_runner_gives_the_tokens_of_kvpp_off(v1_runs):
+    off, on = v1_runs["off"], v1_runs["on"]
+    assert off["config"]["model_runner"] == on["config"]["model_runner"] == "V1"
+    assert on["tokens"] == off["tokens"] and len(set(on["tokens"][0])) > 1
+    for stats in on["stats"]:
+        assert (stats["runner_class"], stats["model_runner"]) == ("KVPPCPUModelRunner", "V1")
+        assert stats["broadcasts"] == NUM_LAYERS * (stats["forwards"] - 1) and stats["packed_layers"] > 0, stats
+    assert on["faulty"] != on["tokens"]
+    assert all(s["device_api"] == FAULT for s in on["faulty_stats"])
+
+
+@pytest.fixture(scope="module")
+def pcp_runs(tiny_deepseek):
+    """Prefill context parallelism (V2 only): PCP 2 x TP 1, so the KVPP group is the two PCP ranks; float32
+    on CPU_MLA, eager, KVPP off and on; then the negative control on the KVPP engine (the owner of layer 2
+    broadcasts zeros)."""
+    pcp = {**FP32, **EAGER, "tensor_parallel_size": 1, "prefill_context_parallel_size": 2}
+    variants = {"off": {"args": pcp},
+                "on": {"kvpp": True, "args": pcp, "fault": "tests.support.faults:dropped_broadcast_of_layer_2"}}
+    return run_engines(tiny_deepseek, variants)
+
+
+def test_pcp_groups_give_the_tokens_of_kvpp_off(pcp_runs):
+    """Each PCP rank computes its part of a prompt; the step's history comes from the PCP manager's global
+    batch, the same on both ranks, and every layer travels whole (each rank's metadata holds only its part
+    of the batch, so nothing is remapped), and decode rows stay on broadcast."""
+    off, on = pcp_runs["off"], pcp_runs["on"]
+    assert on["config"]["model_runner"] == "V2"
+    assert on["tokens"] == off["tokens"] and len(set(on["tokens"][0])) > 1
+    assert [s["owned_layers"] for s in on["stats"]] == [[0, 1, 2], [3, 4, 5]]
+    page = 16 * 576 * 4
+    for stats in on["stats"]:
+        assert "prefill context parallelism" in stats["owner_blocker"] and stats["packed_layers"] == 0
+        assert stats["broadcasts"] == NUM_LAYERS * (stats["forwards"] - 1) > 0 and stats["exchanges"] == 0
+        assert stats["bytes"] == stats["broadcasts"] * stats["num_blocks"] * page, stats  # whole layers
+    assert on["faulty"] != on["tokens"]
 
 
 @pytest.fixture(scope="module")
@@ -582,7 +642,7 @@ def serve_and_query(model: str, kvpp: bool, log: Path) -> dict:
     port = _free_port()
     settings = ([] if kvpp else ["--enforce-eager", "--compilation-config",
                                  json.dumps({"custom_ops": ["-rotary_embedding"]})])
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+    command = [sys.executable, "-m", "tests.integrations.serve", "--model", model,
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
                "--tensor-parallel-size", "2", "--kv-cache-memory-bytes", str(32 << 20),
                "--dtype", "float32", "--attention-backend", "CPU_MLA", *settings,

@@ -86,7 +86,7 @@ def test_eager_attention_outside_a_forward_raises_unless_passing_through():
     import torch
 
     from kvpp_fx.integrations.vllm.state import EngineState
-    from kvpp_fx.integrations.vllm.worker import _waiting_class
+    from kvpp_fx.integrations.vllm.attention import waiting_class
     from kvpp_fx.ops import passthrough
     from kvpp_fx.runtime.errors import NoActiveForwardError
 
@@ -94,7 +94,7 @@ def test_eager_attention_outside_a_forward_raises_unless_passing_through():
         def forward(self, x):
             return x + 1
 
-    module = _waiting_class(Attention)()
+    module = waiting_class(Attention)()
     module._kvpp_engine = EngineState(config=None, vllm_config=None)
     module._kvpp_layer = 2
     with pytest.raises(NoActiveForwardError, match="layer 2's attention ran outside"):

@@ -1,10 +1,17 @@
 """Checks that need vLLM, run as `python -m tests.integrations.vllm_checks NAME ARGS`: vLLM's import has
 process-wide side effects, so the tests run each check in a fresh interpreter and read its JSON. One
-interpreter builds several engines in turn (`generate_many`), each shut down before the next."""
+interpreter builds several engines in turn (`generate_many`), each shut down before the next.
+
+vLLM runs its default model runner here, V2, with its Triton kernels under Triton's interpreter
+(`triton_interpreter`, imported first: vLLM's TP workers are spawned and re-run this module)."""
 
 from __future__ import annotations
 
+import tests.integrations.triton_interpreter  # noqa: F401, I001  (before vLLM is imported)
+
+import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -72,26 +79,20 @@ def construct_many(cases_json: str) -> dict:
 
     results = {}
     for name, case in json.loads(cases_json).items():
-        saved = {k: os.environ.get(k) for k in case.get("env", {})}
-        os.environ.update(case.get("env", {}))
-        try:
-            config = EngineArgs(skip_tokenizer_init=True, **case["args"]).create_engine_config()
-        except Exception as exc:  # the test compares the message
-            results[name] = {"error": type(exc).__name__, "message": str(exc),
-                             "is_value_error": isinstance(exc, ValueError)}
-        else:
+        with _environment(case.get("env", {})):
+            try:
+                config = EngineArgs(skip_tokenizer_init=True, **case["args"]).create_engine_config()
+            except Exception as exc:  # the test compares the message
+                results[name] = {"error": type(exc).__name__, "message": str(exc),
+                                 "is_value_error": isinstance(exc, ValueError)}
+                continue
             results[name] = {"error": None, "worker_cls": config.parallel_config.worker_cls,
                              **_compile_settings(config),
                              "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+                             "model_runner": "V2" if config.use_v2_model_runner else "V1",
                              "hash": config.compute_hash()}
             # vLLM resolves copies of a config again (the MTP drafter's, with dataclasses.replace).
             results[name]["replaced"] = _compile_settings(dataclasses.replace(config))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
     return results
 
 
@@ -176,15 +177,14 @@ def generate(model_dir: str, variant: dict) -> dict:
     """Greedy tokens from LLM(...) at TP 2, and what each worker's KVPP runtime saw; the engine is shut
     down before this returns.
 
-    ``variant``: ``kvpp`` (on/off), ``args`` (more LLM arguments), ``mode3`` (the CPU stand-in for
+    ``variant``: ``kvpp`` (on/off), ``args`` (more LLM arguments), ``env`` (environment variables for
+    this engine, e.g. ``VLLM_USE_V2_MODEL_RUNNER``; its workers are spawned with them), ``mode3`` (the CPU stand-in for
     vLLM's mode 3, `cpu_mode3`), ``workload`` (a key of WORKLOADS: prompt waves, each one ``generate``
     call), ``fault`` (a ``"module:callable"`` device API installed through the workers' test seam after
     the first run, which then runs again: the negative control, on the same engine), ``zero_blocks``
     (`zero_blocks_probe`), ``phases`` (more runs on the same engine, each with its own mode, fault and
     workload).
     """
-    import contextlib
-
     from vllm import LLM, SamplingParams
 
     from kvpp_fx.integrations.vllm.worker import worker_stats
@@ -193,14 +193,30 @@ def generate(model_dir: str, variant: dict) -> dict:
     args = dict(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=2, kv_cache_memory_bytes=32 << 20,
                 additional_config={"enable_kvpp": variant.get("kvpp", False)})
     args.update(variant.get("args", {}))
-    with keep_mode_3() if variant.get("mode3") else contextlib.nullcontext():
-        llm = LLM(**args)
+    with _environment(variant.get("env", {})):
+        with keep_mode_3() if variant.get("mode3") else contextlib.nullcontext():
+            llm = LLM(**args)
+        try:
+            return _drive(llm, variant, worker_stats, SamplingParams)
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    """`values` in os.environ while open, as they were after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
-        return _drive(llm, variant, worker_stats, SamplingParams)
+        yield
     finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _drive(llm, variant: dict, worker_stats, SamplingParams) -> dict:
@@ -240,6 +256,7 @@ def _config_summary(llm) -> dict:
     config = llm.llm_engine.vllm_config
     compilation = config.compilation_config
     return {"mode": int(compilation.mode), "backend": compilation.backend,
+            "model_runner": "V2" if config.use_v2_model_runner else "V1",
             "splitting_ops": list(compilation.splitting_ops or []),
             "cudagraph_mode": str(compilation.cudagraph_mode), "block_size": config.cache_config.block_size,
             "max_model_len": config.model_config.max_model_len,
@@ -250,9 +267,11 @@ def _config_summary(llm) -> dict:
 
 
 def zero_blocks_probe(worker, block_ids: list[int]) -> dict:
-    """vLLM's block zeroer on this worker's cache, as a step with ``new_block_ids_to_zero`` runs it: each
-    view's blocks set to 1 first (a scratch slot's first blocks); then which were zeroed. The control:
-    vLLM's own zeroer of the platform's runner class on the same views."""
+    """vLLM's block zeroer on this worker's cache, as a step with ``new_block_ids_to_zero`` runs it (vLLM
+    builds it only for Mamba layers or mixed cache precision; the probe builds it as the GPU worker
+    would): each view's blocks set to 1 first (a scratch slot's first blocks); then which were zeroed. The control:
+    vLLM's own zeroer of the platform's runner class on the same views (V2 builds it over every view,
+    V1 indexes every view by pool id)."""
     import torch
 
     runner = worker.model_runner
@@ -262,17 +281,28 @@ def zero_blocks_probe(worker, block_ids: list[int]) -> dict:
     marked = torch.as_tensor(block_ids)
     for index, view in views.items():
         view[marked if plan.is_local(index, rank) else torch.arange(min(len(block_ids), view.shape[0]))] = 1
-    runner._zero_block_ids(block_ids)
+    vllm_runner = type(runner).__mro__[1]
+    if state.runner_kind == "V2":  # as a step with new_block_ids_to_zero runs it, once the worker built it
+        runner._init_kv_zero_meta()
+        runner.kv_block_zeroer.zero_block_ids(block_ids)
+        control = functools.partial(vllm_runner._init_kv_zero_meta, runner)
+    else:
+        runner._zero_block_ids(block_ids)
+        control = functools.partial(vllm_runner._zero_block_ids, runner, block_ids)
     out = {"persistent_zeroed": all(bool((view[marked] == 0).all()) for index, view in views.items()
                                     if plan.is_local(index, rank)),
            "slots_untouched": all(bool((view[: len(block_ids)] == 1).all()) for index, view in views.items()
                                   if not plan.is_local(index, rank)),
-           "slot_blocks": storage.slot_blocks}
+           "slot_blocks": storage.slot_blocks, "model_runner": state.runner_kind}
+    zeroer = getattr(runner, "kv_block_zeroer", None)
     try:
-        type(runner).__mro__[1]._zero_block_ids(runner, block_ids)
+        control()
         out["vllm_own"] = None
     except Exception as exc:  # the control: pool ids on views of S blocks
         out["vllm_own"] = type(exc).__name__
+    finally:
+        if state.runner_kind == "V2":
+            runner.kv_block_zeroer = zeroer
     return out
 
 

@@ -35,10 +35,10 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvpp_fx.cache.cost import AttentionShape, LinkModel, RequestRows
+from kvpp_fx.integrations.vllm.batch import StepBatch, request_blocks
 from kvpp_fx.runtime.errors import OwnerRoutingError
 from kvpp_fx.runtime.runtime import KVPPRuntime, active_runtime
 
@@ -95,8 +95,7 @@ def why_not_owner_capable(backends: set[str], model_kind: str, pcp: int) -> str 
     return None
 
 
-def step_requests(attn_metadata: Any, layer_name: str, block_tables: Any, num_computed: np.ndarray,
-                  query_start: np.ndarray, num_reqs: int,
+def step_requests(attn_metadata: Any, layer_name: str, batch: StepBatch,
                   owner_capable: bool) -> tuple[tuple[RequestRows, ...], int] | None:
     """The step's requests for `KVPPRuntime.forward(requests=...)`: the decode rows (the first
     ``num_decodes`` requests of the layer's MLA metadata) as one group, then each prefill request; and
@@ -109,9 +108,8 @@ def step_requests(attn_metadata: Any, layer_name: str, block_tables: Any, num_co
     if metadata is None or getattr(metadata, "num_decodes", None) is None:
         return None
     num_decodes = int(metadata.num_decodes)
-    computed = np.asarray(num_computed[:num_reqs], dtype=np.int64)
-    query = np.diff(np.asarray(query_start[: num_reqs + 1], dtype=np.int64))
-    blocks, written = request_blocks(block_tables, computed, query, num_reqs)
+    computed, query = batch.num_computed, batch.query_lens
+    blocks, written = request_blocks(batch)
     pairs = query * (computed + query)
     decode = range(num_decodes)
     requests = []
@@ -124,25 +122,8 @@ def step_requests(attn_metadata: Any, layer_name: str, block_tables: Any, num_co
     # owner's persistent copy is what later steps receive). So a step of fresh prompts packs nothing.
     requests += [RequestRows(int(query[i]), int(pairs[i]), tuple(blocks[i]), False,
                              tuple(written[i]) if computed[i] > 0 else ())
-                 for i in range(num_decodes, num_reqs)]
+                 for i in range(num_decodes, batch.num_reqs)]
     return tuple(requests), num_decodes
-
-
-def request_blocks(block_tables: Any, computed: np.ndarray, query: np.ndarray,
-                   num_reqs: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Per request: the ids of its blocks holding tokens computed before the step, and of the blocks the
-    step fills beyond them, over every cache group (see `specs.active_blocks` and `specs.written_blocks`,
-    their unions)."""
-    history: list[set[int]] = [set() for _ in range(num_reqs)]
-    written: list[set[int]] = [set() for _ in range(num_reqs)]
-    for table in getattr(block_tables, "block_tables", [block_tables]):
-        rows = np.asarray(table.block_table.np[:num_reqs])
-        counts = -(-computed // table.block_size)
-        ends = -(-(computed + query) // table.block_size)
-        for i in range(num_reqs):
-            history[i].update(rows[i, : counts[i]].tolist())
-            written[i].update(rows[i, counts[i]: ends[i]].tolist())
-    return [sorted(ids) for ids in history], [sorted(ids - history[i]) for i, ids in enumerate(written)]
 
 
 def decode_rows_to_owner(runtime: KVPPRuntime | None, engine_runtime: KVPPRuntime) -> bool:

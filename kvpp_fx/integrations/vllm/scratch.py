@@ -36,8 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpp_fx.cache.placement import PoolTooSmallError, scratch_blocks_for
-from kvpp_fx.config import KVPPConfig
-from kvpp_fx.config import _model_kind_of
+from kvpp_fx.config import KVPPConfig, model_kind_of
 
 
 class ScratchLayoutError(ValueError):
@@ -49,7 +48,7 @@ def config_blocker(vllm_config: Any) -> str | None:
     scheduler = getattr(vllm_config, "scheduler_config", None)
     cache = getattr(vllm_config, "cache_config", None)
     parallel = getattr(vllm_config, "parallel_config", None)
-    kind = _model_kind_of(getattr(vllm_config, "model_config", None))
+    kind = model_kind_of(getattr(vllm_config, "model_config", None))
     if kind != "mla":
         return f"the model is {kind.upper()}: its decode rows do not go to the owner"
     if getattr(vllm_config, "speculative_config", None) is not None:

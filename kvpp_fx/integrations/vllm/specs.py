@@ -19,8 +19,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.cache.spec import DTYPE_ITEMSIZE, ComponentSpec, LayerCacheSpec, ModelCacheSpec
 from kvpp_fx.passes.registry import LAYER_NAME_PATTERN
@@ -135,35 +133,3 @@ def plan_from_specs(specs: Mapping[str, Any], group_size: int, num_target_layers
     plan = KVPPPlan(spec, group_size, scratch_blocks=scratch_blocks, request_blocks=request_blocks, **options)
     pages = {name: int(s.page_size_bytes) for name, s in specs.items()}
     return VllmPlan(plan, index_of, component_name, pages)
-
-
-def active_blocks(block_tables: Any, num_computed_tokens: Any, num_reqs: int) -> list[int]:
-    """Block ids a step reads that hold tokens computed before it (prefix-cache hits included).
-
-    ``block_tables``: vLLM's ``input_batch.block_table`` (a ``MultiGroupBlockTable``);
-    ``num_computed_tokens``: ``input_batch.num_computed_tokens_cpu``. For every scheduled request
-    (row < ``num_reqs``) and every cache group: the first ``ceil(num_computed / block_size)`` entries
-    of its block-table row. Sorted, without duplicates.
-    """
-    computed = np.asarray(num_computed_tokens[:num_reqs], dtype=np.int64)
-    ids = []
-    for table in getattr(block_tables, "block_tables", [block_tables]):
-        rows = np.asarray(table.block_table.np[:num_reqs])
-        counts = -(-computed // table.block_size)
-        ids.append(rows[np.arange(rows.shape[1]) < counts[:, None]])
-    return np.unique(np.concatenate(ids)).tolist() if ids else []
-
-
-def written_blocks(block_tables: Any, num_computed_tokens: Any, query_lens: Any, num_reqs: int) -> list[int]:
-    """Block ids a step writes that hold no token computed before it: for every scheduled request and
-    cache group, the block-table entries from ``ceil(num_computed / block_size)`` up to
-    ``ceil((num_computed + query) / block_size)``. Sorted, without duplicates."""
-    computed = np.asarray(num_computed_tokens[:num_reqs], dtype=np.int64)
-    ends = computed + np.asarray(query_lens[:num_reqs], dtype=np.int64)
-    ids = []
-    for table in getattr(block_tables, "block_tables", [block_tables]):
-        rows = np.asarray(table.block_table.np[:num_reqs])
-        columns = np.arange(rows.shape[1])[None, :]
-        first, last = -(-computed // table.block_size), -(-ends // table.block_size)
-        ids.append(rows[(columns >= first[:, None]) & (columns < last[:, None])])
-    return np.unique(np.concatenate(ids)).tolist() if ids else []

@@ -43,6 +43,28 @@ class KVPPHookError(RuntimeError):
     """A vLLM hook KVPP needs cannot be applied to this vLLM version."""
 
 
+def vllm_version() -> str:
+    try:
+        import vllm
+        return str(vllm.__version__)
+    except Exception:  # noqa: BLE001 - only for the message
+        return "unknown"
+
+
+def hook_error(hook: str, why: str) -> KVPPHookError:
+    from kvpp_fx.integrations.vllm.validation import SUPPORTED_VLLM
+
+    return KVPPHookError(f"KVPP cannot hook {hook} on vLLM {vllm_version()} (kvpp-fx supports vLLM "
+                         f"{SUPPORTED_VLLM}): {why}")
+
+
+def require_methods(cls: type, methods: tuple[str, ...]) -> None:
+    """Every method a hook overrides exists on `cls`, or `KVPPHookError` names the first missing one."""
+    for method in methods:
+        if not callable(getattr(cls, method, None)):
+            raise hook_error(f"{cls.__module__}.{cls.__qualname__}.{method}", "the method does not exist.")
+
+
 class KVPPAllocationError(RuntimeError):
     """After vLLM allocated its KV cache, attention would not read KVPP's views."""
 
@@ -51,6 +73,7 @@ class KVPPAllocationError(RuntimeError):
 class EngineState:
     config: KVPPConfig
     vllm_config: Any = field(repr=False)
+    runner_kind: str = ""  # "V1" or "V2": which of vLLM's model runners this engine's workers run
     vplan: Any = None  # specs.VllmPlan, from the loaded model's cache specs
     budget_blocks: int | None = None  # what determine_available_memory promised vLLM's planner
     runtime: Any = None
@@ -73,10 +96,15 @@ class EngineState:
     prefill_rows_with_history: int = 0  # rows whose prefill starts after computed tokens (a later chunk
     #                                     of a chunked prefill, or a prefix-cache hit)
 
-    def note_step(self, num_computed: Any, num_prompt: Any, mixed: bool = False) -> None:
+    def note_step(self, prefill_rows_with_history: int, mixed: bool = False) -> None:
         self.steps += 1
         self.mixed_steps += int(mixed)
-        self.prefill_rows_with_history += int(((num_computed > 0) & (num_computed < num_prompt)).sum())
+        self.prefill_rows_with_history += prefill_rows_with_history
+
+    @property
+    def compact(self) -> bool:
+        """Whether this engine's scratch slots hold S blocks rather than whole layers."""
+        return self.plan is not None and self.plan.compact
 
     @property
     def plan(self):

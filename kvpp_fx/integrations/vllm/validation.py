@@ -1,9 +1,9 @@
 """Which platforms, vLLM releases and model runners kvpp-fx's hooks reach, read from vLLM's objects.
 
-Invariant: an accepted configuration runs on vLLM's V1 model runner of a supported release, on a
-platform kvpp-fx hooks (CPU or CUDA); how each compilation mode then runs the kvpp ops is
-`compile_modes`. Everything else raises `ValueError` at ``LLM(...)`` construction with a message that
-says what to set.
+Invariant: an accepted configuration runs on vLLM's V1 or V2 model runner of a supported release, on
+a platform kvpp-fx hooks (CPU or CUDA), with no feature whose steps the hooks cannot follow; how each
+compilation mode then runs the kvpp ops is `compile_modes`. Everything else raises `ValueError` at
+``LLM(...)`` construction with a message that says what to set.
 """
 
 from __future__ import annotations
@@ -23,8 +23,15 @@ MSG_ASCEND = (
     "additional_config={'enable_kvpp': true} (vllm-ascend PR #16094). Stop loading this plugin there "
     "(uninstall kvpp-fx, or list only the plugins you want in VLLM_PLUGINS)."
 )
-MSG_V2_RUNNER = (
-    "KVPP hooks vLLM's V1 model runner; set VLLM_USE_V2_MODEL_RUNNER=0 to run KVPP on this platform."
+MSG_DBO = (
+    "KVPP cannot run micro-batched steps (dual-batch overlap): each micro-batch runs every layer on a "
+    "thread of its own, while KVPP moves each layer once per step in layer order. Set enable_dbo=False "
+    "and ubatch_size=1."
+)
+MSG_DSPARK = (
+    "KVPP with speculative method 'dspark' does not run in kvpp-fx yet: a DSpark draft model keeps "
+    "context KV cache layers of its own, which kvpp-fx has not placed and tested (vLLM's CPU build cannot "
+    "run a DSpark checkpoint). Use method='mtp', or run without additional_config.enable_kvpp."
 )
 
 
@@ -41,8 +48,8 @@ def check_version(version: str) -> None:
 
 
 def check_execution(vllm_config: Any, platform: Any = None, version: str | None = None) -> None:
-    """Raise `ValueError` unless kvpp-fx's hooks reach the platform and model runner `vllm_config`
-    (resolved) runs on. `platform` and `version` default to vLLM's ``current_platform`` and
+    """Raise `ValueError` unless kvpp-fx's hooks reach the platform, release and features `vllm_config`
+    (resolved) runs with. `platform` and `version` default to vLLM's ``current_platform`` and
     ``vllm.__version__``.
     """
     if platform is None:
@@ -54,5 +61,9 @@ def check_execution(vllm_config: Any, platform: Any = None, version: str | None 
 
         version = vllm.__version__
     check_version(version)
-    if vllm_config.use_v2_model_runner:
-        raise ValueError(MSG_V2_RUNNER)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if getattr(parallel, "use_ubatching", False):
+        raise ValueError(MSG_DBO)
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if getattr(speculative, "method", None) == "dspark":
+        raise ValueError(MSG_DSPARK)

@@ -1,0 +1,198 @@
+"""KVPP's cache allocation inside vLLM, the runtime over it, and the post-allocation self-check.
+
+Invariants:
+- vLLM's ``allocate_kv_cache`` is wrapped where each model runner calls it (`install_allocator`: V1's
+  ``gpu_model_runner``, V2's ``gpu.attn_utils``); it delegates to vLLM's function unless a KVPP runner
+  is allocating (`allocating`), so any other engine in the process allocates as before.
+- Owned layers get persistent bundles, the others a scratch slot (S blocks when compact), MTP layers
+  a local draft cache; vLLM binds them by layer name. Every rank of a group allocates the same layout
+  (`check_layout`), and `self_check` then proves every cache layer is bound to its KVPP view and
+  vLLM's block count is at most the budget's.
+- Operations that index caches by pool block id outside attention (the block zeroer, copy-on-write)
+  touch the persistent views only when the slots are compact (`persistent_views`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from kvpp_fx.cache.allocate import allocate_cache
+from kvpp_fx.cache.placement import PoolTooSmallError
+from kvpp_fx.integrations.vllm import owner_rows
+from kvpp_fx.integrations.vllm.layout import plan_for
+from kvpp_fx.integrations.vllm.specs import per_layer_specs
+from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError, hook_error
+from kvpp_fx.runtime.device import resolve_device_api
+from kvpp_fx.runtime.runtime import KVPPRuntime
+
+logger = logging.getLogger(__name__)
+
+_HOOK_MARK = "_kvpp_fx_hook"
+_ALLOCATING: contextvars.ContextVar[Any] = contextvars.ContextVar("kvpp_vllm_allocating", default=None)
+
+
+def install_allocator(module_name: str) -> None:
+    """Wrap ``allocate_kv_cache`` in the vLLM module `module_name` (idempotent)."""
+    module = importlib.import_module(module_name)
+    original = getattr(module, "allocate_kv_cache", None)
+    if not callable(original):
+        raise hook_error(f"{module_name}.allocate_kv_cache", "the function does not exist.")
+    if getattr(original, _HOOK_MARK, False):
+        return
+
+    @functools.wraps(original)
+    def allocate_kv_cache(kv_cache_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
+        allocate = _ALLOCATING.get()
+        if allocate is None:
+            return original(kv_cache_config, device, *args, **kwargs)
+        return allocate(kv_cache_config, device)
+
+    setattr(allocate_kv_cache, _HOOK_MARK, True)
+    module.allocate_kv_cache = allocate_kv_cache
+
+
+@contextlib.contextmanager
+def allocating(runner: Any, state: EngineState) -> Iterator[None]:
+    """While open, vLLM's ``allocate_kv_cache`` allocates KVPP's layout for `runner`."""
+    token = _ALLOCATING.set(functools.partial(allocate, runner, state))
+    try:
+        yield
+    finally:
+        _ALLOCATING.reset(token)
+
+
+def refuse_kv_sharing(shared_layers: Any) -> None:
+    if shared_layers:
+        # Such layers alias another layer's cache and have no spec of their own: they would read a
+        # scratch slot without waiting for it.
+        raise KVPPAllocationError(f"KVPP does not support KV-sharing layers ({sorted(shared_layers)}).")
+
+
+def allocate(runner: Any, state: EngineState, kv_cache_config: Any, device: Any) -> dict[str, torch.Tensor]:
+    vplan = plan_for(runner, state, per_layer_specs(kv_cache_config), state.scratch_blocks)
+    if state.vplan is not None and vplan.plan.spec != state.vplan.plan.spec:
+        raise KVPPAllocationError(f"vLLM's KV cache config {vplan.plan.spec} differs from the model's cache "
+                                  f"specs {state.vplan.plan.spec}.")
+    state.vplan = vplan
+    if state.group is None:
+        state.group, state.agreement_group, state.group_ranks = kvpp_group(state.config)
+    check_layout(state, kv_cache_config.num_blocks)
+    rank = torch.distributed.get_rank(state.group)
+    storage = allocate_cache(vplan.plan, rank, kv_cache_config.num_blocks, device)
+    create_runtime(state, storage)
+    plan = vplan.plan
+    logger.warning("KVPP: group %s, rank %d owns layers %s of %d; %d blocks; %d bytes allocated.",
+                   state.group_ranks, rank, list(plan.owned_layers(rank)), len(plan.target_layers),
+                   kv_cache_config.num_blocks, storage.allocated_bytes)
+    # vLLM's per-layer cache view is [blocks, heads=1, tokens, record]; MLA layers squeeze the head.
+    return {name: storage.typed_views(index)[vplan.component[name]].unsqueeze(1)
+            for name, index in vplan.layer_index.items()}
+
+
+def check_layout(state: EngineState, num_blocks: int) -> None:
+    """Every rank of the group chose the same slots (each chose from its own budget), and vLLM's block
+    count, the smallest any worker's budget holds, still fits compact ones."""
+    layouts: list[Any] = [None] * len(state.group_ranks)
+    torch.distributed.all_gather_object(layouts, state.scratch_blocks, group=state.agreement_group)
+    if len(set(layouts)) != 1:
+        raise KVPPAllocationError(
+            f"the ranks of KVPP group {state.group_ranks} chose different scratch slots ({layouts}: blocks per slot, "
+            "None for whole layers) from different KV cache budgets; give every rank the same KV cache memory, or "
+            "set additional_config.kvpp_scratch_blocks.")
+    if state.plan.compact:
+        try:
+            state.plan.check_pool(num_blocks)
+        except PoolTooSmallError as exc:
+            raise KVPPAllocationError(f"vLLM planned {num_blocks} blocks: {exc}") from None
+
+
+def create_runtime(state: EngineState, storage: Any) -> None:
+    if state.runtime is not None:
+        state.runtime.close()
+    state.mixed_steps = state.skipped_cache_writes = state.packed_layers = 0  # counted per runtime, as its stats are
+    device_api = None
+    if state.device_api_factory is not None:
+        device_api = resolve_device_api(state.device_api_factory, storage.device)
+    link = owner_rows.DEFAULT_LINKS.get(storage.device.type, owner_rows.DEFAULT_LINKS["cuda"])
+    state.runtime = KVPPRuntime.create(state.plan, storage, state.group, agreement_group=state.agreement_group,
+                                       device_api=device_api,
+                                       attention=owner_rows.attention_shape(state.vllm_config.model_config),
+                                       link=link)
+    # The MLA hooks exchange the decode rows of every target layer, whichever graph runs it.
+    state.runtime.note_routing(state.plan.target_layers, state.owner_blocker is None)
+
+
+def set_device_api(state: EngineState, factory: str | None) -> None:
+    """Rebuild the runtime over the same cache with the `DeviceAPI` that `factory` names."""
+    if state.runtime is None:
+        raise KVPPAllocationError("kvpp_set_device_api before KVPP allocated the KV cache.")
+    state.device_api_factory = factory
+    create_runtime(state, state.runtime.storage)
+    logger.warning("KVPP: runtime rebuilt with device API %s.", factory or "default")
+
+
+def self_check(runner: Any, state: EngineState, kv_cache_config: Any) -> None:
+    """Every cache layer is bound to its KVPP view, and vLLM plans at most the budget's blocks."""
+    if state.runtime is None:
+        raise KVPPAllocationError("vLLM allocated its KV cache without KVPP's allocator "
+                                  "(allocate_kv_cache was not called).")
+    storage = state.runtime.storage
+    # vLLM gives every worker the smallest count any worker's budget holds (pipeline stages differ), so
+    # fewer blocks than this worker's budget is fine; more would not fit.
+    if state.budget_blocks is not None and kv_cache_config.num_blocks > state.budget_blocks:
+        raise KVPPAllocationError(
+            f"vLLM planned {kv_cache_config.num_blocks} blocks, the KVPP budget holds {state.budget_blocks} "
+            "(num_gpu_blocks_override and other block-count overrides above the budget cannot be combined "
+            "with KVPP).")
+    context = runner.compilation_config.static_forward_context
+    vplan = state.vplan
+    for name in runner.get_kv_cache_spec():
+        if name not in vplan.layer_index:
+            raise KVPPAllocationError(f"cache layer {name!r} is not in the KVPP plan.")
+    for name, index in vplan.layer_index.items():
+        view = storage.typed_views(index)[vplan.component[name]]
+        bound = getattr(context.get(name), "kv_cache", None)
+        if isinstance(bound, (list, tuple)):
+            bound = bound[0] if bound else None
+        if not isinstance(bound, torch.Tensor) or bound.data_ptr() != view.data_ptr() or bound.numel() != view.numel():
+            raise KVPPAllocationError(f"cache layer {name!r} is not bound to its KVPP view of layer {index}.")
+
+
+def kvpp_group(config: Any):
+    """This rank's KVPP group: TP x PCP ranks from `kvpp_groups`, as a process group of its own (the
+    world's backend), and a gloo group of the same ranks for the runtime's per-forward agreement, which
+    then needs no device synchronisation."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from kvpp_fx.topology import create_kvpp_process_groups, group_of, kvpp_groups
+
+    world = dist.get_world_size()
+    groups = kvpp_groups(world, tp=config.tp, pcp=config.pcp, pp=world // config.size)
+    mine = group_of(dist.get_rank(), groups)
+    if not set(get_tp_group().ranks) <= set(mine):
+        raise ValueError(f"vLLM's TP group {list(get_tp_group().ranks)} is not inside the KVPP group {mine}.")
+    return create_kvpp_process_groups(groups), create_kvpp_process_groups(groups, backend="gloo"), mine
+
+
+def persistent_views(state: EngineState) -> list[torch.Tensor]:
+    """This rank's vLLM cache views that index the pool: its owned layers' and the drafts'."""
+    storage, vplan = state.runtime.storage, state.vplan
+    return [storage.typed_views(index)[vplan.component[name]] for name, index in vplan.layer_index.items()
+            if state.plan.is_local(index, state.runtime.rank)]
+
+
+def zero_persistent_blocks(state: EngineState, block_ids: list[int]) -> None:
+    """vLLM's zeroing of freshly allocated blocks, on the views that index the pool. A compact slot
+    holds S positions of copies each step rewrites, never uninitialized memory (it is allocated
+    zeroed)."""
+    for view in persistent_views(state):
+        view[torch.as_tensor(block_ids, dtype=torch.long, device=view.device)] = 0

@@ -1,0 +1,156 @@
+"""What KVPP changes in the loaded model: eager waits on target layers' attention, owner rows in their
+MLA impls, and the plan and layout choices that follow from the model's backends.
+
+Invariants:
+- Every module that reads a target layer's cache (the ``MLAAttention`` layer and, for SFA, the
+  indexer, which runs first) waits for its layer once per step before reading (`await_layer`), in
+  eager mode; under Dynamo the graph pass places the ops instead, and under a breakable CUDA-graph
+  capture the wait is recorded as an eager segment that reruns on every replay.
+- Outside a step's forward a target layer's attention raises `NoActiveForwardError`, except in
+  passthrough (dummy, profile, warm-up and capture runs).
+- Decode rows go to the owner only where `owner_rows.why_not_owner_capable` says the backend can run
+  them; ``kvpp_mode="owner"`` elsewhere is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from kvpp_fx.config import model_kind_of, parse_kvpp_mode
+from kvpp_fx.integrations.vllm import owner_rows, scratch
+from kvpp_fx.integrations.vllm.layout import plan_for
+from kvpp_fx.integrations.vllm.specs import INDEXER_COMPONENT
+from kvpp_fx.integrations.vllm.state import EngineState, hook_error
+from kvpp_fx.ops import passing_through
+from kvpp_fx.runtime.errors import NoActiveForwardError
+from kvpp_fx.runtime.runtime import active_runtime
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_model(runner: Any, state: EngineState) -> None:
+    """After vLLM loaded the model: the plan from its cache specs, the attention hooks, and whether
+    compact slots can run (an explicit ``kvpp_scratch_blocks`` that cannot is refused here)."""
+    state.vplan = plan_for(runner, state, runner.get_kv_cache_spec())
+    hooked = hook_attention(runner, state)
+    state.compact_blocker = (scratch.compact_blocker(state.vllm_config, state.owner_blocker)
+                             if state.config.size > 1 else "KVPP is off")
+    if state.config.scratch_blocks is not None and state.compact_blocker is not None:
+        raise scratch.ScratchLayoutError(scratch.refusal(state.compact_blocker))
+    plan = state.plan
+    logger.warning("KVPP (model runner %s): layers %s broadcast, drafts %s local; eager waits on %d modules; decode "
+                   "rows to the owner: %s; compact scratch slots: %s.", state.runner_kind, list(plan.target_layers),
+                   list(plan.local_draft_layers), hooked, state.owner_blocker or "possible",
+                   state.compact_blocker or "possible")
+
+
+def await_layer(state: EngineState, layer: int) -> None:
+    """At a target layer's attention entry, once per step (the SFA indexer and the MLA attention of one
+    layer share it): what the graph pass inserts, the plan's schedule for the layer
+    (`KVPPRuntime.enter_layer`, as a graph whose layer is a run-time value runs it), routed when the MLA
+    hooks exchange owner rows. Nothing in passthrough (dummy, profile and capture runs)."""
+    runtime = active_runtime()
+    if runtime is None or runtime is not state.runtime:
+        if not passing_through():  # a model call outside a step and outside a dummy run
+            raise NoActiveForwardError(
+                f"layer {layer}'s attention ran outside its engine's KVPP forward; its cache view would "
+                "not hold the layer's bytes.")
+    elif layer not in state.awaited:
+        state.awaited.add(layer)
+        runtime.enter_layer(layer, routed=state.owner_blocker is None)
+
+
+def breakable_capture() -> Any:
+    """vLLM's breakable CUDA-graph capture recording on this thread, or None.
+
+    Under ``VLLM_USE_BREAKABLE_CUDAGRAPH`` (on by default for DeepSeek-V3.2 and GLM-5 class models) the
+    model's Python runs once, at capture, and each replay reruns only the recorded segments: a wait
+    done in plain Python would be skipped on every replayed step. Recorded as an eager segment, it
+    reruns on each replay, in capture order, reading the step's runtime when it runs.
+    """
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+
+    capture = BreakableCUDAGraphCapture.current()
+    return capture if capture is not None and capture._capturing else None
+
+
+@functools.cache
+def waiting_class(cls: type, writes: bool = False) -> type:
+    """`cls` whose forward waits for its layer first; with ``writes`` (an MLA attention layer), whose cache
+    write is skipped on a non-owner when every row of the step goes to the owner."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Traced by Dynamo in the compiled path, where the graph pass places the ops instead.
+        if not torch.compiler.is_compiling():
+            capture = breakable_capture()
+            if capture is not None:
+                capture.add_eager(functools.partial(await_layer, self._kvpp_engine, self._kvpp_layer))
+            else:
+                await_layer(self._kvpp_engine, self._kvpp_layer)
+        return cls.forward(self, *args, **kwargs)
+
+    def update_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
+        if owner_rows.skips_cache_write(self):
+            self._kvpp_engine.skipped_cache_writes += 1
+            return None
+        return cls.update_kv_cache(self, *args, **kwargs)
+
+    methods = {"forward": forward, "__module__": __name__}
+    if writes:
+        methods["update_kv_cache"] = update_kv_cache
+    return type(f"KVPP{cls.__name__}", (cls,), methods)
+
+
+def hook_attention(runner: Any, state: EngineState) -> int:
+    """Make the modules that read a target layer's cache wait for it: the MLA attention layer and,
+    for SFA, the indexer that owns ``<...>.indexer.k_cache`` (it runs first)."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    context = runner.compilation_config.static_forward_context
+    modules = dict(runner.get_model().named_modules())
+    vplan, targets = state.vplan, set(state.plan.target_layers)
+    attention = {name: context.get(name) for name, index in vplan.layer_index.items()
+                 if index in targets and vplan.component[name] != INDEXER_COMPONENT}
+    backends = {layer.get_attn_backend().get_name() for layer in attention.values() if isinstance(layer, MLAAttention)}
+    config = state.config
+    state.owner_blocker = owner_rows.why_not_owner_capable(
+        backends, model_kind_of(runner.model_config), config.pcp) if config.size > 1 else "KVPP is off"
+    if state.mode == "owner" and state.owner_blocker is not None:
+        raise owner_rows.OwnerRowsUnsupportedError(owner_refusal(state.owner_blocker))
+    hooked = 0
+    for name, index in vplan.layer_index.items():
+        if index not in targets:
+            continue
+        if vplan.component[name] == INDEXER_COMPONENT:
+            reader = modules.get(name.rsplit(".", 1)[0])
+        else:
+            reader = context.get(name)
+            if not isinstance(reader, MLAAttention):
+                raise hook_error(f"attention layer {name!r}", f"expected an MLAAttention, got {type(reader).__name__}.")
+            state.metadata_layer = state.metadata_layer or name
+            if state.owner_blocker is None:
+                owner_rows.hook_impl(reader, state, index)
+        if reader is None:
+            raise hook_error(f"cache reader of {name!r}", "no module of the model reads this cache.")
+        reader._kvpp_engine, reader._kvpp_layer = state, index
+        reader.__class__ = waiting_class(type(reader), isinstance(reader, MLAAttention))
+        hooked += 1
+    return hooked
+
+
+def set_mode(state: EngineState, mode: str) -> None:
+    """The mode of the following steps ("broadcast", "owner" or "auto")."""
+    mode = parse_kvpp_mode(mode)
+    if mode == "owner" and state.owner_blocker is not None:
+        raise owner_rows.OwnerRowsUnsupportedError(owner_refusal(state.owner_blocker))
+    state.mode = mode
+    logger.warning("KVPP: mode %s.", mode)
+
+
+def owner_refusal(why: str) -> str:
+    return (f"additional_config.kvpp_mode='owner' cannot run here: {why}. Set kvpp_mode to 'auto' (which then "
+            "broadcasts) or 'broadcast'.")

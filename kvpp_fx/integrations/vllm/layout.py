@@ -1,0 +1,79 @@
+"""The budget a KVPP worker gives vLLM's planner, and the scratch layout behind it.
+
+Invariant: ``budget(...)`` returns the *logical* bytes ``plan.num_blocks(available) x the sum of
+vLLM's page sizes``, so vLLM's unchanged planner lands on the block count KVPP can hold; the layout
+(compact or whole-layer slots, `scratch.choose_plan`) is chosen from the smallest budget of the group,
+so every rank chooses alike. Runner-agnostic: it reads the runner's ``get_kv_cache_spec`` and
+``model_config`` only, which both of vLLM's model runners have.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kvpp_fx.integrations.vllm import scratch
+from kvpp_fx.integrations.vllm.specs import VllmPlan, plan_from_specs
+from kvpp_fx.integrations.vllm.state import EngineState
+
+logger = logging.getLogger(__name__)
+
+
+def num_target_layers(runner: Any) -> int:
+    """The target model's layer count: MTP layers are numbered from it."""
+    hf = runner.model_config.hf_text_config
+    return int(getattr(hf, "num_hidden_layers"))
+
+
+def plan_for(runner: Any, state: EngineState, specs: dict[str, Any], scratch_blocks: int | None = None) -> VllmPlan:
+    """The plan of `specs` (vLLM's per-layer cache specs) for this engine, with slots of
+    `scratch_blocks` blocks (None: whole layers)."""
+    # Only compact slots bound the pool below by a max-length request: whole-layer plans take any pool
+    # vLLM plans, the small ones of CUDA graph memory profiling included.
+    max_model_len = None if scratch_blocks is None else int(runner.model_config.max_model_len)
+    return plan_from_specs(specs, state.config.size, num_target_layers(runner), scratch_blocks=scratch_blocks,
+                           max_model_len=max_model_len)
+
+
+def budget(runner: Any, state: EngineState, available: int) -> int:
+    """The logical KV budget for vLLM's planner, from this worker's `available` bytes; picks the layout."""
+    vplan = choose_layout(runner, state, available)
+    blocks = vplan.plan.num_blocks(available)
+    state.budget_blocks = blocks
+    logical = blocks * vplan.logical_bytes_per_block
+    logger.warning("KVPP: %d blocks per rank in %d bytes (without KVPP: %d; %s); logical budget %d bytes.",
+                   blocks, available, available // vplan.logical_bytes_per_block, state.scratch_choice, logical)
+    return logical
+
+
+def choose_layout(runner: Any, state: EngineState, available: int) -> VllmPlan:
+    """Compact or whole-layer scratch slots for this worker's budget (`scratch.choose_plan`)."""
+    specs = runner.get_kv_cache_spec()
+    whole = plan_for(runner, state, specs)
+    if state.compact_blocker is not None:
+        state.vplan, state.scratch_blocks = whole, None
+        state.scratch_choice = f"whole-layer slots: {state.compact_blocker}"
+        return whole
+    slots = scratch.slot_blocks(runner.vllm_config, state.config, whole.plan.spec.block_size)
+    # Each rank measures its own budget (vLLM CPU's default is what the process has left); the group
+    # chooses from the smallest, so every rank chooses alike.
+    chosen, state.scratch_choice = scratch.choose_plan(plan_for(runner, state, specs, slots), whole,
+                                                       group_minimum(available),
+                                                       explicit=state.config.scratch_blocks is not None)
+    state.vplan, state.scratch_blocks = chosen, chosen.plan.scratch_blocks
+    return chosen
+
+
+def group_minimum(available: int) -> int:
+    """The smallest of `available` over vLLM's TP group, which is the KVPP group wherever compact slots
+    can run (PCP 1; `scratch.compact_blocker`)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return available
+    value = torch.tensor([available], dtype=torch.int64)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=group.cpu_group)
+    return int(value.item())

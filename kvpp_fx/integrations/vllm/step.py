@@ -1,0 +1,72 @@
+"""A target-model step of a KVPP engine: the runtime's forward around vLLM's model call.
+
+Both model runners' adapters open `step_forward` inside vLLM's forward context (so the step's
+attention metadata is readable) and around the model call only: drafting runs outside it, since MTP
+layers are local and get no kvpp ops. The arguments come from the step's `StepBatch` (host arrays) and
+the metadata, never from a device read:
+
+- ``has_history``: any scheduled request with computed tokens (the seed's rule);
+- with owner-capable MLA metadata, the step's requests (`owner_rows.step_requests`), each taking its
+  path by the engine's mode; else the union of the blocks holding history (`batch.active_blocks`) and
+  of those the step fills (`batch.written_blocks`), so a packed slot gives each a position;
+- whole layers where the metadata cannot be remapped to packed slots: micro-batched (DBO) steps, SFA
+  models, and prefill context parallelism, whose metadata is each rank's part of the batch.
+
+Then, in a forward that packs blocks, non-owned layers read remapped metadata (`packed_metadata`).
+Every rank of a group opens the forward with the same arguments, derived from the same scheduler
+output; the runtime's agreement checks it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from kvpp_fx.integrations.vllm import owner_rows, packed_metadata
+from kvpp_fx.integrations.vllm.batch import StepBatch, active_blocks, written_blocks
+from kvpp_fx.integrations.vllm.specs import INDEXER_COMPONENT
+from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError
+
+
+@contextlib.contextmanager
+def step_forward(state: EngineState, batch: StepBatch) -> Iterator[None]:
+    runtime = state.runtime
+    if runtime is None:
+        raise KVPPAllocationError("a step ran before KVPP allocated the KV cache.")
+    from vllm.forward_context import get_forward_context
+
+    metadata = get_forward_context().attn_metadata
+    rows = step_rows(state, metadata, batch)
+    state.note_step(batch.prefill_rows_with_history, mixed=rows is not None and 0 < rows[1] < batch.num_reqs)
+    state.awaited.clear()
+    has_history = batch.has_history
+    if not packs(state, metadata):  # whole layers: the step's metadata cannot be remapped to packed slots
+        forward = runtime.forward(has_history=has_history)
+    elif rows is None:  # no MLA metadata: every row reads its blocks by broadcast
+        forward = runtime.forward(has_history=has_history, blocks=active_blocks(batch), written=written_blocks(batch))
+    else:
+        forward = runtime.forward(has_history=has_history, mode=state.mode, requests=rows[0])
+    with forward:
+        if runtime.packed:
+            # Non-owned layers read this forward's packed scratch slots through remapped tables.
+            state.packed_layers += packed_metadata.rebind(get_forward_context(), runtime, state.vplan.layer_index)
+        yield
+
+
+def step_rows(state: EngineState, metadata, batch: StepBatch):
+    """The step's requests and decode count from its MLA metadata (`owner_rows.step_requests`)."""
+    if state.metadata_layer is None or metadata is None:
+        return None
+    return owner_rows.step_requests(metadata, state.metadata_layer, batch, owner_capable=state.owner_blocker is None)
+
+
+def packs(state: EngineState, metadata) -> bool:
+    """Whether this step's non-owned layers can read packed slots: not with micro-batched (DBO) metadata,
+    whose per-micro-batch slot mappings KVPP does not remap; not for SFA models, whose sparse and indexer
+    metadata hold block tables `packed_metadata` does not remap; not under prefill context parallelism,
+    whose metadata holds only this rank's part of the batch. Those steps send whole layers."""
+    if state.config.pcp > 1:
+        return False
+    if INDEXER_COMPONENT in {c.name for layer in state.plan.spec.layers for c in layer.components}:
+        return False
+    return not isinstance(metadata, list)
