@@ -3,7 +3,8 @@
     python benchmarks/vllm_owner_mode.py [--contexts 1024,4096,16384] [--decode-steps 8]
 
 A tiny random DeepSeek-V3 (6 layers, 4 heads, kv_lora_rank 512, rope 64, float32 on CPU_MLA, no MTP) runs
-at TP 2, eagerly, through ``LLM``. For each prompt length, one request prefills and then decodes alone,
+at TP 2, eagerly, through ``LLM``, on vLLM's default model runner, V2 (its Triton kernels under Triton's
+interpreter, in the KVPP-off engine too). For each prompt length, one request prefills and then decodes alone,
 step by step (``llm_engine.step``); the same engine runs it in broadcast mode and in owner mode
 (``collective_rpc("kvpp_set_mode")``; each run on a fresh runtime, so its counters are its own).
 Reported per mode and context:
@@ -33,6 +34,7 @@ from _common import summary, write_result
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import tests.integrations.triton_interpreter  # noqa: E402, F401  (vLLM's default runner, V2, on CPU; before vLLM)
 from tests.integrations.tiny_model import NUM_LAYERS, make_tiny_deepseek  # noqa: E402
 
 BLOCK_SIZE, RECORD = 16, 576 * 4

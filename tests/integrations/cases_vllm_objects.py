@@ -441,7 +441,8 @@ def test_post_allocation_self_check_catches_unbound_layers_and_block_mismatch():
 
 def test_dbo_and_dspark_are_refused_by_name():
     """Micro-batched steps run every layer once per micro-batch on threads of their own; DSpark drafts keep
-    cache layers kvpp-fx has not placed. Both are refused at construction, whichever runner."""
+    cache layers kvpp-fx has not placed. Both are refused at construction, whichever runner (on config
+    objects: vLLM CPU turns DBO off itself, and cannot build a DSpark config without its checkpoint)."""
     from kvpp_fx.integrations.vllm.validation import MSG_DBO, MSG_DSPARK, check_execution
 
     cpu = types.SimpleNamespace(device_name="cpu")

@@ -24,7 +24,6 @@ import torch
 
 from kvpp_fx.config import MSG_DCP, MSG_GRAPH_MODE, MSG_SPEC_METHOD, MSG_SPEC_TOKENS, MSG_VLLM_CONNECTOR
 from kvpp_fx.integrations.vllm.compile_modes import KVPP_BACKEND, MSG_BACKEND, TORCH_BACKENDS, compile_digest
-from kvpp_fx.integrations.vllm.validation import MSG_DBO
 from tests.integrations.tiny_model import NUM_LAYERS, make_tiny_deepseek
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,7 +148,6 @@ def test_configs_at_construction(tiny_deepseek):
         "breakable-cudagraph": {**_on(**base), "env": {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}},
         "expert-parallel": _on(**base, enable_expert_parallel=True),
         "v1": {**_on(**eager), "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
-        "dbo": _on(**eager, enable_dbo=True),
         "scratch-zero": _on(**eager, additional_config={"enable_kvpp": True, "kvpp_scratch_blocks": 0}),
         "scratch-mtp": _on(**eager, speculative_config=MTP, additional_config={"enable_kvpp": True,
                                                                               "kvpp_scratch_blocks": 64}),
@@ -181,7 +179,6 @@ def test_configs_at_construction(tiny_deepseek):
         "connector": MSG_VLLM_CONNECTOR.format(name="OffloadingConnector"),
         "ngram": MSG_SPEC_METHOD,
         "mtp-dynamic": MSG_SPEC_TOKENS,
-        "dbo": MSG_DBO,
     }
     for name, message in refused.items():
         assert results[name]["is_value_error"], (name, results[name])
