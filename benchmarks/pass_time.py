@@ -31,7 +31,7 @@ def profile_split(layers: int) -> str:
     import io
     import pstats
 
-    import kvpp_fx.backend as backend
+    import kvpp_fx.passes.manager as backend
 
     profile = cProfile.Profile()
     real = backend.split_pieces

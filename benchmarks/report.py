@@ -1,11 +1,12 @@
-"""The README's benchmark table, rendered from `benchmarks/results/*.json` and nothing else.
+"""The benchmark tables, rendered from `benchmarks/results/*.json` and nothing else: every row in
+docs/benchmarks.md, the headline rows (`HEADLINES`) in README.md.
 
-    python benchmarks/report.py            # print the table
-    python benchmarks/report.py --write    # replace the table in README.md between its markers
-    python benchmarks/report.py --check    # exit 1 if README.md's table differs from the results
+    python benchmarks/report.py            # print the full table
+    python benchmarks/report.py --write    # replace both tables between their markers
+    python benchmarks/report.py --check    # exit 1 if either differs from the results
 
-`make bench` reruns every benchmark and then writes the table; a test checks that README.md matches
-the result files, so a figure from older code cannot stay in the README.
+`make bench` reruns every benchmark and then writes the tables; a test checks that both files match
+the result files, so a figure from older code cannot stay in either.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from pathlib import Path
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"
 README = HERE.parent / "README.md"
+DOC = HERE.parent / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
+# The README's rows: the start of their "what" column.
+HEADLINES = ("capacity, deepseek-v3 TP 8", "transfer hidden, through the PIECEWISE-compiled model",
+             "bytes per decode step, owner / broadcast mode", "vLLM OpenAI server",
+             "vLLM decode step bytes per rank")
 
 
 def _load(name: str) -> dict:
@@ -176,19 +182,30 @@ def rows() -> list[tuple[str, str, str]]:
     return out
 
 
-def table() -> str:
+def table(headlines: bool = False) -> str:
+    """Every row (``same`` naming the previous row's command), or the `HEADLINES` rows with their commands."""
+    resolved, command = [], ""
+    for what, figure, cmd in rows():
+        command = command if cmd == "same" else cmd
+        resolved.append((what, figure, cmd if not headlines else command))
+    if headlines:
+        resolved = [next(row for row in resolved if row[0].startswith(prefix)) for prefix in HEADLINES]
     lines = ["| what | figure | command |", "|---|---|---|"]
-    lines += [f"| {what} | {figure} | {command} |" for what, figure, command in rows()]
+    lines += [f"| {what} | {figure} | {cmd} |" for what, figure, cmd in resolved]
     return "\n".join(lines)
 
 
 def readme_table(text: str) -> str:
+    """The table between the markers of a file's text."""
     try:
         start = text.index(BEGIN) + len(BEGIN)
         end = text.index(END)
     except ValueError:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} block.") from None
+        raise SystemExit(f"no {BEGIN} ... {END} block.") from None
     return text[start:end].strip("\n")
+
+
+TARGETS = ((README, True), (DOC, False))  # (file, headlines only)
 
 
 def main(argv=None) -> int:
@@ -196,18 +213,22 @@ def main(argv=None) -> int:
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args(argv)
-    rendered = table()
-    if args.write:
-        text = README.read_text()
+    if not (args.write or args.check):
+        print(table())
+        return 0
+    stale = []
+    for path, headlines in TARGETS:
+        text, rendered = path.read_text(), table(headlines)
         old = readme_table(text)
-        README.write_text(text.replace(old, rendered, 1) if old else text.replace(BEGIN, f"{BEGIN}\n{rendered}", 1))
-        print(f"wrote the table into {README}")
-    elif args.check:
-        if readme_table(README.read_text()) != rendered:
-            print("README.md's benchmark table differs from benchmarks/results; run `make bench`.")
-            return 1
-    else:
-        print(rendered)
+        if args.write:
+            path.write_text(text.replace(f"{BEGIN}\n{old}\n{END}" if old else f"{BEGIN}\n{END}",
+                                         f"{BEGIN}\n{rendered}\n{END}", 1))
+            print(f"wrote the table into {path}")
+        elif old != rendered:
+            stale.append(str(path))
+    if stale:
+        print(f"the benchmark tables of {stale} differ from benchmarks/results; run `make bench`.")
+        return 1
     return 0
 
 

@@ -14,15 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 
-from kvpp_fx.backend import kvpp_backend
-from kvpp_fx.cache.allocate import allocate_cache
-from kvpp_fx.cache.cost import AttentionShape, StepLoad
-from kvpp_fx.cache.placement import KVPPPlan
-from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
-from kvpp_fx.passes.registry import (AttentionOpSpec, CacheOperand, HeadOperand, HeadSeparable, OwnerLocal,
-                                    TableOperand)
-from kvpp_fx.runtime.device import default_device, process_group_backend, resolve_device_api
-from kvpp_fx.runtime.runtime import KVPPRuntime
+from kvpp_fx import (AttentionOpSpec, AttentionShape, CacheOperand, ComponentSpec, HeadOperand, HeadSeparable,
+                     KVPPPlan, KVPPRuntime, LayerCacheSpec, ModelCacheSpec, OwnerLocal, StepLoad, TableOperand,
+                     allocate_cache, default_device, kvpp_backend, process_group_backend, resolve_device_api)
 
 LAYERS, HIDDEN, HEADS, WIDTH, VOCAB = 8, 64, 4, 32, 256  # WIDTH: latent values per token (and per query head)
 BLOCK_SIZE, KV_MEMORY, PROMPT, DECODE_STEPS = 16, 64 << 20, 40, 4
@@ -132,6 +126,7 @@ def main() -> int:
     kvpp_group = dist.new_group(timeout=timedelta(seconds=60))  # KVPP's broadcasts get their own communicator
     model = TinyMLA(rank, world, dist.group.WORLD).to(device)
 
+    # region readme
     cache_spec = ModelCacheSpec("tiny-mla", BLOCK_SIZE, tuple(
         LayerCacheSpec(i, (ComponentSpec("kv", "float32", (WIDTH,)),)) for i in range(LAYERS)))
     plan = KVPPPlan(cache_spec, group_size=world)  # owners, slots, budget (pure maths)
@@ -157,6 +152,7 @@ def main() -> int:
         kvpp_logits = generate(compiled, handles, block_table, kvpp_step)
         replicated = [torch.zeros(num_blocks, BLOCK_SIZE, WIDTH, device=device) for _ in range(LAYERS)]
         reference = generate(model, replicated, block_table, lambda computed, new: contextlib.nullcontext())
+    # endregion readme
     differ = [step for step, (a, b) in enumerate(zip(kvpp_logits, reference)) if not torch.equal(a, b)]
     modes = ", ".join(f"{mode} {count}" for mode, count in runtime.stats()["modes"].items() if count)
     verdict = f"DIFFER from KVPP off at steps {differ}" if differ else "identical to KVPP off"

@@ -36,15 +36,14 @@ from torch._dynamo.backends.registry import lookup_backend, register_backend
 from torch._dynamo.symbolic_convert import InstructionTranslator
 
 from kvpp_fx.config import MSG_GRAPH_MODE
-from kvpp_fx.passes.insert import insert_kvpp_ops
-from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.schedule import LayerSchedule
 from kvpp_fx.passes.pass_config import PassConfig
 from kvpp_fx.passes.registry import AttentionOpSpec
 from kvpp_fx.passes.render import describe_pieces
-from kvpp_fx.passes.route import route_owner_ops
-from kvpp_fx.passes.split import SplitResult, split_pieces
-from kvpp_fx.passes.verify import verify_graph
-from kvpp_fx.runtime.runtime import active_runtime
+from kvpp_fx.passes.manager import PassManager
+from kvpp_fx.passes.split import SplitResult
+from kvpp_fx.runtime.current import active_runtime
+from kvpp_fx.runtime.graph_ops import RoutedOp
 
 logger = logging.getLogger(__name__)
 
@@ -167,17 +166,12 @@ def _make_tuple_output(gm: torch.fx.GraphModule) -> bool:
     return True
 
 
-def _regenerate_code(gm: torch.fx.GraphModule) -> str:
-    gm.recompile()
-    return gm.code  # a lazy GraphModule writes its code on first access: part of codegen's time
-
-
 class KVPPBackend:
     """The Dynamo backend object returned by `kvpp_backend`."""
 
     _counter = itertools.count()
 
-    def __init__(self, plan_or_layer_table: Any, *, mode: str = "eager", inner: str | Callable = "eager",
+    def __init__(self, plan_or_schedule: Any, *, mode: str = "eager", inner: str | Callable = "eager",
                  dump_dir: str | os.PathLike | None = None, names: dict[str, int] | None = None,
                  first_prefetch: str = "entry", specs: Iterable[AttentionOpSpec] | None = None) -> None:
         if mode == "full":
@@ -188,7 +182,8 @@ class KVPPBackend:
             raise KVPPBackendError(
                 f"mode='eager' runs the rewritten graph as is and compiles nothing, so inner={inner!r} would be "
                 "ignored; use mode='piecewise' to compile the pieces with it, or inner='eager'.")
-        self.config = PassConfig.build(plan_or_layer_table, specs=specs, names=names, first_prefetch=first_prefetch)
+        self.config = PassConfig.build(plan_or_schedule, specs=specs, names=names, first_prefetch=first_prefetch)
+        self.passes = PassManager.for_mode(self.config, mode, RoutedOp)
         self.mode = mode
         self.inner_name = inner if isinstance(inner, str) else getattr(inner, "__name__", repr(inner))
         self.inner = resolve_inner(inner)
@@ -199,8 +194,8 @@ class KVPPBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         before = gm.code  # Dynamo's graph, as captured (Dynamo's lazy codegen runs here)
         start = time.perf_counter()
-        done, timings = self._run_passes(gm, graph_breaks=may_hold_part_of_the_model(gm))
-        inserted, routing, split = done["insert"], done["route"], done.get("split")
+        run = self.passes.run(gm, graph_breaks=may_hold_part_of_the_model(gm))
+        inserted, routing, split, timings = run.inserted, run.routing, run.split, run.timings
         record = CompileRecord(self.mode, inserted.layers, before, gm.code, timings=timings,
                                owner_routed=bool(routing and routing.routed), run_time_layer=inserted.run_time_layer)
         compiled: Callable = gm
@@ -216,30 +211,6 @@ class KVPPBackend:
         if self.dump_dir is not None:
             record.dump_dir = self._dump(record)
         return compiled
-
-    def _run_passes(self, gm: torch.fx.GraphModule, *, graph_breaks: bool) -> tuple[dict[str, Any], dict[str, float]]:
-        """Insert, route, split (piecewise), verify and codegen, in that order, each timed as ``<name>_s``.
-        The passes change the graph; codegen then writes ``gm.code`` once (what eager mode runs, and the
-        dump). Route runs only on a graph the insert pass rewrote: a graph that already held kvpp ops
-        keeps the routing it has."""
-        config = self.config
-        done: dict[str, Any] = {}
-        steps: list[tuple[str, Callable[[], Any]]] = [
-            ("insert", lambda: insert_kvpp_ops(gm, config, graph_breaks=graph_breaks)),
-            ("route", lambda: route_owner_ops(gm, config) if done["insert"].changed else None),
-        ]
-        if self.mode == "piecewise":
-            steps.append(("split", lambda: split_pieces(gm)))
-        steps += [("verify", lambda: verify_graph(gm, config, done["split"].pieces if "split" in done else ())),
-                  ("codegen", lambda: _regenerate_code(gm) if done["insert"].changed else None)]
-        timings: dict[str, float] = {}
-        for name, step in steps:
-            start = time.perf_counter()
-            done[name] = step()
-            timings[f"{name}_s"] = time.perf_counter() - start
-        if "split" in done:
-            timings.update({f"split_{k}": v for k, v in done["split"].timings.items()})
-        return done, timings
 
     def _compile_pieces(self, split: SplitResult, example_inputs: Sequence[Any]) -> Callable:
         if self.inner_name == "eager":
@@ -283,11 +254,11 @@ class KVPPBackend:
         return out
 
 
-def kvpp_backend(plan_or_layer_table: Any, *, mode: str = "eager", inner: str | Callable = "eager",
+def kvpp_backend(plan_or_schedule: Any, *, mode: str = "eager", inner: str | Callable = "eager",
                  dump_dir: str | os.PathLike | None = None, names: dict[str, int] | None = None,
                  first_prefetch: str = "entry", specs: Iterable[AttentionOpSpec] | None = None) -> KVPPBackend:
     """A Dynamo backend that rewrites the graph for KVPP (see the module docstring)."""
-    return KVPPBackend(plan_or_layer_table, mode=mode, inner=inner, dump_dir=dump_dir, names=names,
+    return KVPPBackend(plan_or_schedule, mode=mode, inner=inner, dump_dir=dump_dir, names=names,
                        first_prefetch=first_prefetch, specs=specs)
 
 
@@ -295,7 +266,7 @@ def kvpp_backend(plan_or_layer_table: Any, *, mode: str = "eager", inner: str | 
 def _kvpp_registered(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None):
     """``backend="kvpp"``: options come from ``torch.compile(..., options={...})`` or the current runtime."""
     options = dict(options or {})
-    plan = options.pop("plan", None) or options.pop("layer_table", None)
+    plan = options.pop("plan", None) or options.pop("schedule", None)
     if plan is None:
         runtime = active_runtime()
         if runtime is None:
@@ -317,12 +288,12 @@ def _registered_backend(plan: Any, options: dict) -> KVPPBackend:
 def _same_plan_guard(compiled: Callable, plan: Any) -> Callable:
     """Dynamo does not guard on the runtime that was active at compile time, so the compiled graph checks,
     each call, that it runs under a runtime with the plan it was rewritten for."""
-    baked = LayerTable.coerce(plan)
+    baked = LayerSchedule.coerce(plan)
 
     def run(*args: Any) -> Any:
         runtime = active_runtime()
         if runtime is not None and runtime.plan is not plan:
-            current = LayerTable.coerce(runtime.plan)
+            current = LayerSchedule.coerce(runtime.plan)
             if (current.target_layers, current.draft_layers, current.depth) != \
                     (baked.target_layers, baked.draft_layers, baked.depth):
                 raise PlanChangedError(

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kvpp_fx.argtypes import fraction, non_negative_float, non_negative_int, positive_float, positive_int
+from kvpp_fx.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 from kvpp_fx.cache.placement import DEFAULT_DEPTH, MIN_DEPTH
 from kvpp_fx.cache.spec import KV_DTYPES, QUERY_DTYPES, UnknownModelError
 

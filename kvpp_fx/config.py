@@ -12,6 +12,7 @@ attributes are read when present.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,7 +53,28 @@ MSG_SPEC_TOKENS = "KVPP currently supports only a fixed number of speculative to
 
 _LAX_BOOL = pydantic.TypeAdapter(bool)
 
-KVPP_MODES = ("broadcast", "owner", "auto")
+class Mode(str, enum.Enum):
+    """How a forward moves attention's inputs: each layer's cache to the ranks (broadcast), the queries to
+    each layer's owner and the outputs back (owner), per request the cheaper of the two (auto; a forward
+    with requests on both paths is hybrid). Members compare and hash as their strings."""
+
+    BROADCAST = "broadcast"
+    OWNER = "owner"
+    AUTO = "auto"
+    HYBRID = "hybrid"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+# What a user or a caller of `KVPPRuntime.forward` may ask for; hybrid is an outcome, never asked.
+KVPP_MODES = (Mode.BROADCAST, Mode.OWNER, Mode.AUTO)
 # ``kvpp_fx`` is written by the vLLM plugin itself (the compile digest and the inner backend).
 KNOWN_KEYS = ("enable_kvpp", "kvpp_mode", "kvpp_scratch_blocks", "kvpp_fx")
 USER_KEYS = KNOWN_KEYS[:-1]
@@ -189,10 +211,11 @@ def _spec_method_of(method: Any) -> str | None:
     return "mtp" if method.endswith("mtp") else method
 
 
-def parse_kvpp_mode(value: Any) -> str:
-    if value not in KVPP_MODES:
-        raise ValueError(f"additional_config.kvpp_mode must be one of {list(KVPP_MODES)}, got {value!r}.")
-    return value
+def parse_kvpp_mode(value: Any) -> Mode:
+    if not isinstance(value, str) or value not in KVPP_MODES:
+        raise ValueError(f"additional_config.kvpp_mode must be one of {[m.value for m in KVPP_MODES]}, "
+                         f"got {value!r}.")
+    return Mode(value)
 
 
 def check_keys(additional_config: Mapping[str, Any]) -> None:
@@ -214,13 +237,13 @@ class KVPPConfig:
     enable_kvpp: bool = False
     tp: int = 1
     pcp: int = 1
-    mode: str = "auto"
+    mode: Mode = Mode.AUTO
     scratch_blocks: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int("tp", self.tp)
         _positive_int("pcp", self.pcp)
-        parse_kvpp_mode(self.mode)
+        object.__setattr__(self, "mode", parse_kvpp_mode(self.mode))
         if self.scratch_blocks is not None:
             _positive_int("additional_config.kvpp_scratch_blocks", self.scratch_blocks)
 

@@ -1,4 +1,5 @@
-"""The KVPP graph ops, registered with torch.library in the ``kvpp`` namespace.
+"""The KVPP graph ops' schemas, registered with torch.library in the ``kvpp`` namespace (`kvpp_fx.schedule`
+names them):
 
     kvpp::prefetch(int layer, int slot) -> ()
     kvpp::wait(int layer, int slot, Tensor[] caches, str[] components, bool routed=False,
@@ -12,130 +13,35 @@ instead: persistent on the owner rank, the layer's scratch slot elsewhere. The c
 runtime pick the right typed view of the layer's bundle (an SFA layer has the latent cache, the
 indexer keys and their scales). After the views come the layer's block tables and slot mappings
 (``tables``, each of a ``table_kinds`` kind), as the ops must read them: remapped to the packed slot
-where the rank reads the layer from one, unchanged elsewhere (`KVPPRuntime.tables`).
-``routed=True`` says the layer's cache ops were routed for owner mode
-(each is a `RoutedOp`); a wait without it refuses an owner-mode forward. See docs/graph-contract.md.
+where the rank reads the layer from one, unchanged elsewhere. ``routed=True`` says the layer's cache ops
+were routed for owner mode; a wait without it refuses an owner-mode forward. See docs/graph-contract.md.
 
 ``enter_layer`` serves a graph that Dynamo compiled once for several layers, whose layer index is a
-run-time value (a graph input): it runs the plan's schedule for that layer when it is called (the first
-layer's prefetch if no graph issued it, the layer's wait, the next layer's prefetch) and returns the
-views as ``wait`` does; for a local draft layer it returns the caches it was given.
+run-time value (a graph input): it runs the schedule's entry for that layer when it is called and
+returns the views as ``wait`` does; for a local draft layer it returns the caches it was given.
 
-`RoutedOp` is the graph target the pass puts in place of a registered cache op whose owner-mode rule
-is declared: in broadcast mode it calls the op as it is; in owner mode it runs the op on the layer's
-owner (over all ranks' heads, for a head-separable op) and skips it elsewhere.
-
-Both ops are registered as ORDERED-effectful, so fx dead-code elimination, AOTAutograd and inductor keep
-them (AOT threads effect tokens through them). Both call the runtime of the current
-``runtime.forward(...)`` context and raise `NoActiveForwardError` outside one.
+This module holds what the compiler needs: the schemas, the fake implementations (shapes for tracing),
+the ops' effects, and the one matcher of kvpp ops and routed ops (`kvpp_op_kind`, `routed_op_of`). The
+implementations, which call the runtime, and `RoutedOp` live with the runtime
+(`kvpp_fx.runtime.graph_ops`). All three ops are registered as ORDERED-effectful, so fx dead-code
+elimination, AOTAutograd and inductor keep them (AOT threads effect tokens through them).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch._library.effects import EffectType
 
-from kvpp_fx.runtime.errors import OwnerRoutingError
-from kvpp_fx.runtime.runtime import active_runtime, current_runtime
+from kvpp_fx.schedule import ENTER_LAYER, NAMESPACE, OP_SCHEMAS, PREFETCH, WAIT
 
-NAMESPACE = "kvpp"
-
-_lib = torch.library.Library(NAMESPACE, "DEF")
-_lib.define("prefetch(int layer, int slot) -> ()")
-_lib.define("wait(int layer, int slot, Tensor[] caches, str[] components, bool routed=False, "
-            "Tensor[]? tables=None, str[]? table_kinds=None) -> Tensor[]")
-_lib.define("enter_layer(SymInt layer, Tensor[] caches, str[] components, Tensor[]? tables=None, "
-            "str[]? table_kinds=None) -> Tensor[]")
+LIBRARY = torch.library.Library(NAMESPACE, "DEF")
+for _schema in OP_SCHEMAS.values():
+    LIBRARY.define(_schema)
 
 
-_PASSTHROUGH: contextvars.ContextVar[bool] = contextvars.ContextVar("kvpp_passthrough", default=False)
-
-
-@contextlib.contextmanager
-def passthrough() -> Iterator[None]:
-    """Outside any forward, let the ops do nothing: prefetch returns, wait returns its inputs.
-
-    For an engine's dummy, profile and warm-up runs through a rewritten graph, which happen before any
-    cache exists and must move nothing.
-    """
-    token = _PASSTHROUGH.set(True)
-    try:
-        yield
-    finally:
-        _PASSTHROUGH.reset(token)
-
-
-def passing_through() -> bool:
-    """Inside `passthrough()` and outside any runtime forward: the kvpp ops do nothing."""
-    return _PASSTHROUGH.get() and active_runtime() is None
-
-
-def _prefetch_impl(layer: int, slot: int) -> None:
-    if passing_through():
-        return
-    current_runtime().prefetch(layer, slot)
-
-
-def _check_lists(op: str, layer: int, caches: list, components: list, tables: list, kinds: list) -> None:
-    if len(caches) != len(components):
-        raise ValueError(f"{op} for layer {layer}: {len(caches)} caches but {len(components)} component names.")
-    if len(tables) != len(kinds):
-        raise ValueError(f"{op} for layer {layer}: {len(tables)} tables but {len(kinds)} table kinds.")
-
-
-def _wait_impl(layer: int, slot: int, caches: list[torch.Tensor], components: list[str],
-               routed: bool = False, tables: list[torch.Tensor] | None = None,
-               table_kinds: list[str] | None = None) -> list[torch.Tensor]:
-    tables, table_kinds = list(tables or ()), list(table_kinds or ())
-    _check_lists("kvpp.wait", layer, caches, components, tables, table_kinds)
-    if passing_through():
-        return [*caches, *tables]
-    runtime = current_runtime()
-    runtime.wait(layer, slot, routed=routed)
-    return [*_views("kvpp.wait", runtime, layer, caches, components), *runtime.tables(layer, tables, table_kinds)]
-
-
-def _enter_layer_impl(layer: int, caches: list[torch.Tensor], components: list[str],
-                      tables: list[torch.Tensor] | None = None,
-                      table_kinds: list[str] | None = None) -> list[torch.Tensor]:
-    tables, table_kinds = list(tables or ()), list(table_kinds or ())
-    _check_lists("kvpp.enter_layer", layer, caches, components, tables, table_kinds)
-    if passing_through():
-        return [*caches, *tables]
-    runtime = current_runtime()
-    if not runtime.enter_layer(layer):  # a local draft layer: the graph's caches and tables are its own
-        return [*caches, *tables]
-    return [*_views("kvpp.enter_layer", runtime, layer, caches, components),
-            *runtime.tables(layer, tables, table_kinds)]
-
-
-def _views(op: str, runtime, layer: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
-    """The runtime's views of `layer` for the graph's cache operands, checked against them."""
-    views = runtime.typed_views(layer)
-    out = []
-    for cache, name in zip(caches, components):
-        if name not in views:
-            raise KeyError(f"{op}: layer {layer} has no cache component {name!r}; it has {sorted(views)}.")
-        view = views[name]
-        if view.shape != cache.shape or view.dtype != cache.dtype:
-            raise ValueError(
-                f"{op} for layer {layer}: the graph's {name!r} cache is {tuple(cache.shape)} "
-                f"{cache.dtype}, the runtime's view is {tuple(view.shape)} {view.dtype}.")
-        out.append(view)
-    return out
-
-
-_lib.impl("prefetch", _prefetch_impl, "CompositeExplicitAutograd")
-_lib.impl("wait", _wait_impl, "CompositeExplicitAutograd")
-_lib.impl("enter_layer", _enter_layer_impl, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake(f"{NAMESPACE}::prefetch", lib=_lib)
+@torch.library.register_fake(f"{NAMESPACE}::{PREFETCH}", lib=LIBRARY)
 def _prefetch_fake(layer: int, slot: int) -> None:
     return None
 
@@ -146,14 +52,14 @@ def _contiguous(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
 
 
-@torch.library.register_fake(f"{NAMESPACE}::wait", lib=_lib)
+@torch.library.register_fake(f"{NAMESPACE}::{WAIT}", lib=LIBRARY)
 def _wait_fake(layer: int, slot: int, caches: list[torch.Tensor], components: list[str],
                routed: bool = False, tables: list[torch.Tensor] | None = None,
                table_kinds: list[str] | None = None) -> list[torch.Tensor]:
     return _contiguous([*caches, *(tables or ())])
 
 
-@torch.library.register_fake(f"{NAMESPACE}::enter_layer", lib=_lib)
+@torch.library.register_fake(f"{NAMESPACE}::{ENTER_LAYER}", lib=LIBRARY)
 def _enter_layer_fake(layer: int, caches: list[torch.Tensor], components: list[str],
                       tables: list[torch.Tensor] | None = None,
                       table_kinds: list[str] | None = None) -> list[torch.Tensor]:
@@ -162,187 +68,39 @@ def _enter_layer_fake(layer: int, caches: list[torch.Tensor], components: list[s
 
 # torch 2.13 has no public effect registration for ops defined with `torch.library.Library`: the public
 # route, `CustomOpDef.register_effect`, needs `torch.library.custom_op`, whose outputs may not alias
-# inputs, and `wait` returns its inputs under `passthrough()`. Hence the private call, here only.
-for _op in ("prefetch", "wait", "enter_layer"):
+# inputs, and `wait` returns its inputs under passthrough. Hence the private call, here only.
+for _op in OP_SCHEMAS:
     torch.library._register_effectful_op(f"{NAMESPACE}::{_op}", EffectType.ORDERED)
 
 prefetch = torch.ops.kvpp.prefetch
 wait = torch.ops.kvpp.wait
 enter_layer = torch.ops.kvpp.enter_layer
 
-KVPP_OPS = (torch.ops.kvpp.prefetch, torch.ops.kvpp.wait, torch.ops.kvpp.enter_layer)
-_KVPP_TARGETS = frozenset(KVPP_OPS + tuple(op.default for op in KVPP_OPS))
+KVPP_OPS = (prefetch, wait, enter_layer)
+# Dynamo graphs hold the packet (``torch.ops.kvpp.wait``), graphs after AOT the overload (``.default``).
+_KINDS = {target: kind for op, kind in zip(KVPP_OPS, (PREFETCH, WAIT, ENTER_LAYER))
+          for target in (op, op.default)}
+
+# The attribute a routed op carries: the registered cache op it routes (`kvpp_fx.runtime.graph_ops.RoutedOp`).
+ROUTED_ATTRIBUTE = "kvpp_routed_op"
+
+
+def kvpp_op_kind(target: object) -> str | None:
+    """`PREFETCH`, `WAIT` or `ENTER_LAYER` for a kvpp op's graph target; None for anything else."""
+    try:
+        return _KINDS.get(target)
+    except TypeError:  # an unhashable target
+        return None
 
 
 def is_kvpp_op(target: object) -> bool:
-    """True for the kvpp ops, as the packet (Dynamo graphs) or the overload (after AOT)."""
-    try:
-        return target in _KVPP_TARGETS
-    except TypeError:  # an unhashable target
-        return False
+    return kvpp_op_kind(target) is not None
 
 
-# --- owner mode: routed cache ops ------------------------------------------------------------------
+def routed_op_of(target: object) -> Any:
+    """The registered op a routed graph target routes, or None for any other target."""
+    return getattr(target, ROUTED_ATTRIBUTE, None)
 
-ArgWhere = int | str  # a positional index or a keyword name in the node's call
-
-
-class RoutedOp:
-    """A registered cache op of one layer, routed so that the runtime's mode decides where it runs.
-
-    ``heads``: (where, dim) of each head operand of a head-separable op, in declaration order; empty
-    for an owner-local op; ``token_dims``: each head operand's query-token dimension.
-    ``output_dim``: the head dimension of the output (head-separable ops).
-    ``output_like``: the head operand whose shape and dtype the output has. ``rows``: the op's
-    `RowOperands` (how its call cuts by request), which a hybrid forward needs. Instances are interned, so
-    equal routings are the same graph target.
-    """
-
-    _interned: dict[tuple, RoutedOp] = {}
-
-    def __new__(cls, op: object, layer: int, heads: tuple[tuple[ArgWhere, int], ...] = (),
-                output_dim: int | None = None, output_like: int = 0,
-                token_dims: tuple[int, ...] | None = None, rows: Any = None) -> RoutedOp:
-        token_dims = tuple(token_dims) if token_dims is not None else (0,) * len(heads)
-        if len(token_dims) != len(heads):
-            raise ValueError(f"{len(heads)} head operands but {len(token_dims)} token dimensions.")
-        key = (op, layer, tuple(heads), output_dim, output_like, token_dims, rows)
-        routed = cls._interned.get(key)
-        if routed is None:
-            routed = super().__new__(cls)
-            routed.kvpp_routed_op = op
-            routed.layer = layer
-            routed.heads = tuple(heads)
-            routed.output_dim = output_dim
-            routed.output_like = output_like
-            routed.token_dims = token_dims
-            routed.rows = rows
-            schema = getattr(op, "_schema", None) or op.default._schema
-            routed._schema = schema
-            name = schema.name.replace("::", "_")
-            kind = "heads" if heads else "owner"
-            routed.__name__ = routed.__qualname__ = f"routed_{kind}_{name}_L{layer}"
-            routed.__module__ = __name__
-            cls._interned[key] = routed
-        return routed
-
-    def __repr__(self) -> str:
-        return (f"RoutedOp({self._schema.name}, layer={self.layer}, heads={self.heads}, "
-                f"output_dim={self.output_dim})")
-
-    def __reduce__(self):
-        return RoutedOp, (self.kvpp_routed_op, self.layer, self.heads, self.output_dim, self.output_like,
-                          self.token_dims, self.rows)
-
-    def __call__(self, *args, **kwargs):
-        op = self.kvpp_routed_op
-        if passing_through() or _tracing_with_fake_tensors():
-            return op(*args, **kwargs)
-        runtime = current_runtime()
-        if runtime.hybrid:
-            return self._hybrid(runtime, args, kwargs)
-        if not runtime.owner_mode:
-            return op(*args, **kwargs)
-        if not self.heads:
-            return op(*args, **kwargs) if runtime.runs_owner_ops(self.layer) else None
-        return self._on_owner(runtime, args, kwargs)
-
-    def _on_owner(self, runtime, args: tuple, kwargs: dict) -> torch.Tensor:
-        """Every row of the call on the layer's owner, over every rank's heads."""
-        op = self.kvpp_routed_op
-        tensors = [_read(args, kwargs, where) for where, _ in self.heads]
-
-        def compute(full: list[torch.Tensor]) -> torch.Tensor:
-            call_args, call_kwargs = list(args), dict(kwargs)
-            for (where, _), tensor in zip(self.heads, full):
-                _write(call_args, call_kwargs, where, tensor)
-            return op(*call_args, **call_kwargs)
-
-        return runtime.owner_compute(self.layer, self, tensors, compute)  # this op is its own rule
-
-    def _hybrid(self, runtime, args: tuple, kwargs: dict) -> Any:
-        """A hybrid forward: owner-local ops run on every rank (the broadcast rows read what they write);
-        a head-separable op runs its owner requests' rows on the owner and the others' here."""
-        op = self.kvpp_routed_op
-        if not self.heads:
-            return op(*args, **kwargs)
-        if self.rows is None:
-            raise OwnerRoutingError(
-                f"{self._schema.name} of layer {self.layer} ran in a hybrid forward (requests on both paths), but "
-                "its HeadSeparable declares no RowOperands, so its call cannot be cut by request. Declare rows=, "
-                "or pass mode='broadcast' or 'owner'.")
-        paths = runtime.request_paths()
-        query_lens = _read_arg(args, kwargs, self.rows.query_lens)
-        lens = [int(n) for n in query_lens.tolist()]
-        like = _read(args, kwargs, self.heads[self.output_like][0])
-        if len(lens) != len(paths) or sum(lens) != like.shape[0]:
-            raise OwnerRoutingError(
-                f"{self._schema.name} of layer {self.layer}: the call holds {len(lens)} requests of {sum(lens)} "
-                f"query tokens and {like.shape[0]} token rows; the forward names {len(paths)} requests. A hybrid "
-                "forward cuts the call by request, so they must agree.")
-        starts = [sum(lens[:k]) for k in range(len(lens))]
-        owner = [k for k, path in enumerate(paths) if path == "owner"]
-        local = [k for k, path in enumerate(paths) if path != "owner"]
-        device = query_lens.device
-        owner_tokens = torch.tensor([t for k in owner for t in range(starts[k], starts[k] + lens[k])],
-                                    dtype=torch.long, device=device)
-        local_tokens = torch.tensor([t for k in local for t in range(starts[k], starts[k] + lens[k])],
-                                    dtype=torch.long, device=device)
-        owner_part = self._on_owner(runtime, *self._cut(args, kwargs, owner, owner_tokens, device))
-        local_args, local_kwargs = self._cut(args, kwargs, local, local_tokens, device)
-        local_part = op(*local_args, **local_kwargs)
-        out = torch.empty_like(like)  # the op's output has the shape and strides of its head operand
-        out[owner_tokens] = owner_part
-        out[local_tokens] = local_part
-        return out
-
-    def _cut(self, args: tuple, kwargs: dict, requests: list[int], tokens: torch.Tensor,
-             device: torch.device) -> tuple[tuple, dict]:
-        call_args, call_kwargs = list(args), dict(kwargs)
-        index = torch.tensor(requests, dtype=torch.long, device=device)
-        for operands, rows in ((self.rows.token_operands, tokens), (self.rows.request_operands, index)):
-            for where in operands:
-                value = _read_arg(args, kwargs, where)
-                if isinstance(value, torch.Tensor):
-                    _write_arg(call_args, call_kwargs, where, value.index_select(0, rows))
-        return tuple(call_args), call_kwargs
-
-
-def _tracing_with_fake_tensors() -> bool:
-    """A backend propagating shapes through the pieces (fake tensors) runs the op's fake kernel, as it
-    does for the kvpp ops themselves; nothing is routed."""
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
-
-
-def _read(args: tuple, kwargs: dict, where: ArgWhere) -> torch.Tensor:
-    return kwargs[where] if isinstance(where, str) else args[where]
-
-
-def _write(call_args: list, call_kwargs: dict, where: ArgWhere, value: Any) -> None:
-    if isinstance(where, str):
-        call_kwargs[where] = value
-    else:
-        call_args[where] = value
-
-
-def _read_arg(args: tuple, kwargs: dict, where: Any) -> Any:
-    """A declared operand (an index, a name, or ``(name, index)``) of this call; None when not passed."""
-    name, index = (where if isinstance(where, tuple) else
-                   (where, None) if isinstance(where, str) else (None, where))
-    if name is not None and name in kwargs:
-        return kwargs[name]
-    if index is not None and index < len(args):
-        return args[index]
-    return None
-
-
-def _write_arg(call_args: list, call_kwargs: dict, where: Any, value: Any) -> None:
-    name, index = (where if isinstance(where, tuple) else
-                   (where, None) if isinstance(where, str) else (None, where))
-    if name is not None and (name in call_kwargs or index is None or index >= len(call_args)):
-        call_kwargs[name] = value
-    else:
-        call_args[index] = value
 
 def is_routed_op(target: object) -> bool:
-    return isinstance(target, RoutedOp)
+    return routed_op_of(target) is not None

@@ -1,5 +1,5 @@
 """`examples/compile_your_model.py`, run as the README says (torchrun, 2 CPU ranks), with faults as negative
-controls; and the README's "Use it" section shows that file, its command and its output."""
+controls; and the README's "Use it" section shows the file's marked excerpt, its command and its output."""
 
 from __future__ import annotations
 
@@ -105,30 +105,34 @@ def readme_output(readme: str) -> list[str]:
     return output.splitlines()
 
 
-def without_docstring(source: str) -> str:
-    """A module's text after its docstring and the blank lines that follow it."""
-    assert source.startswith('"""'), "the example starts with its docstring"
-    return source.split('"""', 2)[2].lstrip("\n")
+def excerpt(source: str) -> str:
+    """The example's lines between ``# region readme`` and ``# endregion readme``, dedented."""
+    import textwrap
+
+    lines = source.splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.strip() == "# region readme")
+    end = next(i for i, line in enumerate(lines) if line.strip() == "# endregion readme")
+    return textwrap.dedent("".join(lines[start + 1:end]))
 
 
 def readme_shows(readme: str, source: str) -> bool:
-    return readme_code(readme) == without_docstring(source)
+    return readme_code(readme) == excerpt(source)
 
 
-def test_the_readme_shows_the_example_file():
+def test_the_readme_shows_the_example_excerpt():
     readme, source = read_readme(), (ROOT / EXAMPLE).read_text()
-    assert readme_shows(readme, source), "copy examples/compile_your_model.py (less its docstring) into the README"
+    assert readme_shows(readme, source), "copy the example's `# region readme` lines into the README"
+    assert 20 <= len(excerpt(source).splitlines()) <= 30
     section = use_it_section(readme)
     assert section.index(README_COMMAND) < section.index("```python")
+    assert f"]({EXAMPLE.as_posix()})" in section  # the whole file, linked
 
 
-def test_one_changed_line_of_the_example_is_seen():
+def test_one_changed_line_of_the_excerpt_is_seen():
     readme, source = read_readme(), (ROOT / EXAMPLE).read_text()
-    body = without_docstring(source)
-    assert body.startswith("import ") and len(body.splitlines()) > 100
     lines = source.splitlines(keepends=True)
-    changed = next(i for i, line in enumerate(lines) if line.startswith("LAYERS, "))
-    altered = "".join(lines[:changed] + [lines[changed].replace("8", "9", 1)] + lines[changed + 1:])
+    changed = next(i for i, line in enumerate(lines) if "backend = kvpp_backend(" in line)
+    altered = "".join(lines[:changed] + [lines[changed].replace("piecewise", "eager", 1)] + lines[changed + 1:])
     assert altered != source
     assert not readme_shows(readme, altered)
-    assert not readme_shows(readme, source + "\n")
+    assert not readme_shows(readme, source.replace("# endregion readme", "x = 1\n    # endregion readme"))

@@ -16,8 +16,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-BROADCAST, OWNER = "broadcast", "owner"
-MODES = (BROADCAST, OWNER, "auto")
+from kvpp_fx.config import KVPP_MODES, Mode
+
+BROADCAST, OWNER, AUTO, HYBRID = Mode.BROADCAST, Mode.OWNER, Mode.AUTO, Mode.HYBRID
+MODES = KVPP_MODES
 
 
 def _check_count(name: str, value: object, minimum: int) -> None:
@@ -229,7 +231,7 @@ def choose_rows(shape: AttentionShape, requests: tuple[RequestRows, ...], mode: 
         return dataclasses.replace(choice, why=f"the broadcast rows touch more blocks than a scratch slot's "
                                                f"{broadcast.slot_blocks}: the rows that do not fit go to the owner")
     choice = _row_choice(shape, requests, modes, broadcast, group_size)
-    if mode == "auto" and OWNER in modes and fit_rows(requests, (BROADCAST,) * len(requests),
+    if mode == AUTO and OWNER in modes and fit_rows(requests, (BROADCAST,) * len(requests),
                                                       broadcast.slot_blocks) == (BROADCAST,) * len(requests):
         everything = _row_choice(shape, requests, (BROADCAST,) * len(requests), broadcast, group_size)
         owner_total = 2 * link.latency_s + sum(owner_s(r) for r, m in zip(requests, modes) if m == OWNER)

@@ -6,7 +6,8 @@ Invariants (from the reference implementation unless marked):
   contiguous and lower ranks take the extra layer. The result does not depend on input order.
 - Draft/MTP layers get no owner and stay persistent on every rank, unless ``shard_draft_layers``.
 - The k-th target layer in execution order uses scratch slot ``k % depth`` on every rank that does not
-  own it. Owned layers count in k; local draft layers do not.
+  own it. Owned layers count in k; local draft layers do not. The plan's `LayerSchedule`
+  (`kvpp_fx.schedule`) is the one place that computes it.
 - A bundle is laid out component-major: each component holds all ``num_blocks`` blocks, packed back to
   back.
 - Every buffer (each owned bundle, each local draft cache, each scratch slot) is 2 MiB aligned, and
@@ -30,11 +31,9 @@ from types import MappingProxyType
 from typing import Any
 
 from kvpp_fx.cache.spec import LayerCacheSpec, ModelCacheSpec
+from kvpp_fx.schedule import DEFAULT_DEPTH, MIN_DEPTH, LayerSchedule
 
 ALIGNMENT = 2 * 1024 * 1024
-DEFAULT_DEPTH = 2
-# With one slot, layer k+1's broadcast would overwrite the slot layer k's attention is still reading.
-MIN_DEPTH = 2
 # With whole-layer slots, above this fraction of the pool a step sends whole layers: the owner's gather
 # of the listed blocks stops paying for itself. benchmarks/active_blocks.py measured the crossover
 # between 0.2 and 0.3 on a 2-core CPU host with gloo (docs/design.md, "The crossover"). Compact slots
@@ -94,55 +93,6 @@ def assign_owners(layer_indices: Iterable[int], group_size: int) -> dict[int, in
 
 
 @dataclass(frozen=True)
-class ScheduleStep:
-    """One kvpp op of a forward: ``kind`` is "prefetch" or "wait"."""
-
-    kind: str
-    layer: int
-    slot: int
-
-
-@dataclass(frozen=True)
-class BroadcastSchedule:
-    """The order of the kvpp ops in every forward, the same on every rank: ``prefetch(first)``, then for
-    each target layer in execution order ``wait(L)`` followed by ``prefetch(next)`` (none after the
-    last). Slots are ``k % depth`` over that order. The graph pass places these ops, the eager hooks
-    call them, and the runtime checks that they come in this order."""
-
-    targets: tuple[int, ...]
-    depth: int
-
-    def first(self) -> ScheduleStep | None:
-        """The prefetch at the start of the forward (None without target layers)."""
-        return ScheduleStep("prefetch", self.targets[0], 0) if self.targets else None
-
-    def at_layer(self, layer: int) -> tuple[ScheduleStep, ...]:
-        """What runs just before the layer's first cache op: its wait, then the next layer's prefetch."""
-        k = self.targets.index(layer)
-        steps = [ScheduleStep("wait", layer, k % self.depth)]
-        if k + 1 < len(self.targets):
-            steps.append(ScheduleStep("prefetch", self.targets[k + 1], (k + 1) % self.depth))
-        return tuple(steps)
-
-    def steps(self) -> tuple[ScheduleStep, ...]:
-        """The whole forward."""
-        first = self.first()
-        return (first, *(step for layer in self.targets for step in self.at_layer(layer))) if first else ()
-
-    def run(self, runtime: Any, layer: int | None = None) -> None:
-        """Issue the steps on a runtime: the whole forward, or (with `layer`) what that layer's attention
-        entry runs, the first layer's prefetch included (eager hooks)."""
-        if layer is None:
-            steps = self.steps()
-        else:
-            steps = self.at_layer(layer)
-            if layer == self.targets[0]:
-                steps = (self.first(), *steps)
-        for step in steps:
-            getattr(runtime, step.kind)(step.layer, step.slot)
-
-
-@dataclass(frozen=True)
 class BufferPlan:
     """One physical buffer of a rank: ``kind`` is "persistent", "draft" or "scratch".
 
@@ -196,6 +146,7 @@ class KVPPPlan:
     owners: Mapping[int, int] = field(init=False, compare=False, repr=False)
     target_layers: tuple[int, ...] = field(init=False, compare=False)
     local_draft_layers: tuple[int, ...] = field(init=False, compare=False)
+    _schedule: LayerSchedule = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
@@ -215,6 +166,7 @@ class KVPPPlan:
         object.__setattr__(self, "target_layers", targets)
         object.__setattr__(self, "local_draft_layers", drafts)
         object.__setattr__(self, "owners", MappingProxyType(assign_owners(targets, self.group_size)))
+        object.__setattr__(self, "_schedule", LayerSchedule.from_plan(self))
 
     @classmethod
     def for_requests(cls, spec: ModelCacheSpec, group_size: int, *, max_model_len: int | None = None,
@@ -262,12 +214,8 @@ class KVPPPlan:
         return layer in self.local_draft_layers or self.owner(layer) == rank
 
     def slot(self, layer: int) -> int:
-        """The scratch slot of a target layer in the graph: ``k % depth`` over execution order."""
-        try:
-            k = self.target_layers.index(layer)
-        except ValueError:
-            raise KeyError(f"layer {layer} is not a target layer of this plan.") from None
-        return k % self.depth
+        """The scratch slot of a target layer (`LayerSchedule.slot`)."""
+        return self._schedule.slot(layer)
 
     def scratch_slot(self, layer: int, rank: int) -> int | None:
         """The scratch slot `rank` reads `layer` from, or None where the layer is local to it."""
@@ -275,13 +223,9 @@ class KVPPPlan:
             return None
         return self.slot(layer)
 
-    def schedule(self) -> BroadcastSchedule:
-        """The order of the kvpp ops in every forward of this plan."""
-        return BroadcastSchedule(self.target_layers, self.depth)
-
-    def next_target(self, layer: int) -> int | None:
-        k = self.target_layers.index(layer)
-        return self.target_layers[k + 1] if k + 1 < len(self.target_layers) else None
+    def schedule(self) -> LayerSchedule:
+        """The order of the kvpp ops in every forward of this plan, and their slots."""
+        return self._schedule
 
     # --- sizes -----------------------------------------------------------------------------------
 

@@ -32,7 +32,7 @@ cache operand, which the ops read: the runtime runs the plan's schedule for the 
 (docs/graph-contract.md). Such a graph holds no op with a constant layer.
 Ranks that issued broadcasts in a different order would deadlock or exchange the wrong layers, so a
 run that is not a contiguous slice of the plan in plan order is a `LayerOrderError`. The order of the
-kvpp ops is the plan's `BroadcastSchedule` (``LayerTable.schedule()``), written nowhere else.
+kvpp ops is the plan's `LayerSchedule`, computed nowhere else.
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from kvpp_fx.cache.placement import ScheduleStep
 from kvpp_fx.ops import is_kvpp_op
-from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.schedule import LayerSchedule, ScheduleStep
 from kvpp_fx.passes.pass_config import NodeStamp, PassConfig, stamp
 from kvpp_fx.passes.registry import (
     LAYER_NAME_PATTERN,
@@ -77,7 +76,7 @@ class LayerOrderError(KVPPPassError):
 
 
 class UnknownGraphLayerError(KVPPPassError):
-    """The graph touches a layer that the layer table does not know."""
+    """The graph touches a layer that the schedule does not know."""
 
 
 class CacheOperandError(KVPPPassError):
@@ -137,21 +136,21 @@ def handle_placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder" and is_kvpp_handle(node_value(n))]
 
 
-def resolve_layer(node: torch.fx.Node, spec: AttentionOpSpec, table: LayerTable) -> tuple[int, str]:
+def resolve_layer(node: torch.fx.Node, spec: AttentionOpSpec, schedule: LayerSchedule) -> tuple[int, str]:
     """The layer of a registered op, refusing a layer that only an unguarded graph input names."""
     raw = get_arg(node, spec.layer_arg)
     if isinstance(raw, torch.fx.Node):
-        if not table.names:
+        if not schedule.names:
             raise UnguardedLayerError(
                 f"{node.format_node()} takes its layer from the graph input {raw.name!r}. Dynamo does not "
                 "guard that value, so a graph reused for another layer would use the wrong index; give the "
                 "backend a name->index map (names=...) or pass the layer as a constant.")
-        layer, name = layer_of(node, spec, table.names)
-        if name not in table.names:
+        layer, name = layer_of(node, spec, schedule.names)
+        if name not in schedule.names:
             raise UnguardedLayerError(f"{node.format_node()}: layer name {name!r} from the graph input "
                                       f"{raw.name!r} is not in the name->index map.")
         return layer, name
-    return layer_of(node, spec, table.names or None)
+    return layer_of(node, spec, schedule.names or None)
 
 
 @dataclass(frozen=True)
@@ -168,8 +167,8 @@ class ResolvedOp:
 def resolve_cache_ops(nodes: list[torch.fx.Node], config: PassConfig) -> list[ResolvedOp]:
     """Every registered op in graph order, draft layers included: the one layer resolution of a compile.
     A layer that is neither a target nor a draft is refused."""
-    table = config.table
-    known = set(table.target_layers) | set(table.draft_layers)
+    schedule = config.schedule
+    known = set(schedule.target_layers) | set(schedule.draft_layers)
     resolved = []
     for node in nodes:
         spec = config.matcher(node)
@@ -179,18 +178,18 @@ def resolve_cache_ops(nodes: list[torch.fx.Node], config: PassConfig) -> list[Re
         if source is not None:
             resolved.append(ResolvedOp(node, RUN_TIME_LAYER, source.name, spec, source))
             continue
-        layer, name = resolve_layer(node, spec, table)
+        layer, name = resolve_layer(node, spec, schedule)
         if layer not in known:
             raise UnknownGraphLayerError(
                 f"{node.format_node()} touches layer {layer} ({name}), which is neither a target nor a "
-                f"draft layer of the plan (targets {list(table.target_layers)}).")
+                f"draft layer of the plan (targets {list(schedule.target_layers)}).")
         resolved.append(ResolvedOp(node, layer, name, spec))
     return resolved
 
 
-def group_layers(resolved: list[ResolvedOp], table: LayerTable) -> list[LayerNodes]:
+def group_layers(resolved: list[ResolvedOp], schedule: LayerSchedule) -> list[LayerNodes]:
     """The target layers' ops grouped by layer, in order of each layer's first op."""
-    drafts = set(table.draft_layers)
+    drafts = set(schedule.draft_layers)
     groups: dict[int, list[ResolvedOp]] = {}
     for op in resolved:
         if op.layer not in drafts:
@@ -199,11 +198,11 @@ def group_layers(resolved: list[ResolvedOp], table: LayerTable) -> list[LayerNod
             for layer, ops in groups.items()]
 
 
-def check_layer_run(found: list[int], table: LayerTable, graph_breaks: bool) -> None:
+def check_layer_run(found: list[int], schedule: LayerSchedule, graph_breaks: bool) -> None:
     """`found` must be a contiguous slice of the plan's order; the whole plan unless graph breaks may have
     split the model. Across graphs, the runtime refuses a prefetch or wait out of plan order."""
-    plan = list(table.target_layers)
-    start = table.position(found[0])
+    plan = list(schedule.target_layers)
+    start = schedule.position(found[0])
     if found != plan[start:start + len(found)]:
         raise LayerOrderError(
             f"the graph's layers appear in the order {found}, but the plan's execution order is {plan}: "
@@ -220,7 +219,7 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, config: PassConfig, *, graph_break
     """Rewrite `gm`'s graph in place (see the module docstring); the caller regenerates ``gm.code``.
     `graph_breaks`: graph breaks may have split the model, so this graph may hold a run of the plan's
     layers, or none if nothing in it names a layer."""
-    table = config.table
+    schedule = config.schedule
     graph = gm.graph
     nodes = list(graph.nodes)
     resolved = resolve_cache_ops(nodes, config)
@@ -228,34 +227,33 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, config: PassConfig, *, graph_break
         _stamp_cache_ops(resolved)
         return InsertResult(changed=False, layers=())
     if any(op.source is not None for op in resolved):
-        return _insert_run_time_layer(graph, nodes, resolved, table)
-    layers = group_layers(resolved, table)
+        return _insert_run_time_layer(graph, nodes, resolved, schedule)
+    layers = group_layers(resolved, schedule)
     order = {node: i for i, node in enumerate(nodes)}
     operands = {group.layer: _cache_operands(group, order) for group in layers}
     _refuse_shared_caches(operands)
     _refuse_stray_readers(graph, layers, operands)
     if not layers:
-        mention = _layer_mention(graph, table) if table.target_layers else None
-        if table.target_layers and (not graph_breaks or mention is not None):
+        mention = _layer_mention(graph, schedule) if schedule.target_layers else None
+        if schedule.target_layers and (not graph_breaks or mention is not None):
             why = (f"{mention} names a target layer" if mention is not None else
                    "the graph is the whole compiled function (fullgraph)")
             raise NoGraphLayersError(
-                f"the plan has target layers {list(table.target_layers)} but no node of this graph is a "
+                f"the plan has target layers {list(schedule.target_layers)} but no node of this graph is a "
                 f"registered attention/cache op of one of them, and {why}; registered ops: "
                 f"{[s.op for s in config.specs]}. Give the backend the model's attention op "
                 "(kvpp_backend(..., specs=...), or register_attention_op for the default specs).")
         _stamp_cache_ops(resolved)
         return InsertResult(changed=False, layers=())
-    check_layer_run([group.layer for group in layers], table, graph_breaks)
+    check_layer_run([group.layer for group in layers], schedule, graph_breaks)
     _refuse_undeclared_tables(layers)
     _stamp_cache_ops(resolved)
 
-    schedule = table.schedule()
     names = {group.layer: group.name for group in layers}
     waits, prefetches = [], []
     contiguous: dict = {}
     first = layers[0]
-    if table.position(first.layer) == 0:
+    if schedule.position(first.layer) == 0:
         placeholders = [n for n in nodes if n.op == "placeholder"]
         if config.first_prefetch == "at_first_wait":
             where = graph.inserting_before(first.nodes[0])
@@ -297,10 +295,10 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, config: PassConfig, *, graph_break
 
 
 def _insert_run_time_layer(graph: torch.fx.Graph, nodes: list[torch.fx.Node], resolved: list[ResolvedOp],
-                           table: LayerTable) -> InsertResult:
+                           schedule: LayerSchedule) -> InsertResult:
     """One ``enter_layer`` for the graph's one run-time layer, and its ops rebound to its views."""
     sources = sorted({op.source.name for op in resolved if op.source is not None})
-    constant = sorted({op.layer for op in resolved if op.source is None and op.layer not in table.draft_layers})
+    constant = sorted({op.layer for op in resolved if op.source is None and op.layer not in schedule.draft_layers})
     if len(sources) > 1 or constant:
         held = f"layers {constant} as constants and " if constant else ""
         raise RunTimeLayerGraphError(
@@ -459,17 +457,17 @@ def _refuse_shared_caches(operands: dict[int, list[tuple[torch.fx.Node, str]]]) 
                     "give each layer its own cache tensor.")
 
 
-def _layer_mention(graph: torch.fx.Graph, table: LayerTable) -> str | None:
+def _layer_mention(graph: torch.fx.Graph, schedule: LayerSchedule) -> str | None:
     """A node of a graph without registered ops that names a target layer (a layer name as a constant
     argument or as an input's value), which means the graph reaches a layer through an unregistered op."""
-    targets = set(table.target_layers)
+    targets = set(schedule.target_layers)
 
     def names_target(value: object) -> bool:
         value = getattr(getattr(value, "real_obj", value), "value", value)
         if not isinstance(value, str):
             return False
-        if value in table.names:
-            return table.names[value] in targets
+        if value in schedule.names:
+            return schedule.names[value] in targets
         match = LAYER_NAME_PATTERN.search(value)
         return match is not None and int(match.group(1)) in targets
 

@@ -1,7 +1,7 @@
 """What every KVPP pass reads, fixed when a backend is built, and what the insert pass writes on nodes.
 
 Invariant: a compile's passes read their configuration from one frozen `PassConfig` (the plan's
-layer table, the attention/cache op specs, where the first prefetch goes), never from module state,
+layer schedule, the attention/cache op specs, where the first prefetch goes), never from module state,
 so equal configurations rewrite a graph alike and ``uuid()`` names that content (as vLLM names its
 passes for the compile cache). The insert pass resolves each registered op's layer once and writes
 it, with the spec it matched, as a `NodeStamp` in ``node.meta["kvpp"]``; the route and split passes
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.fx
 
-from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.schedule import LayerSchedule
 from kvpp_fx.passes.registry import AttentionOpSpec, OpMatcher, default_specs
 
 FIRST_PREFETCH = ("entry", "at_first_wait")
@@ -36,14 +36,14 @@ class PassConfig:
     order they were given in changes nothing (`OpMatcher`'s precedence does not depend on it either).
     """
 
-    table: LayerTable
+    schedule: LayerSchedule
     specs: tuple[AttentionOpSpec, ...]
     first_prefetch: str = "entry"
     matcher: OpMatcher = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.table, LayerTable):
-            raise TypeError(f"table must be a LayerTable, got {type(self.table).__name__}.")
+        if not isinstance(self.schedule, LayerSchedule):
+            raise TypeError(f"schedule must be a LayerSchedule, got {type(self.schedule).__name__}.")
         if self.first_prefetch not in FIRST_PREFETCH:
             raise ValueError(f"first_prefetch must be one of {FIRST_PREFETCH}, got {self.first_prefetch!r}.")
         specs = tuple(self.specs)
@@ -55,18 +55,18 @@ class PassConfig:
         object.__setattr__(self, "matcher", matcher)
 
     @classmethod
-    def build(cls, plan_or_layer_table: Any, *, specs: Iterable[AttentionOpSpec] | None = None,
+    def build(cls, plan_or_schedule: Any, *, specs: Iterable[AttentionOpSpec] | None = None,
               names: Mapping[str, int] | None = None, first_prefetch: str = "entry") -> PassConfig:
-        """From a `KVPPPlan` or a `LayerTable`; ``specs=None`` takes the default specs as they are now."""
-        table = LayerTable.coerce(plan_or_layer_table)
+        """From a `KVPPPlan` or a `LayerSchedule`; ``specs=None`` takes the default specs as they are now."""
+        schedule = LayerSchedule.coerce(plan_or_schedule)
         if names:
-            table = table.with_names(names)
-        return cls(table, tuple(default_specs() if specs is None else specs), first_prefetch)
+            schedule = schedule.with_names(names)
+        return cls(schedule, tuple(default_specs() if specs is None else specs), first_prefetch)
 
     def uuid(self) -> str:
         """A stable hash of the content (vLLM's ``InductorPass.hash_dict``): equal configurations have
-        equal uuids in every process; any change to the table, a spec or the first prefetch changes it."""
-        content = {"table": _plain(self.table), "specs": [_plain(spec) for spec in self.specs],
+        equal uuids in every process; any change to the schedule, a spec or the first prefetch changes it."""
+        content = {"schedule": _plain(self.schedule), "specs": [_plain(spec) for spec in self.specs],
                    "first_prefetch": self.first_prefetch}
         return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 

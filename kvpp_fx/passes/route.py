@@ -3,7 +3,8 @@
 Runs after the insert pass, and reads its stamps (each registered op's layer and spec): it resolves
 nothing again. When every registered cache op of every layer the graph awaits declares an
 owner rule (`HeadSeparable`, `OwnerLocal` or `RoutesItself` in its `AttentionOpSpec`), each node of the
-first two kinds gets as its target a `kvpp_fx.ops.RoutedOp` that carries the op, the layer and the
+first two kinds gets as its target a routed op (the runtime's `RoutedOp`, which the caller hands the
+pass) that carries the op, the layer and the
 resolved head operands, a `RoutesItself` node stays as it is (its implementation exchanges its own owner
 rows), and each wait gets ``routed=True``. Otherwise the graph is left as it is and serves broadcast mode only: the runtime
 refuses owner mode at its first wait (`OwnerModeUnsupportedError`), before any byte moves.
@@ -22,12 +23,14 @@ nothing per graph. Running the pass again changes nothing.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx
 
-from kvpp_fx.ops import RoutedOp, is_routed_op
+from kvpp_fx.ops import is_routed_op
 from kvpp_fx.passes.insert import WAIT, KVPPPassError, node_value
 from kvpp_fx.passes.pass_config import PassConfig, cache_op_stamp
 from kvpp_fx.passes.registry import (
@@ -100,8 +103,10 @@ def resolve_heads(node: torch.fx.Node, rule: HeadSeparable) -> tuple[tuple[int |
     return tuple(heads)
 
 
-def route_owner_ops(gm: torch.fx.GraphModule, config: PassConfig) -> RouteResult:
-    """Route `gm`'s graph in place (see the module docstring); the caller regenerates ``gm.code``."""
+def route_owner_ops(gm: torch.fx.GraphModule, config: PassConfig, routed_op: Callable[..., Any]) -> RouteResult:
+    """Route `gm`'s graph in place (see the module docstring); the caller regenerates ``gm.code``.
+    ``routed_op(op, layer, heads=(), output_dim=None, output_like=0, token_dims=None, rows=None)`` makes
+    the graph target of a routed op."""
     graph = gm.graph
     waits = {n.args[0]: n for n in graph.nodes if n.op == "call_function" and n.target == WAIT}
     if not waits:
@@ -120,7 +125,7 @@ def route_owner_ops(gm: torch.fx.GraphModule, config: PassConfig) -> RouteResult
         logger.info("kvpp route pass: graph left in broadcast-only form (%s)", reason)
         return RouteResult(False, reason)
 
-    routes: list[tuple[torch.fx.Node, RoutedOp]] = []
+    routes: list[tuple[torch.fx.Node, Any]] = []
     for layer, ops in layers.items():
         members = {node for node, _ in ops}
         head_positions = {node: _head_values(node, spec) for node, spec in ops}
@@ -136,10 +141,10 @@ def route_owner_ops(gm: torch.fx.GraphModule, config: PassConfig) -> RouteResult
                             + (" as a head operand" if user in members else
                                ", which is not a routed cache op of the same layer")
                             + ". Declare the op HeadSeparable, or keep its output inside the layer's cache ops.")
-                routes.append((node, RoutedOp(node.target, layer)))
+                routes.append((node, routed_op(node.target, layer)))
             else:
                 heads = resolve_heads(node, spec.owner)
-                routes.append((node, RoutedOp(node.target, layer, heads, spec.owner.output_dim,
+                routes.append((node, routed_op(node.target, layer, heads, spec.owner.output_dim,
                                               spec.owner.output_like,
                                               tuple(o.token_dim for o in spec.owner.operands), spec.owner.rows)))
     for node, routed in routes:
@@ -152,7 +157,7 @@ def route_owner_ops(gm: torch.fx.GraphModule, config: PassConfig) -> RouteResult
 def _stamped_layers(graph: torch.fx.Graph,
                     config: PassConfig) -> dict[int, list[tuple[torch.fx.Node, AttentionOpSpec]]]:
     """The target layers' registered ops, as the insert pass stamped them, in graph order."""
-    targets = set(config.table.target_layers)
+    targets = set(config.schedule.target_layers)
     layers: dict[int, list[tuple[torch.fx.Node, AttentionOpSpec]]] = {}
     for node in graph.nodes:
         found = cache_op_stamp(node)

@@ -49,10 +49,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from kvpp_fx.cache.placement import ScheduleStep
 from kvpp_fx.ops import is_routed_op
 from kvpp_fx.passes.insert import KVPPPassError, is_kvpp_handle
-from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.schedule import LayerSchedule, ScheduleStep
 from kvpp_fx.passes.pass_config import PassConfig
 from kvpp_fx.passes.registry import (
     AttentionOpSpec,
@@ -108,13 +107,11 @@ class GraphFacts:
     registered op found; the plain lists only those of the plan's target layers (the ``layers`` check
     reports the others)."""
 
-    table: LayerTable
+    schedule: LayerSchedule
     specs: tuple[AttentionOpSpec, ...]
     match: OpMatcher
     nodes: list[torch.fx.Node]
     position: dict[torch.fx.Node, int]
-    plan: list[int]
-    plan_pos: dict[int, int]
     drafts: set[int]
     unresolved: list[str]  # registered ops whose layer could not be read
     all_waits: list[torch.fx.Node]
@@ -133,11 +130,9 @@ class GraphFacts:
 
     @classmethod
     def read(cls, graph: torch.fx.Graph, config: PassConfig, pieces: Iterable = ()) -> GraphFacts:
-        table = config.table
+        schedule = config.schedule
         nodes = list(graph.nodes)
-        plan = list(table.target_layers)
-        plan_pos = {layer: k for k, layer in enumerate(plan)}
-        drafts = set(table.draft_layers)
+        drafts = set(schedule.draft_layers)
         unresolved: list[str] = []
         waits: list[torch.fx.Node] = []
         prefetches: list[torch.fx.Node] = []
@@ -164,24 +159,22 @@ class GraphFacts:
                 run_time_ops.append((RegisteredOp(node, spec, -1), source))
                 continue
             try:
-                layer = layer_of(node, spec, table.names or None)[0]
+                layer = layer_of(node, spec, schedule.names or None)[0]
             except LayerResolutionError as exc:
                 unresolved.append(str(exc))
                 continue
             if layer not in drafts:
                 registered.append(RegisteredOp(node, spec, layer))
-        targeted = [w for w in waits if w.args[0] in plan_pos]
-        targeted_prefetches = [p for p in prefetches if p.args[0] in plan_pos]
-        targeted_ops = [op for op in registered if op.layer in plan_pos]
-        held = sorted({op.layer for op in targeted_ops} | {w.args[0] for w in targeted}, key=plan_pos.__getitem__)
+        targeted = [w for w in waits if schedule.is_target(w.args[0])]
+        targeted_prefetches = [p for p in prefetches if schedule.is_target(p.args[0])]
+        targeted_ops = [op for op in registered if schedule.is_target(op.layer)]
+        held = sorted({op.layer for op in targeted_ops} | {w.args[0] for w in targeted}, key=schedule.position)
         wait_of: dict[int, torch.fx.Node] = {}
         for wait in targeted:
             wait_of.setdefault(wait.args[0], wait)
-        schedule = table.schedule()
-        expected = ((schedule.first(),) if held and plan_pos[held[0]] == 0 else ()) + \
-            tuple(step for layer in held for step in schedule.at_layer(layer))
-        return cls(table, config.specs, config.matcher, nodes, {node: i for i, node in enumerate(nodes)}, plan,
-                   plan_pos, drafts, unresolved, waits, prefetches, registered, kvpp_in_order, targeted,
+        expected = tuple(step for layer in held for step in schedule.entry(layer))
+        return cls(schedule, config.specs, config.matcher, nodes, {node: i for i, node in enumerate(nodes)},
+                   drafts, unresolved, waits, prefetches, registered, kvpp_in_order, targeted,
                    targeted_prefetches, targeted_ops, held, wait_of, expected, tuple(pieces), enters, run_time_ops)
 
 
@@ -191,14 +184,16 @@ def check_layers(g: GraphFacts) -> Iterator[str]:
         layer = node.args[0] if node.args else None
         if layer in g.drafts:
             yield f"{node.name} is a kvpp op for draft layer {layer}, which is never broadcast."
-        elif layer not in g.plan_pos:
-            yield f"{node.name} is a kvpp op for layer {layer!r}, which is not a target layer of the plan {g.plan}."
+        elif not g.schedule.is_target(layer):
+            yield (f"{node.name} is a kvpp op for layer {layer!r}, which is not a target layer of the plan "
+                   f"{list(g.schedule.target_layers)}.")
     for op in g.all_registered:
-        if op.layer not in g.plan_pos:
+        if not g.schedule.is_target(op.layer):
             yield f"{op.node.name} touches layer {op.layer}, which is neither a target nor a draft."
     held = g.held
-    if held and [g.plan_pos[l] for l in held] != list(range(g.plan_pos[held[0]], g.plan_pos[held[-1]] + 1)):
-        yield f"the graph holds layers {held}, not a contiguous run of the plan {g.plan}."
+    positions = [g.schedule.position(layer) for layer in held]
+    if held and positions != list(range(positions[0], positions[-1] + 1)):
+        yield f"the graph holds layers {held}, not a contiguous run of the plan {list(g.schedule.target_layers)}."
 
 
 def check_counts(g: GraphFacts) -> Iterator[str]:
@@ -217,16 +212,16 @@ def check_counts(g: GraphFacts) -> Iterator[str]:
 def check_slots(g: GraphFacts) -> Iterator[str]:
     for node in g.waits + g.prefetches:
         layer, slot = node.args[0], node.args[1]
-        if slot != g.table.slot(layer):
-            yield f"{node.name} uses slot {slot!r} for layer {layer}; the plan's slot is {g.table.slot(layer)}."
+        if slot != g.schedule.slot(layer):
+            yield f"{node.name} uses slot {slot!r} for layer {layer}; the plan's slot is {g.schedule.slot(layer)}."
 
 
 def check_outstanding(g: GraphFacts) -> Iterator[str]:
     """One prefetch in flight, and each wait completes it."""
-    pending = g.held[0] if g.held and g.plan_pos[g.held[0]] > 0 else None
+    pending = g.held[0] if g.held and g.schedule.position(g.held[0]) > 0 else None
     for kind, node in g.kvpp_in_order:
         layer = node.args[0]
-        if layer not in g.plan_pos:
+        if not g.schedule.is_target(layer):
             continue
         if kind == "prefetch":
             if pending is not None:
@@ -241,9 +236,9 @@ def check_outstanding(g: GraphFacts) -> Iterator[str]:
 
 def check_order(g: GraphFacts) -> Iterator[str]:
     for what, seq in (("prefetches", [p.args[0] for p in g.prefetches]), ("waits", [w.args[0] for w in g.waits])):
-        positions = [g.plan_pos[l] for l in seq]
+        positions = [g.schedule.position(l) for l in seq]
         if positions != sorted(positions):
-            yield f"the graph's {what} run over layers {seq}, not in the plan's order {g.plan}."
+            yield f"the graph's {what} run over layers {seq}, not in the plan's order {list(g.schedule.target_layers)}."
 
 
 def check_slot_reuse(g: GraphFacts) -> Iterator[str]:
@@ -259,9 +254,9 @@ def check_slot_reuse(g: GraphFacts) -> Iterator[str]:
     last_read = {layer: max((g.position[n] for n in ns), default=-1) for layer, ns in readers.items()}
     for prefetch in g.prefetches:
         layer = prefetch.args[0]
-        slot = g.table.slot(layer)
+        slot = g.schedule.slot(layer)
         for earlier in g.held:
-            if g.plan_pos[earlier] < g.plan_pos[layer] and g.table.slot(earlier) == slot \
+            if g.schedule.position(earlier) < g.schedule.position(layer) and g.schedule.slot(earlier) == slot \
                     and last_read[earlier] > g.position[prefetch]:
                 late = sorted({n.name for n in readers[earlier] if g.position[n] > g.position[prefetch]})
                 yield (f"{prefetch.name} refills slot {slot} for layer {layer} before the last reader of layer "
@@ -272,7 +267,7 @@ def check_components(g: GraphFacts) -> Iterator[str]:
     declared = {operand.component for spec in g.specs for operand in spec.cache_operands}
     for wait in g.waits:
         layer, caches, components = wait.args[0], wait.args[2], wait.args[3]
-        valid = g.table.components.get(layer, declared) if g.table.components else declared
+        valid = g.schedule.components.get(layer, declared) if g.schedule.components else declared
         if len(caches) != len(components):
             yield f"{wait.name} has {len(caches)} caches but {len(components)} names."
         bad = [c for c in components if c not in valid]

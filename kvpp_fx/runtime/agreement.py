@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import array
 import enum
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from kvpp_fx.cache.cost import HYBRID
 from kvpp_fx.runtime.collectives import Collectives
 from kvpp_fx.runtime.device import DeviceAPI
 from kvpp_fx.runtime.errors import BlockSetMismatchError
@@ -48,6 +50,29 @@ class AgreementKey:
 
     def values(self) -> tuple[int, int, int, int, int]:
         return int(self.path), self.block_count, self.block_digest, self.query_tokens, self.row_paths
+
+    @classmethod
+    def of(cls, path: Any, active: Any) -> AgreementKey:
+        """The key of a forward's chosen path (`path.ChosenPath`) and its packed blocks (None: whole layers
+        or nothing)."""
+        query_tokens = path.load.query_tokens if path.load is not None else -1
+        rows = _paths_digest(path.rows.modes) if path.rows is not None else 0
+        if path.owner:
+            return cls(ForwardPath.OWNER, query_tokens=query_tokens, row_paths=rows)
+        if path.mode == HYBRID:
+            if not path.has_history or active is None:  # no block, or whole layers
+                return cls(ForwardPath.HYBRID, -1 if path.has_history else 0, 0, query_tokens, rows)
+            return cls(ForwardPath.HYBRID, active.count, active.digest, query_tokens, rows)
+        if not path.has_history:
+            return cls(ForwardPath.NO_HISTORY, query_tokens=query_tokens)
+        if active is None:
+            return cls(ForwardPath.WHOLE_LAYERS, query_tokens=query_tokens, row_paths=rows)
+        return cls(ForwardPath.ACTIVE_BLOCKS, active.count, active.digest, query_tokens, rows)
+
+
+def _paths_digest(modes: tuple[str, ...]) -> int:
+    """The requests' paths as one int64 for the agreement: which request went where, and how many."""
+    return int.from_bytes(hashlib.blake2b(repr(modes).encode(), digest_size=8).digest(), "little") >> 2
 
 
 _FIELD_NAMES = ("history and path (0 none, 1 whole layers, 2 active blocks, 3 owner mode, 4 hybrid)",

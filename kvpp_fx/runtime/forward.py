@@ -33,85 +33,46 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from kvpp_fx.cache.cost import (
-    BROADCAST,
-    OWNER,
-    BroadcastCost,
-    RequestRows,
-    RowChoice,
-    StepLoad,
-    choose_mode,
-    choose_rows,
-)
-from kvpp_fx.runtime.active_blocks import PackedBlocks, Shape, block_ids
-from kvpp_fx.runtime.agreement import AgreementKey, ForwardPath
+from kvpp_fx.cache.cost import BROADCAST, OWNER, RowChoice, StepLoad
+from kvpp_fx.config import Mode
+from kvpp_fx.runtime.active_blocks import PackedBlocks
+from kvpp_fx.runtime.agreement import AgreementKey
 from kvpp_fx.runtime.errors import (
     BlockSetMismatchError,
-    InvalidBlocksError,
     OwnerModeUnsupportedError,
     OwnerRoutingError,
     SkippedLayerError,
     TransferFailedError,
 )
 from kvpp_fx.runtime.owner_exchange import HeadRule, OwnerExchange
-from kvpp_fx.runtime.protocol import ProtocolState
-
-if TYPE_CHECKING:
-    from kvpp_fx.runtime.runtime import KVPPRuntime
-
-AUTO = "auto"
-HYBRID = "hybrid"
-
-
-@dataclass(frozen=True)
-class LayerRoute:
-    """One target layer as the ops of every forward need it, computed once per runtime."""
-
-    layer: int
-    position: int  # in the plan's order
-    slot: int
-    owned: bool
-    src: int  # the owner's global rank
-    view: torch.Tensor  # this rank's bytes of the layer: persistent on the owner, its scratch slot elsewhere
-    nbytes: int  # of a whole-layer broadcast
-    block_views: tuple[torch.Tensor, ...]  # per component, [blocks, bytes per block], over `view`
-    shape: Shape
-    pack_views: tuple[torch.Tensor, ...] = ()  # the owner: per component, [S, bytes per block] of its own slot
+from kvpp_fx.runtime.parts import ForwardParts, LayerRoute
+from kvpp_fx.runtime.path import ChosenPath, PathFacts, Step, choose_path
+from kvpp_fx.runtime.protocol import ProtocolState, locate, refuse
+from kvpp_fx.schedule import WAIT
 
 
 class Forward:
-    def __init__(self, runtime: KVPPRuntime, has_history: bool, blocks: Any, mode: str,
-                 load: StepLoad | None, requests: tuple[RequestRows, ...] | None = None,
-                 written: Any = None) -> None:
-        self.runtime = runtime
-        self.routes = runtime.routes
-        self.transport = runtime.transport
-        self.health = runtime.health
-        self.stats = runtime.counters
-        self.timeline = runtime.timeline
-        self.overlap = runtime.overlap
-        self.immediate_checks = runtime.api.immediate_checks
-        self.protocol = ProtocolState(runtime.order)
-        self.has_history = bool(has_history) and self.transport is not None
-        self.blocks = blocks
-        self.written = written
-        self.mode = mode
-        self.load = load
-        self.requests = requests
-        self.rows: RowChoice | None = None  # each request's path, when the forward names its requests
-        self.choice: dict[str, Any] | None = None
-        self.owner = False
-        self.broadcasts = False  # whether each prefetch issues a broadcast
+    def __init__(self, parts: ForwardParts, step: Step, facts: PathFacts) -> None:
+        self.parts = parts
+        self.schedule = parts.schedule
+        self.routes = parts.routes
+        self.transport = parts.transport
+        self.health = parts.health
+        self.stats = parts.stats
+        self.timeline = parts.timeline
+        self.overlap = parts.overlap
+        self.immediate_checks = parts.api.immediate_checks
+        self.protocol = ProtocolState(parts.schedule)
+        self.step = step
+        self.facts = facts
+        self.path: ChosenPath | None = None
         self.active: PackedBlocks | None = None
         self.exchange: OwnerExchange | None = None
         self.issued = 0  # broadcasts started
@@ -122,154 +83,46 @@ class Forward:
         self._arrived: Callable[[], None] | None = None
         self._issued_ns = 0
 
+    # the chosen path, as the runtime and the tests read it
+    @property
+    def mode(self) -> Mode:
+        return self.path.mode if self.path is not None else self.step.mode
+
+    @property
+    def owner(self) -> bool:
+        return self.path is not None and self.path.owner
+
+    @property
+    def rows(self) -> RowChoice | None:
+        return self.path.rows if self.path is not None else None
+
+    @property
+    def load(self) -> StepLoad | None:
+        return self.path.load if self.path is not None else self.step.load
+
+    @property
+    def has_history(self) -> bool:
+        return self.path.has_history if self.path is not None else self.step.has_history
+
     # --- begin: choose the path, prepare, agree ----------------------------------------------------
 
     def begin(self) -> None:
         """Everything this forward moves is decided, prepared and agreed on here, before any byte moves."""
-        if self.requests is not None:
-            self._choose_rows()
-        self._choose_mode()
-        self._prepare_packed()
-        if self.runtime.agreement is not None:
-            self.runtime.agreement.agree(self._agreement_key())
+        path = self.path = choose_path(self.step, self.facts)
+        parts = self.parts
+        if path.exchanges:
+            local_heads = parts.attention.split(parts.group_size) if parts.attention is not None else None
+            self.exchange = OwnerExchange(parts.api, self.transport.collectives, parts.group, parts.group_size,
+                                          local_heads, path.load.query_tokens, self.stats, self.timeline)
+        if path.pack:
+            self.active = PackedBlocks.prepare(path.blocks if path.has_history else (), path.written, parts.storage,
+                                               parts.api)
+        if parts.agreement is not None:
+            parts.agreement.agree(AgreementKey.of(path, self.active))
         rows = None
-        if self.rows is not None:
-            rows = {path: self.rows.rows(path, self.requests) for path in (BROADCAST, OWNER)}
-        self.stats.begin_forward(self.has_history, self.mode, self.choice, rows)
-
-    def _choose_rows(self) -> None:
-        """``requests=``: each request's path by `choose_rows`; the broadcast moves only the broadcast
-        requests' blocks, and the owner rows are the forward's load."""
-        runtime, requests = self.runtime, self.requests
-        mode = self.mode
-        if self.transport is None:
-            mode = BROADCAST  # a group of one: nothing moves in either mode
-        elif mode != BROADCAST and runtime.attention is None:
-            raise OwnerModeUnsupportedError(
-                f'mode="{mode}" with requests= needs an attention shape (KVPPRuntime.create(attention=...)).')
-        why = ""
-        if mode == AUTO and runtime.layers_not_known_routed():
-            mode, why = BROADCAST, f"layers {runtime.layers_not_known_routed()} are not known to be routed"
-        attention = runtime.attention
-        if attention is None or not self.routes:
-            blocks = sorted({b for r in requests for b in r.blocks})
-            self.rows = RowChoice((BROADCAST,) * len(requests), 0, 0, tuple(blocks), 0, 0,
-                                  broadcast_written=tuple(sorted({b for r in requests for b in r.written}
-                                                                 - set(blocks))))
-        else:
-            self.rows = choose_rows(attention, requests, mode, self._broadcast_cost(), runtime.plan.group_size,
-                                    runtime.link)
-        rows = self.rows
-        self.choice = {"modes": list(rows.modes), "broadcast_bytes": rows.broadcast_bytes,
-                       "owner_bytes": rows.owner_bytes, "why": rows.why or why}
-        self.blocks = list(rows.broadcast_blocks)
-        self.written = list(rows.broadcast_written)
-        self.has_history = self.has_history and bool(rows.broadcast_blocks)
-        if OWNER not in rows.modes:
-            self.mode = BROADCAST
-        else:
-            self.load = StepLoad(rows.owner_tokens, rows.owner_pairs)
-            self.mode = OWNER if BROADCAST not in rows.modes else HYBRID
-
-    def _broadcast_cost(self) -> BroadcastCost:
-        """What the first layer's broadcast of n blocks moves: the blocks, or the whole layer past the
-        limit `_prepare_packed` applies (`KVPPPlan.uses_active_blocks`, monotone in n); with compact
-        slots, the bound on the blocks the broadcast rows touch."""
-        runtime, first = self.runtime, self.routes[0]
-        plan, num_blocks = runtime.plan, runtime.storage.num_blocks
-        limit = num_blocks if plan.compact else int(runtime.crossover * num_blocks)
-        # Rows that do not fit go to their owners only where every layer is known to route them; elsewhere
-        # the packed list refuses the step (ScratchOverflowError) before anything moves.
-        routable = runtime.attention is not None and not runtime.layers_not_known_routed()
-        return BroadcastCost(plan.active_broadcast_bytes(first.layer, 1), limit, first.nbytes,
-                             runtime.storage.slot_blocks if plan.compact and routable else None)
-
-    def _prepare_packed(self) -> None:
-        """Packed blocks or whole layers; invalid ids, and a list wider than a compact slot, raise here,
-        on every rank, before the agreement. Compact slots always pack (a whole layer does not fit),
-        owner forwards never (nothing moves, no non-owner reads a slot)."""
-        runtime = self.runtime
-        plan = runtime.plan
-        if self.transport is None or self.owner or not self.routes:
-            return
-        if plan.compact:
-            if self.has_history and self.blocks is None:
-                raise InvalidBlocksError(
-                    "compact scratch slots hold only the blocks a step lists: a forward with history must "
-                    "pass blocks= (and written=), or requests=.")
-            self.active = PackedBlocks.prepare(self.blocks if self.has_history else (), self.written,
-                                               runtime.storage, runtime.api)
-        elif self.has_history and self.blocks is not None:
-            count = len(block_ids(self.blocks, "blocks", runtime.storage.num_blocks))  # validated on every path
-            if plan.uses_active_blocks(count, runtime.storage.num_blocks, runtime.crossover):
-                self.active = PackedBlocks.prepare(self.blocks, self.written, runtime.storage, runtime.api)
-
-    def _choose_mode(self) -> None:
-        """Broadcast or owner mode (``"auto"``: the cost model's choice, which weighs the blocks' bytes)."""
-        runtime = self.runtime
-        if self.transport is None:
-            self.mode = BROADCAST  # a group of one: every cache is local, nothing moves in either mode
-        elif self.mode == AUTO and self.rows is None:
-            self.choice = self._choose()
-            self.mode = self.choice["mode"]
-        self.owner = self.mode == OWNER
-        if self.mode in (OWNER, HYBRID):
-            self._check_owner_mode_can_run()
-            local_heads = runtime.attention.split(runtime.plan.group_size) if runtime.attention is not None else None
-            self.exchange = OwnerExchange(runtime.api, self.transport.collectives, runtime.group,
-                                          runtime.plan.group_size, local_heads, self.load.query_tokens, self.stats,
-                                          self.timeline)
-        self.broadcasts = self.has_history and not self.owner
-
-    def _choose(self) -> dict[str, Any]:
-        """``mode="auto"``: the cost model's choice for this step, and both sides of the comparison."""
-        runtime, load = self.runtime, self.load
-        if runtime.attention is None or load is None:
-            missing = "an attention shape (KVPPRuntime.create(attention=...))" if runtime.attention is None \
-                else "the step's load (forward(..., load=StepLoad(...)))"
-            raise OwnerModeUnsupportedError(f'mode="auto" needs {missing} to compare the two modes.')
-        unknown = runtime.layers_not_known_routed()
-        if unknown:
-            return {"mode": BROADCAST, "why": f"layers {unknown} are not known to be routed for owner mode"}
-        broadcast = 0
-        if self.has_history:
-            first, plan, num_blocks = self.routes[0], runtime.plan, runtime.storage.num_blocks
-            count = (len(block_ids(self.blocks, "blocks", num_blocks)) if self.blocks is not None
-                     else None)
-            broadcast = (plan.active_broadcast_bytes(first.layer, count)
-                         if count is not None and plan.uses_active_blocks(count, num_blocks, runtime.crossover)
-                         else first.nbytes)
-        return dataclasses.asdict(choose_mode(runtime.attention, load, broadcast, runtime.plan.group_size,
-                                              runtime.link))
-
-    def _check_owner_mode_can_run(self) -> None:
-        unrouted = self.runtime.unrouted_layers()
-        if unrouted:
-            raise OwnerModeUnsupportedError(
-                f"owner mode was asked, but the compiled graph of layers {unrouted} is not routed for it (one "
-                "of its cache ops declares no owner rule in its AttentionOpSpec); nothing was moved. "
-                'Use mode="broadcast" or "auto", or declare the ops and recompile.')
-        if self.load is None:
-            raise OwnerModeUnsupportedError(
-                "owner mode needs the step's load (forward(..., load=StepLoad(query_tokens, attention_pairs))): "
-                "every rank gathers that many query tokens, and the ranks agree on it first.")
-
-    def _agreement_key(self) -> AgreementKey:
-        query_tokens = self.load.query_tokens if self.load is not None else -1
-        rows = _paths_digest(self.rows.modes) if self.rows is not None else 0
-        if self.owner:
-            return AgreementKey(ForwardPath.OWNER, query_tokens=query_tokens, row_paths=rows)
-        if self.mode == HYBRID:
-            active = self.active
-            if not self.has_history or active is None:  # no block, or whole layers
-                return AgreementKey(ForwardPath.HYBRID, -1 if self.has_history else 0, 0, query_tokens, rows)
-            return AgreementKey(ForwardPath.HYBRID, active.count, active.digest, query_tokens, rows)
-        if not self.has_history:
-            return AgreementKey(ForwardPath.NO_HISTORY, query_tokens=query_tokens)
-        active = self.active
-        if active is None:
-            return AgreementKey(ForwardPath.WHOLE_LAYERS, query_tokens=query_tokens, row_paths=rows)
-        return AgreementKey(ForwardPath.ACTIVE_BLOCKS, active.count, active.digest, query_tokens, rows)
+        if path.rows is not None:
+            rows = {mode: path.rows.rows(mode, self.step.requests) for mode in (BROADCAST, OWNER)}
+        self.stats.begin_forward(path.has_history, path.mode, path.choice, rows)
 
     # --- per layer: prefetch, wait ------------------------------------------------------------------
 
@@ -277,20 +130,20 @@ class Forward:
         timeline = self.timeline
         start = time.perf_counter_ns() if timeline is not None else 0
         position = self.protocol.prefetch(layer, slot)
-        if self.broadcasts:
+        if self.path.broadcasts:
             self.issued += 1  # counted first: a failure while issuing may have left a peer's half pending
             self._issue(self.routes[position])
             if not self.overlap:
                 self._complete()
         if timeline is not None:
             timeline.add(f"prefetch L{layer}", "prefetch", start, time.perf_counter_ns(), layer=layer, slot=slot,
-                         communicate=self.has_history)
+                         communicate=self.path.has_history)
 
     def wait(self, layer: int, slot: int, routed: bool) -> torch.Tensor:
         timeline = self.timeline
         start = time.perf_counter_ns() if timeline is not None else 0
         if self.exchange is not None and not routed:
-            self.runtime.order.locate(layer, slot)  # an unknown layer or a wrong slot is named first
+            locate(self.schedule, layer, slot)  # an unknown layer or a wrong slot is named first
             raise self._failed(OwnerModeUnsupportedError(
                 f"a forward with owner rows reached layer {layer}, whose cache ops the graph does not route "
                 "for owner mode (an op "
@@ -305,6 +158,25 @@ class Forward:
             timeline.add(f"wait L{layer}", "wait", start, time.perf_counter_ns(), layer=layer)
         return self.routes[position].view
 
+    def enter_layer(self, layer: int, routed: bool) -> bool:
+        """The schedule's entry for `layer` (`LayerSchedule.entry`), less the forward's first prefetch when a
+        graph issued it; False for a local draft layer, which has nothing to wait for."""
+        schedule, protocol = self.schedule, self.protocol
+        position = schedule.position_or_none(layer)
+        if position is None:
+            if layer in schedule.draft_layers:
+                return False
+            refuse(schedule, layer, -1)
+        steps = schedule.entry(layer)
+        if position == 0 and not (protocol.next_position == 0 and protocol.in_flight is None):
+            steps = steps[1:]
+        for step in steps:
+            if step.kind == WAIT:
+                self.wait(step.layer, step.slot, routed)
+            else:
+                self.prefetch(step.layer, step.slot)
+        return True
+
     def _issue(self, route: LayerRoute) -> None:
         active, transport = self.active, self.transport
         arrived = None
@@ -314,9 +186,9 @@ class Forward:
         elif active.count == 0:  # the step reads no block with history: nothing to move
             return
         else:
-            ids, payload = active.payloads(self.runtime.storage, route.slot, route.layer)
+            ids, payload = active.payloads(self.parts.storage, route.slot, route.layer)
             if route.owned:
-                pack = functools.partial(active.pack, self.runtime.api, route.block_views, route.pack_views, ids)
+                pack = functools.partial(active.pack, self.parts.api, route.block_views, route.pack_views, ids)
                 work = transport.issue(route.layer, route.slot, payload, route.src, pack)
             else:
                 work = transport.issue(route.layer, route.slot, payload, route.src)
@@ -347,14 +219,14 @@ class Forward:
                request_rows: bool = True, unlisted_in_range: bool = False) -> list[torch.Tensor]:
         if len(tables) != len(kinds):
             raise ValueError(f"layer {layer}: {len(tables)} tables but {len(kinds)} table kinds.")
-        position = self.runtime.order.positions.get(layer)
+        position = self.schedule.position_or_none(layer)
         if position is None:
-            self.runtime.order.refuse(layer, -1)
+            refuse(self.schedule, layer, -1)
         route = self.routes[position]
         active = self.active
         if active is None or route.owned:
             return tables
-        api = self.runtime.api
+        api = self.parts.api
         owner_rows = (tuple(k for k, mode in enumerate(self.rows.modes) if mode == OWNER)
                       if self.rows is not None and request_rows else ())
         return [active.remap(api, table, kind, owner_rows, unlisted_in_range) for table, kind in zip(tables, kinds)]
@@ -388,7 +260,7 @@ class Forward:
             raise OwnerRoutingError(
                 f"a routed cache op of layer {layer} ran outside its turn (the last awaited layer is "
                 f"{self.protocol.last_awaited}); it must follow kvpp.wait of its own layer.")
-        return self.routes[self.runtime.order.positions[layer]]
+        return self.routes[self.schedule.position(layer)]
 
     # --- end --------------------------------------------------------------------------------------
 
@@ -459,8 +331,3 @@ class Forward:
         return self.health.broken_by(BlockSetMismatchError(
             f"the block ids received {where} are not this forward's set: the broadcast paired with another "
             "forward's or another rank's; this rank's view of the group can no longer be trusted."))
-
-
-def _paths_digest(modes: tuple[str, ...]) -> int:
-    """The requests' paths as one int64 for the agreement: which request went where, and how many."""
-    return int.from_bytes(hashlib.blake2b(repr(modes).encode(), digest_size=8).digest(), "little") >> 2

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,13 +31,14 @@ from kvpp_fx.runtime.stats import TransferStats
 from kvpp_fx.runtime.timeline import Timeline
 
 
-class HeadRule(Protocol):
-    """How a head-separable op declares its heads (`kvpp_fx.ops.RoutedOp` is one)."""
+@dataclass(frozen=True)
+class HeadRule:
+    """How a head-separable op's call splits by head: what owner mode gathers and scatters."""
 
     heads: tuple[tuple[Any, int], ...]  # (where the operand is in the call, its head dimension)
     token_dims: tuple[int, ...]  # each head operand's query-token dimension
     output_dim: int  # the output's head dimension
-    output_like: int  # the head operand whose shape and dtype the output has
+    output_like: int = 0  # the head operand whose shape and dtype the output has
 
 
 class OwnerExchange:

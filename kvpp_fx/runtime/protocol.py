@@ -1,4 +1,5 @@
-"""The order of the kvpp ops within one forward, as a state machine over plan data only (no torch).
+"""The order of the kvpp ops within one forward, as a state machine over the plan's `LayerSchedule`
+(no torch).
 
 Every rank checks the same rules on the same data, so every rank raises the same named error at the
 same op (`kvpp_fx.runtime.errors`):
@@ -15,8 +16,6 @@ same op (`kvpp_fx.runtime.errors`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from kvpp_fx.runtime.errors import (
     PrefetchOrderError,
     PrefetchPendingError,
@@ -26,46 +25,36 @@ from kvpp_fx.runtime.errors import (
     UnknownLayerError,
     WaitMismatchError,
 )
+from kvpp_fx.schedule import LayerSchedule
 
 
-@dataclass(frozen=True)
-class LayerOrder:
-    """The plan's target layers in execution order, their slots (``position % depth``) and the drafts."""
+def locate(schedule: LayerSchedule, layer: int, slot: int) -> int:
+    """The layer's position in the schedule, checked against the slot the graph names."""
+    position = schedule.position_or_none(layer)
+    if position is None or slot != schedule.slot_at(position):
+        refuse(schedule, layer, slot)
+    return position
 
-    targets: tuple[int, ...]
-    depth: int
-    drafts: tuple[int, ...] = ()
-    positions: dict[int, int] = field(init=False, repr=False, compare=False)  # read only
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "positions", {layer: k for k, layer in enumerate(self.targets)})
-
-    def locate(self, layer: int, slot: int) -> int:
-        """The layer's position in the order, checked against the slot the graph names."""
-        position = self.positions.get(layer)
-        if position is None or slot != position % self.depth:
-            self.refuse(layer, slot)
-        return position
-
-    def refuse(self, layer: int, slot: int) -> None:
-        """Raise the error for a layer that is not a target, or a slot that is not the layer's."""
-        position = self.positions.get(layer)
-        if position is None:
-            kind = "a local draft layer" if layer in self.drafts else "not a target layer"
-            raise UnknownLayerError(f"layer {layer} is not a broadcast layer of this plan ({kind}; "
-                                    f"targets: {list(self.targets)}).")
-        raise SlotMismatchError(f"layer {layer} uses slot {position % self.depth}, the graph asked "
-                                f"for slot {slot}.")
+def refuse(schedule: LayerSchedule, layer: int, slot: int) -> None:
+    """Raise the error for a layer that is not a target, or a slot that is not the layer's."""
+    position = schedule.position_or_none(layer)
+    if position is None:
+        kind = "a local draft layer" if layer in schedule.draft_layers else "not a target layer"
+        raise UnknownLayerError(f"layer {layer} is not a broadcast layer of this plan ({kind}; "
+                                f"targets: {list(schedule.target_layers)}).")
+    raise SlotMismatchError(f"layer {layer} uses slot {schedule.slot_at(position)}, the graph asked "
+                            f"for slot {slot}.")
 
 
 class ProtocolState:
     """Where one forward stands: the only layer the next prefetch may name, the layer in flight, the
     last awaited layer (whose slot its attention still reads)."""
 
-    __slots__ = ("order", "next_position", "in_flight", "in_flight_slot", "last_awaited", "last_slot")
+    __slots__ = ("schedule", "next_position", "in_flight", "in_flight_slot", "last_awaited", "last_slot")
 
-    def __init__(self, order: LayerOrder) -> None:
-        self.order = order
+    def __init__(self, schedule: LayerSchedule) -> None:
+        self.schedule = schedule
         self.next_position = 0
         self.in_flight: int | None = None
         self.in_flight_slot = -1
@@ -82,13 +71,10 @@ class ProtocolState:
         if self.last_awaited is not None and self.last_slot == slot:
             raise SlotBusyError(f"prefetch of layer {layer} into slot {slot}, which layer {self.last_awaited}'s "
                                 "attention is still reading.")
-        order = self.order
-        position = order.positions.get(layer)  # `LayerOrder.locate`, inline: this runs once per layer
-        if position is None or slot != position % order.depth:
-            order.refuse(layer, slot)
+        position = locate(self.schedule, layer, slot)
         expected = self.next_position
         if position != expected:
-            targets = self.order.targets
+            targets = self.schedule.target_layers
             if position > expected:
                 raise SkippedLayerError(
                     f"prefetch of layer {layer} skips layers {list(targets[expected:position])}; "
@@ -101,10 +87,7 @@ class ProtocolState:
 
     def wait(self, layer: int, slot: int) -> int:
         """Check a wait and take the layer out of flight; returns its position."""
-        order = self.order
-        position = order.positions.get(layer)  # `LayerOrder.locate`, inline: this runs once per layer
-        if position is None or slot != position % order.depth:
-            order.refuse(layer, slot)
+        position = locate(self.schedule, layer, slot)
         if self.in_flight != layer:
             expected = "nothing is pending" if self.in_flight is None else f"layer {self.in_flight} is pending"
             raise WaitMismatchError(f"wait for layer {layer}, but {expected}.")
@@ -120,4 +103,4 @@ class ProtocolState:
 
     def unawaited(self) -> list[int]:
         """The target layers this forward has not awaited (empty once the forward is complete)."""
-        return list(self.order.targets[self.next_position:])
+        return list(self.schedule.target_layers[self.next_position:])

@@ -1,32 +1,21 @@
 """`KVPPRuntime`: the object users hold. It owns every cache byte of its rank and serves the ops.
 
-Per forward (``with runtime.forward(has_history): ...``) the graph calls, for the target layers in plan
-order: ``prefetch(first)``, then ``wait(L)`` followed by ``prefetch(next)`` (`KVPPPlan.schedule`).
-``prefetch`` issues the layer's broadcast on the calling thread and returns at once; ``wait`` makes the
-compute stream wait for it and returns the view attention must read: persistent on the owner, the
-layer's scratch slot elsewhere. A broadcast-mode forward without history moves no bytes.
+Per forward (``with runtime.forward(has_history): ...``) the graph calls the plan's `LayerSchedule`:
+``prefetch(first)``, then ``wait(L)`` and ``prefetch(next)`` per target layer. ``prefetch`` issues the
+layer's broadcast on the calling thread and returns at once; ``wait`` makes the compute stream wait for
+it and returns the view attention must read: persistent on the owner, the layer's scratch slot
+elsewhere. A broadcast-mode forward without history moves no bytes. Owner mode (``mode="owner"``):
+routed head-separable ops run on each layer's owner over every rank's heads (`owner_compute`), the
+owner-local ops (the writes) on the owner only. ``mode="auto"`` picks per forward with the cost model,
+and owner mode only for layers known to be routed (`note_routing`); with ``requests=`` each request
+takes its own path, and a forward with both is hybrid (`request_paths`, `owner_tokens`).
 
-Owner mode (``forward(..., mode="owner", load=...)``): no broadcast is issued; each routed
-head-separable op gathers every rank's query heads to the layer's owner, runs there over all heads
-against the persistent cache, and scatters each rank its part of the output (`owner_compute`);
-owner-local ops (the writes) run on the owner only. ``mode="auto"`` picks per forward with the cost
-model (`kvpp_fx.cache.cost`), and owner mode only for layers known to be routed (`note_routing`).
-A forward given ``requests=`` picks per request instead: a hybrid forward broadcasts the blocks of its
-broadcast requests and exchanges the rows of its owner requests, layer by layer (`request_paths`,
-`owner_tokens`).
-
-The runtime is a facade over its parts, each in its own module:
-
-    Forward           one forward, its methods in the order of the work (forward.py)
-    ProtocolState     the order of the ops, from plan data only (protocol.py)
-    Agreement         one all-reduce per forward: every rank moves the same thing (agreement.py)
-    PackedBlocks      the blocks a step's broadcast rows touch, packed per layer, and the remapped
-                      tables attention reads them through (active_blocks.py)
-    OwnerExchange     owner mode's gather, owner compute and scatter (owner_exchange.py)
-    BroadcastTransport  the transfer stream, per-slot events, issue and complete (transport.py)
-    collectives       completion of any collective within the timeout (collectives.py)
-    Health            broken state and its first cause (health.py)
-    DeviceAPI         streams, events, collectives; the tests' faults subclass it (device.py)
+The runtime is a facade over its parts, each in its own module: `Forward` (one forward, its methods in
+the order of the work) and its path choice (`path.choose_path`), `ProtocolState` (the order of the ops),
+`Agreement` (one all-reduce per forward), `PackedBlocks` (the blocks a step's broadcast rows touch, and
+the remapped tables), `OwnerExchange` (owner mode's gather, compute and scatter), `BroadcastTransport`
+(the transfer stream), `Health` (broken state) and `DeviceAPI` (streams, events, collectives; the
+tests' faults subclass it).
 
 Invariants:
 - Every rank issues its collectives from the forward's thread in plan order, interleaved with its
@@ -39,7 +28,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -49,10 +37,11 @@ import torch
 import torch.distributed as dist
 
 from kvpp_fx.cache.allocate import CacheStorage
-from kvpp_fx.cache.cost import BROADCAST, MODES, AttentionShape, LinkModel, RequestRows, StepLoad
+from kvpp_fx.cache.cost import BROADCAST, HYBRID, AttentionShape, LinkModel, RequestRows, StepLoad
 from kvpp_fx.cache.placement import DEFAULT_CROSSOVER_FRACTION, KVPPPlan
 from kvpp_fx.runtime.agreement import Agreement
 from kvpp_fx.runtime.collectives import Collectives
+from kvpp_fx.runtime.current import CURRENT, active_runtime, current_runtime
 from kvpp_fx.runtime.device import DeviceAPI
 from kvpp_fx.runtime.errors import (
     KVPPRuntimeClosed,
@@ -60,10 +49,11 @@ from kvpp_fx.runtime.errors import (
     NoActiveForwardError,
     UnsupportedPlanError,
 )
-from kvpp_fx.runtime.forward import HYBRID, Forward, LayerRoute
+from kvpp_fx.runtime.forward import Forward
+from kvpp_fx.runtime.parts import ForwardParts, Routing, layer_route
+from kvpp_fx.runtime.path import PathFacts, step_of
 from kvpp_fx.runtime.health import Health
 from kvpp_fx.runtime.owner_exchange import HeadRule
-from kvpp_fx.runtime.protocol import LayerOrder
 from kvpp_fx.runtime.stats import TransferStats
 from kvpp_fx.runtime.timeline import Timeline
 from kvpp_fx.runtime.transport import BroadcastTransport
@@ -71,21 +61,7 @@ from kvpp_fx.topology import group_timeout
 
 logger = logging.getLogger(__name__)
 
-_CURRENT: contextvars.ContextVar[KVPPRuntime | None] = contextvars.ContextVar("kvpp_runtime", default=None)
-
-
-def active_runtime() -> KVPPRuntime | None:
-    """The runtime of the enclosing ``runtime.forward(...)``, or None outside one."""
-    return _CURRENT.get()
-
-
-def current_runtime() -> KVPPRuntime:
-    runtime = _CURRENT.get()
-    if runtime is None:
-        raise NoActiveForwardError(
-            "kvpp.prefetch/kvpp.wait ran outside `with runtime.forward(has_history):`.")
-    return runtime
-
+__all__ = ["KVPPRuntime", "active_runtime", "current_runtime"]
 
 class KVPPRuntime:
     def __init__(self, plan: KVPPPlan, storage: CacheStorage, group: Any, rank: int, device_api: DeviceAPI,
@@ -103,10 +79,9 @@ class KVPPRuntime:
         self.crossover = crossover
         self.attention = attention
         self.link = link or LinkModel()
-        self.order = LayerOrder(plan.target_layers, plan.depth, plan.local_draft_layers)
         self.schedule = plan.schedule()
-        self._entry = {layer: self.schedule.at_layer(layer) for layer in plan.target_layers}  # per layer, once
-        self.routes = tuple(self._route(layer, k) for k, layer in enumerate(plan.target_layers))
+        self.routes = tuple(layer_route(plan, storage, group, rank, layer, k)
+                            for k, layer in enumerate(plan.target_layers))
         self.health = health
         self.agreement = None
         if transport is not None:
@@ -114,21 +89,11 @@ class KVPPRuntime:
                                        agreement_group if agreement_group is not None else group,
                                        agreement_group is not None, storage.device)
         self.counters = TransferStats(plan.target_layers)
-        self._routed: dict[int, bool] = {}  # what the engine reported for each layer's compiled graph
+        self.parts = ForwardParts(self.schedule, self.routes, storage, device_api, transport, self.agreement, health,
+                                  self.counters, timeline, overlap, group, plan.group_size, attention)
+        self.routing = Routing(plan.target_layers)  # what the engine reported for each layer's compiled graph
         self._forward: Forward | None = None
         self._closed = False
-
-    def _route(self, layer: int, position: int) -> LayerRoute:
-        storage, plan = self.storage, self.plan
-        view = storage.byte_view(layer)
-        block_views = tuple(storage.block_views(layer))
-        slot, owned = plan.slot(layer), plan.owners[layer] == self.rank
-        # The owner packs into its own slot for the layer, which it never reads for a layer it owns.
-        pack_views = tuple(storage.slot_block_views(slot, layer)) if owned and storage.scratch else ()
-        src = dist.get_global_rank(self.group, plan.owners[layer]) if self.group is not None else 0
-        nbytes = storage.num_blocks * plan.bundle_bytes_per_block(layer)  # a whole layer
-        return LayerRoute(layer, position, slot, owned, src, view, nbytes, block_views,
-                          tuple(v.shape[1] for v in block_views), pack_views)
 
     @classmethod
     def create(cls, plan: KVPPPlan, storage: CacheStorage, group: Any = None, *,
@@ -204,19 +169,14 @@ class KVPPRuntime:
     def note_routing(self, layers: Sequence[int], routed: bool) -> None:
         """A graph holding `layers` was compiled, routed for owner mode or not (an unreported layer
         counts as unknown: ``"auto"`` broadcasts until every layer is known to be routed)."""
-        for layer in layers:
-            self._routed[layer] = routed
-
-    def routing(self) -> dict[int, bool]:
-        """Each layer's reported routing: True (owner mode possible), False (broadcast only)."""
-        return dict(self._routed)
+        self.routing.note(layers, routed)
 
     def unrouted_layers(self) -> list[int]:
         """Layers whose compiled graph is known not to be routed: owner mode is refused up front."""
-        return [layer for layer in self.plan.target_layers if self._routed.get(layer) is False]
+        return self.routing.unrouted()
 
     def layers_not_known_routed(self) -> list[int]:
-        return [layer for layer in self.plan.target_layers if not self._routed.get(layer, False)]
+        return self.routing.not_known_routed()
 
     # --- the forward --------------------------------------------------------------------------------
 
@@ -284,19 +244,12 @@ class KVPPRuntime:
         self.health.check()
         if self._forward is not None:
             raise NestedForwardError("runtime.forward() is already open.")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-        if requests is not None:
-            if blocks is not None or load is not None or written is not None:
-                raise ValueError("runtime.forward(requests=...) derives the blocks and the load from the "
-                                 "requests; pass none of blocks, written and load.")
-            requests = tuple(requests)
-            if not all(isinstance(r, RequestRows) for r in requests):
-                raise ValueError("requests must be RequestRows.")
-        forward = Forward(self, has_history, blocks, mode, load, requests, written)
+        facts = PathFacts.of(self.plan, self.storage, self.routes, self.routing, alone=self.transport is None,
+                             attention=self.attention, link=self.link, crossover=self.crossover)
+        forward = Forward(self.parts, step_of(has_history, blocks, written, mode, load, requests), facts)
         forward.begin()
         self._forward = forward
-        token = _CURRENT.set(self)
+        token = CURRENT.set(self)
         try:
             yield self
         except BaseException as exc:
@@ -307,11 +260,11 @@ class KVPPRuntime:
             self._forward = None
             forward.end(None)
         finally:
-            _CURRENT.reset(token)
+            CURRENT.reset(token)
 
     def _current(self) -> Forward:
         forward = self._forward
-        if forward is None or _CURRENT.get() is not self:
+        if forward is None or CURRENT.get() is not self:
             raise NoActiveForwardError("kvpp ops ran outside `with runtime.forward(has_history):`.")
         if self.health.cause is not None:
             self.health.check()
@@ -344,21 +297,7 @@ class KVPPRuntime:
         next layer's prefetch, each checked as the graph's own ops would be. False for a local draft
         layer, which has nothing to wait for. ``routed``: the layer's ops send their owner rows through
         `owner_compute` themselves (a hook below the graph, as vLLM's MLA layers have)."""
-        forward = self._current()
-        steps = self._entry.get(layer)
-        if steps is None:
-            if layer in self.order.drafts:
-                return False
-            self.order.refuse(layer, -1)
-        protocol = forward.protocol
-        if protocol.next_position == 0 and protocol.in_flight is None and layer == self.plan.target_layers[0]:
-            forward.prefetch(layer, self.schedule.first().slot)
-        for step in steps:
-            if step.kind == "wait":
-                forward.wait(step.layer, step.slot, routed)
-            else:
-                forward.prefetch(step.layer, step.slot)
-        return True
+        return self._current().enter_layer(layer, routed)
 
     def runs_owner_ops(self, layer: int) -> bool:
         """In owner mode: whether this rank runs `layer`'s owner-local ops (it owns the layer)."""

@@ -100,11 +100,11 @@ def test_depth_three_and_depth_validation():
 
 
 def test_layer_table_refuses_depth_one():
-    from kvpp_fx.passes.layer_table import LayerTable
+    from kvpp_fx.schedule import LayerSchedule
 
     with pytest.raises(ValueError, match="at least 2"):
-        LayerTable((0, 1, 2), depth=1)
-    assert LayerTable((0, 1, 2), depth=2).slot(2) == 0
+        LayerSchedule((0, 1, 2), depth=1)
+    assert LayerSchedule((0, 1, 2), depth=2).slot(2) == 0
 
 
 def test_budget_at_its_exact_edges():
@@ -259,14 +259,23 @@ def test_rank_outside_group_is_named():
 
 
 def test_the_schedule_every_forward_follows():
-    from kvpp_fx.cache.placement import BroadcastSchedule, ScheduleStep
+    from kvpp_fx.schedule import LayerSchedule, ScheduleStep
 
-    schedule = BroadcastSchedule((4, 7, 9), depth=2)
+    schedule = LayerSchedule((4, 7, 9), draft_layers=(10,), depth=2)
     steps = [(s.kind, s.layer, s.slot) for s in schedule.steps()]
     assert steps == [("prefetch", 4, 0), ("wait", 4, 0), ("prefetch", 7, 1), ("wait", 7, 1), ("prefetch", 9, 0),
                      ("wait", 9, 0)]
     assert schedule.at_layer(9) == (ScheduleStep("wait", 9, 0),)  # nothing after the last layer
-    assert BroadcastSchedule((), 2).steps() == () and BroadcastSchedule((), 2).first() is None
+    assert LayerSchedule(()).steps() == () and LayerSchedule(()).first() is None
+    # A layer's entry: the first layer's prefetch before the first layer's own steps, nothing more elsewhere.
+    assert schedule.entry(4) == (ScheduleStep("prefetch", 4, 0), *schedule.at_layer(4))
+    assert schedule.entry(7) == schedule.at_layer(7)
+    assert [schedule.next(layer) for layer in (4, 7, 9)] == [7, 9, None]
+    assert [schedule.slot(layer) for layer in (4, 7, 9)] == [0, 1, 0]
+    for draft in (10, 5):  # drafts (and unknown layers) have no position, slot or ops
+        assert not schedule.is_target(draft)
+        with pytest.raises(KeyError, match=f"layer {draft} is not a target layer"):
+            schedule.slot(draft)
 
     class Recorder:
         def __init__(self):

@@ -534,7 +534,9 @@ def test_modes_1_and_2_compile_through_the_kvpp_backend(backend, inner):
 def test_the_compile_digest_covers_the_passes(tmp_path):
     import shutil
 
-    from kvpp_fx.integrations.vllm.compile_modes import PACKAGE_ROOT, compile_digest, digest_of
+    from kvpp_fx.integrations.vllm.compile_modes import compile_digest
+    from kvpp_fx.passes.sources import PACKAGE_ROOT
+    from kvpp_fx.passes.sources import source_uuid as digest_of
 
     copy = tmp_path / "kvpp_fx"
     shutil.copytree(PACKAGE_ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
@@ -613,7 +615,7 @@ def test_under_breakable_cuda_graphs_the_waits_rerun_on_every_replay():
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
 
     from kvpp_fx.integrations.vllm import attention
-    from kvpp_fx.ops import passthrough
+    from kvpp_fx.runtime.graph_ops import passthrough
     from kvpp_fx.runtime.errors import SkippedLayerError
     from kvpp_fx.runtime.runtime import KVPPRuntime
     from tests.passes import toy

@@ -26,6 +26,8 @@ from kvpp_fx.config import MSG_DCP, MSG_GRAPH_MODE, MSG_SPEC_METHOD, MSG_SPEC_TO
 from kvpp_fx.integrations.vllm.compile_modes import KVPP_BACKEND, MSG_BACKEND, TORCH_BACKENDS, compile_digest
 from tests.integrations.tiny_model import NUM_LAYERS, make_tiny_deepseek
 
+pytestmark = pytest.mark.vllm
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR")
 CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"

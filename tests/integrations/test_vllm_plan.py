@@ -5,7 +5,7 @@ import torch
 
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.cache.spec import ComponentSpec
-from kvpp_fx.integrations.vllm.compilation import KVPPCompileError, graph_layers, layer_table_for
+from kvpp_fx.integrations.vllm.compilation import KVPPCompileError, graph_layers, schedule_for
 from kvpp_fx.integrations.vllm.state import (
     KVPPHookError,
     hooked_worker_qualname,
@@ -26,19 +26,19 @@ def names(*layers):
 
 def test_target_graph_uses_the_whole_plan():
     plan = plan_with_mtp()
-    table = layer_table_for(names(0, 1, 2, 3), plan, names(0, 1, 2, 3, 4))
+    table = schedule_for(names(0, 1, 2, 3), plan, names(0, 1, 2, 3, 4))
     assert table.target_layers == (0, 1, 2, 3) and table.draft_layers == (4,)
     assert [table.slot(i) for i in range(4)] == [0, 1, 0, 1]
     assert dict(table.names) == names(0, 1, 2, 3, 4)
 
 
 def test_drafter_graph_gets_no_kvpp_ops():
-    table = layer_table_for(names(4), plan_with_mtp(), names(0, 1, 2, 3, 4))
+    table = schedule_for(names(4), plan_with_mtp(), names(0, 1, 2, 3, 4))
     assert table.target_layers == () and table.draft_layers == (4,)
 
 
 def test_kvpp_off_graph_gets_no_kvpp_ops():
-    table = layer_table_for(names(0, 1), None)
+    table = schedule_for(names(0, 1), None)
     assert table.target_layers == () and table.draft_layers == (0, 1)
     assert dict(table.names) == names(0, 1)
 
@@ -70,7 +70,7 @@ def test_graph_layers_match_as_the_passes_do():
 
 def test_a_graph_layer_outside_the_plan_is_refused():
     with pytest.raises(KVPPCompileError, match=r"layers \[7\]"):
-        layer_table_for(names(0, 7), plan_with_mtp())
+        schedule_for(names(0, 7), plan_with_mtp())
 
 
 def test_worker_class_names_round_trip():
@@ -87,7 +87,7 @@ def test_eager_attention_outside_a_forward_raises_unless_passing_through():
 
     from kvpp_fx.integrations.vllm.state import EngineState
     from kvpp_fx.integrations.vllm.attention import waiting_class
-    from kvpp_fx.ops import passthrough
+    from kvpp_fx.runtime.graph_ops import passthrough
     from kvpp_fx.runtime.errors import NoActiveForwardError
 
     class Attention(torch.nn.Module):

@@ -319,7 +319,7 @@ def split(_: str = "") -> dict:
     from kvpp_fx.backend import kvpp_backend
     from kvpp_fx.integrations.vllm.compile_modes import KVPP_SPLITTING_OPS
     from kvpp_fx.ops import is_kvpp_op
-    from kvpp_fx.passes.layer_table import LayerTable
+    from kvpp_fx.schedule import LayerSchedule
     from kvpp_fx.runtime.runtime import KVPPRuntime
     from tests.passes import toy
     from tests.support.specs import TOY_SPECS
@@ -331,7 +331,7 @@ def split(_: str = "") -> dict:
     ops = ["toy_vllm::unified_attention", *KVPP_SPLITTING_OPS]
     out = {"splitting_ops": ops}
     for first_prefetch in ("at_first_wait", "entry"):
-        backend = kvpp_backend(LayerTable(target_layers=(0, 1, 2, 3)), mode="eager", first_prefetch=first_prefetch,
+        backend = kvpp_backend(LayerSchedule(target_layers=(0, 1, 2, 3)), mode="eager", first_prefetch=first_prefetch,
                                specs=TOY_SPECS)
         graphs = []
 

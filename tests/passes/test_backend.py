@@ -11,7 +11,7 @@ import torch.distributed as dist
 from kvpp_fx.backend import KVPPBackendError, PlanChangedError, TorchairNotInstalledError, kvpp_backend
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.passes.insert import StrayCacheReadError
-from kvpp_fx.passes.registry import AttentionOpSpec, register_attention_op, unregister_attention_op
+from kvpp_fx.passes.registry import register_attention_op, unregister_attention_op
 from kvpp_fx.runtime.runtime import KVPPRuntime
 from tests.passes import toy
 from tests.support.launch import kvpp_group, launch

@@ -5,7 +5,7 @@ import torch
 
 from kvpp_fx.backend import kvpp_backend
 from kvpp_fx.passes.render import normalize_code
-from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.schedule import LayerSchedule
 from kvpp_fx.runtime.runtime import KVPPRuntime
 from tests.passes import toy
 from tests.support.specs import TOY_SPECS
@@ -192,7 +192,7 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
 
     def test_vllm_style_layer_name(self):
         names = {f"model.layers.{i}.self_attn.attn": i for i in range(4)}
-        table = LayerTable(target_layers=(0, 1, 2, 3), names=names)
+        table = LayerSchedule(target_layers=(0, 1, 2, 3), names=names)
         backend = kvpp_backend(table, mode="eager", specs=TOY_SPECS)
         plan = toy.toy_plan(4)
         storage = toy.allocate(plan)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpp_fx.ops import RoutedOp, is_kvpp_op
+from kvpp_fx.ops import is_kvpp_op
+from kvpp_fx.runtime.graph_ops import RoutedOp
 from kvpp_fx.passes.insert import (
     CacheOperandError,
     LayerOrderError,
@@ -22,7 +23,7 @@ from kvpp_fx.passes.insert import (
     insert_kvpp_ops,
     node_value,
 )
-from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.schedule import LayerSchedule
 from kvpp_fx.passes.pass_config import PassConfig, cache_op_stamp, stamp_of
 from kvpp_fx.passes.registry import (
     AttentionOpSpec,
@@ -46,7 +47,7 @@ from tests.passes import toy
 from tests.support.capture import capture_graph
 from tests.support.specs import TOY_SPECS, pass_config
 
-TABLE = LayerTable(target_layers=(0, 1, 2, 3), components={i: {"kv"} for i in range(4)})
+TABLE = LayerSchedule(target_layers=(0, 1, 2, 3), components={i: {"kv"} for i in range(4)})
 CONFIG = pass_config(TABLE)
 
 
@@ -74,7 +75,7 @@ def node_named(gm, name):
 
 def rewritten(config=CONFIG, **kwargs):
     gm = capture(**kwargs)
-    insert_kvpp_ops(gm, config, graph_breaks=len(config.table.target_layers) != 4)
+    insert_kvpp_ops(gm, config, graph_breaks=len(config.schedule.target_layers) != 4)
     return gm
 
 
@@ -127,18 +128,18 @@ def test_original_cache_values_feed_only_the_waits():
 def test_out_of_order_layers_raise_and_mention_graph_breaks():
     with pytest.raises(LayerOrderError, match=r"order \[0, 1, 2, 3\], but the plan's execution order is "
                                               r"\[1, 0, 2, 3\].*graph breaks"):
-        insert_kvpp_ops(capture(), pass_config(LayerTable(target_layers=(1, 0, 2, 3))))
+        insert_kvpp_ops(capture(), pass_config(LayerSchedule(target_layers=(1, 0, 2, 3))))
     with pytest.raises(LayerOrderError, match="graph breaks"):  # not contiguous in the plan
-        insert_kvpp_ops(capture(), pass_config(LayerTable(target_layers=(0, 1, 9, 2, 3))), graph_breaks=True)
+        insert_kvpp_ops(capture(), pass_config(LayerSchedule(target_layers=(0, 1, 9, 2, 3))), graph_breaks=True)
 
 
 def test_part_of_the_plan_needs_a_graph_break():
     with pytest.raises(LayerOrderError, match="whole compiled function"):
-        insert_kvpp_ops(capture(), pass_config(LayerTable(target_layers=(0, 1, 2, 3, 4))))
+        insert_kvpp_ops(capture(), pass_config(LayerSchedule(target_layers=(0, 1, 2, 3, 4))))
 
 
 def test_a_run_that_ends_before_the_plan_prefetches_the_next_layer():
-    config = pass_config(LayerTable(target_layers=(0, 1, 2, 3, 4)))
+    config = pass_config(LayerSchedule(target_layers=(0, 1, 2, 3, 4)))
     gm = rewritten(config)
     assert [n.args[:2] for n in kvpp_nodes(gm, "prefetch")] == [(0, 0), (1, 1), (2, 0), (3, 1), (4, 0)]
     last_wait = kvpp_nodes(gm, "wait")[-1]
@@ -148,7 +149,7 @@ def test_a_run_that_ends_before_the_plan_prefetches_the_next_layer():
 
 
 def test_a_run_that_starts_after_the_plan_does_not_prefetch_its_first_layer():
-    config = pass_config(LayerTable(target_layers=(7, 0, 1, 2, 3)))  # layer 7 ran in an earlier graph
+    config = pass_config(LayerSchedule(target_layers=(7, 0, 1, 2, 3)))  # layer 7 ran in an earlier graph
     gm = rewritten(config)
     assert [n.args[:2] for n in kvpp_nodes(gm, "prefetch")] == [(1, 0), (2, 1), (3, 0)]
     assert [n.args[:2] for n in kvpp_nodes(gm, "wait")] == [(0, 1), (1, 0), (2, 1), (3, 0)]
@@ -159,7 +160,7 @@ def test_unknown_layer_raises_and_leaves_graph_untouched():
     gm = capture()
     code = code_of(gm)
     with pytest.raises(UnknownGraphLayerError, match="touches layer 3"):
-        insert_kvpp_ops(gm, pass_config(LayerTable(target_layers=(0, 1, 2))))
+        insert_kvpp_ops(gm, pass_config(LayerSchedule(target_layers=(0, 1, 2))))
     assert code_of(gm) == code
 
 
@@ -214,7 +215,7 @@ def test_an_unregistered_attention_op_is_never_a_silent_no_op():
     with pytest.raises(NoGraphLayersError, match=r"registered ops: \[.*'kvpp_ref::mla_attention'"):
         insert_kvpp_ops(gm, CONFIG)
     assert not insert_kvpp_ops(gm, CONFIG, graph_breaks=True).changed  # a graph break may leave a graph empty
-    assert not insert_kvpp_ops(gm, pass_config(LayerTable(target_layers=()))).changed  # KVPP off
+    assert not insert_kvpp_ops(gm, pass_config(LayerSchedule(target_layers=()))).changed  # KVPP off
 
 
 def test_a_layer_taken_from_an_unguarded_input_needs_a_name_table():
@@ -232,11 +233,11 @@ def test_a_layer_taken_from_an_unguarded_input_needs_a_name_table():
         return torch.fx.GraphModule(torch.nn.Module(), graph)
 
     with pytest.raises(UnguardedLayerError, match="'layer_name'.*does not guard"):
-        insert_kvpp_ops(graph_with_input_layer(), pass_config(LayerTable(target_layers=(0,))))
+        insert_kvpp_ops(graph_with_input_layer(), pass_config(LayerSchedule(target_layers=(0,))))
     with pytest.raises(UnguardedLayerError, match="not in the name->index map"):
-        insert_kvpp_ops(graph_with_input_layer(), pass_config(LayerTable(target_layers=(0,), names={"other": 0})))
+        insert_kvpp_ops(graph_with_input_layer(), pass_config(LayerSchedule(target_layers=(0,), names={"other": 0})))
     gm = graph_with_input_layer()
-    config = pass_config(LayerTable(target_layers=(0,), names={"model.layers.0.self_attn.attn": 0}))
+    config = pass_config(LayerSchedule(target_layers=(0,), names={"model.layers.0.self_attn.attn": 0}))
     assert insert_kvpp_ops(gm, config).layers == (0,)
     verify_graph(gm, config)
 
@@ -253,7 +254,7 @@ def _set_layer(node, layer, table):
 
 
 def mutate_drop_final_prefetch():
-    config = pass_config(LayerTable(target_layers=(0, 1, 2, 3, 4)))
+    config = pass_config(LayerSchedule(target_layers=(0, 1, 2, 3, 4)))
     gm = rewritten(config)
     gm.graph.erase_node(kvpp_nodes(gm, "prefetch")[-1])
     return gm, config
@@ -293,16 +294,16 @@ def mutate_prefetch_after_its_wait():
 
 
 def mutate_layers_run_out_of_plan_order():
-    config = pass_config(LayerTable(target_layers=(0, 1, 2, 3), depth=4))  # a slot per layer: none is reused
+    config = pass_config(LayerSchedule(target_layers=(0, 1, 2, 3), depth=4))  # a slot per layer: none is reused
     gm = rewritten(config)
     swap = {2: 3, 3: 2}
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
         if is_kvpp_op(node.target) and node.args[0] in swap:
-            _set_layer(node, swap[node.args[0]], config.table)
+            _set_layer(node, swap[node.args[0]], config.schedule)
         elif config.matcher(node) is not None and node.args[-1] in swap:
-            _set_layer(node, swap[node.args[-1]], config.table)
+            _set_layer(node, swap[node.args[-1]], config.schedule)
     return gm, config
 
 
@@ -324,7 +325,7 @@ def mutate_prefetch_for_an_unknown_layer():
 
 
 def mutate_wait_for_a_draft_layer():
-    config = pass_config(LayerTable(target_layers=(0, 1, 2, 3), draft_layers=(4,), components=TABLE.components))
+    config = pass_config(LayerSchedule(target_layers=(0, 1, 2, 3), draft_layers=(4,), components=TABLE.components))
     gm = rewritten(config)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     with gm.graph.inserting_before(output):
@@ -385,7 +386,7 @@ def mutate_extra_reader_of_an_original_cache():
 
 def routed_graph():
     gm = rewritten()
-    assert route_owner_ops(gm, CONFIG).routed
+    assert route_owner_ops(gm, CONFIG, RoutedOp).routed
     return gm
 
 
@@ -546,12 +547,12 @@ def test_op_and_default_overload_specs_resolve_to_one_spec_everywhere(order):
     gm = rewritten(config)
     writes = [n for n in gm.graph.nodes if n.name.startswith("write_kv")]
     assert len(writes) == 4 and all(cache_op_stamp(n).spec is WRITE_KV_AS_DEFAULT for n in writes)  # insert
-    assert route_owner_ops(gm, config).routed  # route read the owner-local spec from the stamps
+    assert route_owner_ops(gm, config, RoutedOp).routed  # route read the owner-local spec from the stamps
     verify_graph(gm, config)  # the verifier, matching on its own, found the same spec
     # Controls: with the op's spec alone the graph is not routed, and a verifier that took that spec for
     # the routed graph rejects it: a disagreement between the passes and the verifier cannot pass.
     only_op = pass_config(TABLE, specs=specs_with(WRITE_KV_AS_OP))
-    assert not route_owner_ops(rewritten(only_op), only_op).routed
+    assert not route_owner_ops(rewritten(only_op), only_op, RoutedOp).routed
     with pytest.raises(KVPPGraphVerificationError, match="declares no owner rule") as err:
         verify_graph(gm, only_op)
     assert err.value.checks == {"routing"}
@@ -575,7 +576,7 @@ def test_route_refuses_to_route_ops_the_insert_pass_did_not_stamp():
     for node in gm.graph.nodes:
         if cache_op_stamp(node) is not None and cache_op_stamp(node).layer == 2:
             del node.meta["kvpp"]
-    result = route_owner_ops(gm, CONFIG)
+    result = route_owner_ops(gm, CONFIG, RoutedOp)
     assert not result.routed and "layers [2]" in result.reason
     assert not any(isinstance(n.target, RoutedOp) for n in gm.graph.nodes)
 
@@ -593,7 +594,7 @@ def test_pass_config_uuid_names_its_content():
     assert pass_config(TABLE).uuid() == pass_config(TABLE, specs=tuple(reversed(TOY_SPECS))).uuid()
     variants = [pass_config(TABLE, specs=specs_with(WRITE_KV_AS_OP)),
                 pass_config(TABLE, first_prefetch="at_first_wait"),
-                pass_config(LayerTable(target_layers=(0, 1, 2, 3), depth=3, components=TABLE.components)),
+                pass_config(LayerSchedule(target_layers=(0, 1, 2, 3), depth=3, components=TABLE.components)),
                 pass_config(TABLE.with_names({"model.layers.0.self_attn.attn": 0}))]
     uuids = [CONFIG.uuid()] + [v.uuid() for v in variants]
     assert len(set(uuids)) == len(uuids)

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from kvpp_fx.ops import RoutedOp, is_routed_op
+from kvpp_fx.ops import is_routed_op
+from kvpp_fx.runtime.graph_ops import RoutedOp
 from kvpp_fx.runtime.runtime import KVPPRuntime
 from kvpp_fx.passes.pass_config import PassConfig
 from kvpp_fx.passes.registry import AttentionOpSpec, HeadOperand, HeadSeparable, OwnerLocal
@@ -36,7 +37,7 @@ def registered_nodes(gm):
 
 def test_every_cache_op_is_routed_with_its_declared_rule():
     gm = rewritten()
-    assert route_owner_ops(gm, CONFIG).routed
+    assert route_owner_ops(gm, CONFIG, RoutedOp).routed
     verify_graph(gm, CONFIG, split_pieces(gm).pieces)
     assert all(w.kwargs["routed"] is True for w in kvpp_nodes(gm, "wait"))
     for node in registered_nodes(gm):
@@ -51,10 +52,10 @@ def test_every_cache_op_is_routed_with_its_declared_rule():
 
 def test_routing_twice_changes_nothing():
     gm = rewritten()
-    route_owner_ops(gm, CONFIG)
+    route_owner_ops(gm, CONFIG, RoutedOp)
     code = code_of(gm)
     assert "routed_heads" in code
-    assert route_owner_ops(gm, CONFIG).routed
+    assert route_owner_ops(gm, CONFIG, RoutedOp).routed
     assert code_of(gm) == code
 
 
@@ -62,7 +63,7 @@ def test_a_graph_with_an_undeclared_cache_op_stays_broadcast_only():
     config = declared(ATTENTION, None)
     gm = rewritten(config)
     code = code_of(gm)
-    result = route_owner_ops(gm, config)
+    result = route_owner_ops(gm, config, RoutedOp)
     assert not result.routed and ATTENTION in result.reason
     assert code_of(gm) == code and not any(w.kwargs.get("routed") for w in kvpp_nodes(gm, "wait"))
     verify_graph(gm, config)
@@ -73,7 +74,7 @@ def test_an_owner_local_output_read_outside_the_layer_is_refused_and_nothing_cha
     gm = rewritten(config)
     code = code_of(gm)
     with pytest.raises(OwnerLocalOutputError, match="flatten"):
-        route_owner_ops(gm, config)
+        route_owner_ops(gm, config, RoutedOp)
     assert code_of(gm) == code and not any(is_routed_op(n.target) for n in gm.graph.nodes)
 
 
@@ -82,7 +83,7 @@ def test_head_operands_that_disagree_on_the_head_count_are_refused():
     config = declared(ATTENTION, HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 2)),
                                                output_dim=1))
     with pytest.raises(HeadOperandError, match=r"disagree on the number of heads \(\[2, 4\]\)"):
-        route_owner_ops(rewritten(config), config)
+        route_owner_ops(rewritten(config), config, RoutedOp)
 
 
 def test_an_output_that_is_not_shaped_like_its_declared_operand_is_refused():
@@ -90,11 +91,11 @@ def test_an_output_that_is_not_shaped_like_its_declared_operand_is_refused():
     config = declared(ATTENTION, HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 1)),
                                                output_dim=1, output_like=1))
     with pytest.raises(HeadOperandError, match="shaped like head operand 1"):
-        route_owner_ops(rewritten(config), config)
+        route_owner_ops(rewritten(config), config, RoutedOp)
     config = declared(ATTENTION, HeadSeparable((HeadOperand(("q_latent", 0), 1), HeadOperand(("q_pe", 1), 1)),
                                                output_dim=0))
     with pytest.raises(HeadOperandError, match="head dimension 0 is not that of head operand 0"):
-        route_owner_ops(rewritten(config), config)
+        route_owner_ops(rewritten(config), config, RoutedOp)
 
 
 def test_declarations_are_validated():
@@ -117,7 +118,7 @@ def test_declarations_are_validated():
 
 def test_routed_ops_land_in_eager_pieces():
     gm = rewritten()
-    route_owner_ops(gm, CONFIG)
+    route_owner_ops(gm, CONFIG, RoutedOp)
     placed = []
     for piece in split_pieces(gm).pieces:
         routed = [n for n in piece.graph_module.graph.nodes if is_routed_op(n.target)]

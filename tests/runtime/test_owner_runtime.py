@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import kvpp_fx.reference.ops  # noqa: F401  (defines the kvpp_ref ops)
 from kvpp_fx.cache.cost import AttentionShape, StepLoad
-from kvpp_fx.ops import RoutedOp
+from kvpp_fx.runtime.graph_ops import RoutedOp
 from kvpp_fx.runtime import errors as E
 from tests.support.launch import fresh_group, launch
 from tests.support.specs import TOY_WIDTH

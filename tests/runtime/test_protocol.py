@@ -5,11 +5,11 @@ import sys
 
 import pytest
 
-from kvpp_fx.cache.placement import BroadcastSchedule
 from kvpp_fx.runtime import errors as E
-from kvpp_fx.runtime.protocol import LayerOrder, ProtocolState
+from kvpp_fx.runtime.protocol import ProtocolState
+from kvpp_fx.schedule import LayerSchedule
 
-ORDER = LayerOrder(targets=(0, 1, 2, 3), depth=2, drafts=(4,))
+ORDER = LayerSchedule(target_layers=(0, 1, 2, 3), draft_layers=(4,), depth=2)
 
 
 def run(state: ProtocolState, steps) -> None:
@@ -20,15 +20,15 @@ def run(state: ProtocolState, steps) -> None:
             state.wait(layer, slot)
 
 
-def schedule_steps(order: LayerOrder):
-    return [(s.kind, s.layer, s.slot) for s in BroadcastSchedule(order.targets, order.depth).steps()]
+def schedule_steps(schedule: LayerSchedule):
+    return [(s.kind, s.layer, s.slot) for s in schedule.steps()]
 
 
 @pytest.mark.parametrize("targets,depth", [((0, 1, 2, 3), 2), ((3, 5, 9), 3), ((7,), 2)])
 def test_the_plans_schedule_is_accepted_and_completes(targets, depth):
-    order = LayerOrder(targets, depth)
-    state = ProtocolState(order)
-    run(state, schedule_steps(order))
+    schedule = LayerSchedule(targets, depth=depth)
+    state = ProtocolState(schedule)
+    run(state, schedule_steps(schedule))
     assert state.unawaited() == [] and state.in_flight is None and state.last_awaited == targets[-1]
 
 

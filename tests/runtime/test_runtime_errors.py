@@ -4,10 +4,11 @@ import pytest
 import torch
 
 from kvpp_fx.cache.allocate import allocate_cache
-from kvpp_fx.cache.placement import BroadcastSchedule, KVPPPlan
+from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.runtime import errors as E
 from kvpp_fx.runtime.device import resolve_device_api
 from kvpp_fx.runtime.runtime import KVPPRuntime, current_runtime
+from kvpp_fx.schedule import LayerSchedule
 from tests.support.specs import toy_spec
 from tests.support.toy_runtime import toy_runtime
 
@@ -18,7 +19,7 @@ def make_runtime(num_layers=4, drafts=0):
 
 def run_all(rt, layers):
     """The plan's schedule for its first layers `layers` (a prefix of the targets)."""
-    BroadcastSchedule(tuple(layers), rt.plan.depth).run(rt)
+    LayerSchedule(tuple(layers), depth=rt.plan.depth).run(rt)
 
 
 def test_a_correct_forward_passes_and_returns_the_views():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
-from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.schedule import LayerSchedule
 from kvpp_fx.passes.pass_config import PassConfig
 from kvpp_fx.passes.registry import AttentionOpSpec
 from kvpp_fx.reference.ops import REFERENCE_SPECS
@@ -36,7 +36,7 @@ TOY_VLLM_SPEC = AttentionOpSpec("toy_vllm::unified_attention", ("layer_name", 1)
 TOY_SPECS = REFERENCE_SPECS + (TOY_VLLM_SPEC,)
 
 
-def pass_config(plan_or_table: KVPPPlan | LayerTable, specs: tuple[AttentionOpSpec, ...] = TOY_SPECS,
+def pass_config(plan_or_table: KVPPPlan | LayerSchedule, specs: tuple[AttentionOpSpec, ...] = TOY_SPECS,
                 **options) -> PassConfig:
     """The passes' configuration for a test: the toy op specs unless told otherwise."""
     return PassConfig.build(plan_or_table, specs=specs, **options)

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from kvpp_fx.config import model_kind_of, parse_kvpp_mode
+from kvpp_fx.config import Mode, model_kind_of, parse_kvpp_mode
 from kvpp_fx.integrations.vllm import owner_rows, scratch
 from kvpp_fx.integrations.vllm.layout import plan_for
 from kvpp_fx.integrations.vllm.specs import INDEXER_COMPONENT
 from kvpp_fx.integrations.vllm.state import EngineState, hook_error
-from kvpp_fx.ops import passing_through
+from kvpp_fx.runtime.graph_ops import passing_through
 from kvpp_fx.runtime.errors import NoActiveForwardError
 from kvpp_fx.runtime.runtime import active_runtime
 
@@ -119,7 +119,7 @@ def hook_attention(runner: Any, state: EngineState) -> int:
     config = state.config
     state.owner_blocker = owner_rows.why_not_owner_capable(
         backends, model_kind_of(runner.model_config), config.pcp) if config.size > 1 else "KVPP is off"
-    if state.mode == "owner" and state.owner_blocker is not None:
+    if state.mode == Mode.OWNER and state.owner_blocker is not None:
         raise owner_rows.OwnerRowsUnsupportedError(owner_refusal(state.owner_blocker))
     hooked = 0
     for name, index in vplan.layer_index.items():
@@ -145,7 +145,7 @@ def hook_attention(runner: Any, state: EngineState) -> int:
 def set_mode(state: EngineState, mode: str) -> None:
     """The mode of the following steps ("broadcast", "owner" or "auto")."""
     mode = parse_kvpp_mode(mode)
-    if mode == "owner" and state.owner_blocker is not None:
+    if mode == Mode.OWNER and state.owner_blocker is not None:
         raise owner_rows.OwnerRowsUnsupportedError(owner_refusal(state.owner_blocker))
     state.mode = mode
     logger.warning("KVPP: mode %s.", mode)

@@ -1,6 +1,6 @@
 """vLLM's compiled paths: the kvpp backend of modes 1 and 2, and the ``VllmBackend`` of mode 3.
 
-Invariant, in both: a graph of the target model gets the engine plan's kvpp ops (the layer table is
+Invariant, in both: a graph of the target model gets the engine plan's kvpp ops (the layer schedule is
 the plan's, so slots agree with the eager path and the runtime); a graph holding only MTP layers (the
 drafter's) gets none, since drafts stay local; a graph compiled with KVPP on but outside a KVPP
 engine's model runner is an error, never a graph without ops.
@@ -30,7 +30,7 @@ import torch.fx
 from kvpp_fx.backend import KVPPBackend
 from kvpp_fx.integrations.vllm.compile_modes import inner_backend
 from kvpp_fx.integrations.vllm.state import EngineState, current_engine
-from kvpp_fx.passes.layer_table import LayerTable
+from kvpp_fx.schedule import LayerSchedule
 from kvpp_fx.passes.registry import VLLM_SPECS, AttentionOpSpec, OpMatcher, layer_of
 
 logger = logging.getLogger(__name__)
@@ -55,19 +55,19 @@ def graph_layers(gm: torch.fx.GraphModule, specs: tuple[AttentionOpSpec, ...] = 
     return names
 
 
-def layer_table_for(names: dict[str, int], plan: Any | None, plan_names: dict[str, int] | None = None) -> LayerTable:
-    """The table the pass uses for a graph reading the layers `names`, under an engine's plan (None:
-    KVPP off). Layer names come from graph inputs, which Dynamo does not guard, so the table always
+def schedule_for(names: dict[str, int], plan: Any | None, plan_names: dict[str, int] | None = None) -> LayerSchedule:
+    """The schedule the pass uses for a graph reading the layers `names`, under an engine's plan (None:
+    KVPP off). Layer names come from graph inputs, which Dynamo does not guard, so the schedule always
     carries the name map."""
     layers = tuple(sorted(set(names.values())))
     if plan is None:
-        return LayerTable(target_layers=(), draft_layers=layers, names=names)
+        return LayerSchedule(target_layers=(), draft_layers=layers, names=names)
     if layers and set(layers) <= set(plan.local_draft_layers):
-        return LayerTable(target_layers=(), draft_layers=layers, depth=plan.depth, names=plan_names or names)
+        return LayerSchedule(target_layers=(), draft_layers=layers, depth=plan.depth, names=plan_names or names)
     unknown = sorted(set(layers) - set(plan.target_layers) - set(plan.local_draft_layers))
     if unknown:
         raise KVPPCompileError(f"the graph reads layers {unknown}, which the KVPP plan does not hold.")
-    return LayerTable.from_plan(plan, plan_names)
+    return LayerSchedule.from_plan(plan, plan_names)
 
 
 def _engine_for_compile() -> EngineState | None:
@@ -86,9 +86,9 @@ def _backend_for(state: EngineState | None, gm: torch.fx.GraphModule, mode: str,
     names = graph_layers(gm)
     layers = tuple(sorted(set(names.values())))
     plan = None if state is None else state.plan
-    table = layer_table_for(names, plan, dict(state.vplan.layer_index) if plan is not None else None)
-    kind = "target" if table.target_layers else ("draft" if state is not None else "kvpp-off")
-    return KVPPBackend(table, mode=mode, inner=inner, specs=VLLM_SPECS, **options), kind, layers
+    schedule = schedule_for(names, plan, dict(state.vplan.layer_index) if plan is not None else None)
+    kind = "target" if schedule.target_layers else ("draft" if state is not None else "kvpp-off")
+    return KVPPBackend(schedule, mode=mode, inner=inner, specs=VLLM_SPECS, **options), kind, layers
 
 
 def _inner_compiler(vllm_config: Any) -> str | Callable:
@@ -117,7 +117,7 @@ def kvpp_vllm_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]):
         inner = _inner_compiler(state.vllm_config)
     backend, kind, layers = _backend_for(state, gm, "piecewise", inner)
     logger.info("KVPP: %s graph with layers %s, kvpp ops for %s, pieces compiled by %s.", kind, list(layers),
-                list(backend.config.table.target_layers), backend.inner_name)
+                list(backend.config.schedule.target_layers), backend.inner_name)
     compiled = backend(gm, example_inputs)
     if state is not None:
         state.compiled_graphs.append((kind, layers))
@@ -195,7 +195,7 @@ def rewrite_whole_graph(state: EngineState, gm: torch.fx.GraphModule, example_in
         if "example_value" not in node.meta and "val" in node.meta:
             node.meta["example_value"] = node.meta["val"]
     logger.info("KVPP: %s graph with layers %s, kvpp ops for %s, split and compiled by vLLM.", kind, list(layers),
-                list(backend.config.table.target_layers))
+                list(backend.config.schedule.target_layers))
     state.compiled_graphs.append((kind, layers))
 
 

@@ -15,19 +15,20 @@ runs with the kvpp ops, or the config was refused with a `ValueError` that says 
   user asked for is refused with the seed's message.
 
 vLLM keys its compile caches (the piece cache of mode 3 and the AOT artifacts of every mode) by the
-config hash, ``additional_config`` included. ``additional_config.kvpp_fx.digest`` hashes the sources of
-the passes, the ops and the op specs, so pieces or artifacts compiled by another kvpp-fx never load.
-This module imports nothing but the standard library: it runs in vLLM's engine process.
+config hash, ``additional_config`` included. ``additional_config.kvpp_fx.digest`` is the KVPP pass
+pipeline's source uuid (`kvpp_fx.passes.sources`, which `PassManager.uuid` hashes too), so pieces or
+artifacts compiled by another kvpp-fx never load. This module imports nothing but the standard library
+and that plain module: it runs in vLLM's engine process.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from kvpp_fx.passes.sources import source_uuid
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +39,6 @@ SETTINGS_KEY = "kvpp_fx"  # additional_config[SETTINGS_KEY]: written by the plug
 # Torch's own Dynamo backends that may compile the pieces in modes 1 and 2 (vLLM's init_backend takes
 # these names as they are; anything else is a qualified name of a backend that would see the whole graph).
 TORCH_BACKENDS = ("inductor", "eager", "aot_eager", "aot_eager_decomp_partition")
-
-# The files whose code decides what a compiled graph holds.
-DIGEST_SOURCES = ("__init__.py", "ops.py", "backend.py", "passes", "cache/placement.py",
-                  "integrations/vllm/compilation.py", "integrations/vllm/compile_modes.py")
 
 MSG_BACKEND = (
     "KVPP under compilation mode {mode} compiles vLLM's graph with the kvpp backend, and the pieces "
@@ -75,26 +72,10 @@ class Requested:
         return cls(None if mode is None else str(getattr(mode, "name", mode)))
 
 
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-
-
 @functools.cache
 def compile_digest() -> str:
-    """`digest_of` this installed kvpp-fx."""
-    return digest_of(PACKAGE_ROOT)
-
-
-def digest_of(root: Path) -> str:
-    """sha256 of the sources under a kvpp_fx package `root` that decide what a compiled graph holds."""
-    files = []
-    for entry in DIGEST_SOURCES:
-        path = root / entry
-        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
-    digest = hashlib.sha256()
-    for path in files:
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    """The KVPP pipeline's source uuid of this installed kvpp-fx (`kvpp_fx.passes.sources`)."""
+    return source_uuid()
 
 
 def settings(vllm_config: Any) -> dict[str, Any]:

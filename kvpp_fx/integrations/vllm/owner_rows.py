@@ -40,6 +40,7 @@ import torch
 from kvpp_fx.cache.cost import AttentionShape, LinkModel, RequestRows
 from kvpp_fx.integrations.vllm.batch import StepBatch, request_blocks
 from kvpp_fx.runtime.errors import OwnerRoutingError
+from kvpp_fx.runtime.owner_exchange import HeadRule
 from kvpp_fx.runtime.runtime import KVPPRuntime, active_runtime
 
 # forward_mqa takes the number of heads from the query and sizes nothing by the rank's heads. GPU
@@ -60,17 +61,9 @@ class OwnerRowsUnsupportedError(RuntimeError):
     """``kvpp_mode="owner"`` was asked where vLLM's decode rows cannot run on the owner."""
 
 
-class _MQARule:
-    """`HeadRule` of ``forward_mqa``: one head operand, the query ``[T, h, L + R]``, heads on dimension 1;
-    the output ``[T, h, L]`` (given to the exchange as a template), heads on dimension 1."""
-
-    heads = ((0, 1),)
-    token_dims = (0,)
-    output_dim = 1
-    output_like = 0
-
-
-MQA_RULE = _MQARule()
+# ``forward_mqa``'s heads: one head operand, the query ``[T, h, L + R]``, heads on dimension 1; the output
+# ``[T, h, L]`` (given to the exchange as a template), heads on dimension 1.
+MQA_RULE = HeadRule(heads=((0, 1),), token_dims=(0,), output_dim=1, output_like=0)
 
 
 def attention_shape(model_config: Any) -> AttentionShape:

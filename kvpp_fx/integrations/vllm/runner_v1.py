@@ -25,7 +25,7 @@ from kvpp_fx.integrations.vllm.attention import prepare_model
 from kvpp_fx.integrations.vllm.batch import BlockRows, StepBatch
 from kvpp_fx.integrations.vllm.state import EngineState, hook_error, require_methods
 from kvpp_fx.integrations.vllm.step import step_forward
-from kvpp_fx.ops import passthrough
+from kvpp_fx.runtime.graph_ops import passthrough
 
 KIND = "V1"
 ALLOCATOR_MODULE = "vllm.v1.worker.gpu_model_runner"

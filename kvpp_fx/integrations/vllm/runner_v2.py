@@ -39,7 +39,7 @@ from kvpp_fx.integrations.vllm.batch import BlockRows, StepBatch
 from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError, KVPPHookError, hook_error, \
     require_methods
 from kvpp_fx.integrations.vllm.step import step_forward
-from kvpp_fx.ops import passing_through, passthrough
+from kvpp_fx.runtime.graph_ops import passing_through, passthrough
 
 KIND = "V2"
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"

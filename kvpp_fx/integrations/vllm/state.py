@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpp_fx.config import KVPPConfig
+from kvpp_fx.config import KVPPConfig, Mode
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class EngineState:
     compiled_graphs: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     awaited: set[int] = field(default_factory=set)  # eager hooks, per step
     device_api_factory: str | None = None  # "module:callable" (the tests' fault seam), None: the default
-    mode: str = "auto"  # the runtime's mode for each step (additional_config.kvpp_mode; kvpp_set_mode)
+    mode: Mode = Mode.AUTO  # the runtime's mode for each step (additional_config.kvpp_mode; kvpp_set_mode)
     owner_blocker: str | None = None  # why decode rows cannot go to the owner here, or None
     compact_blocker: str | None = None  # why scratch slots here must hold whole layers, or None
     scratch_blocks: int | None = None  # S of the compact slots this worker plans, None: whole-layer slots

@@ -47,7 +47,7 @@ from kvpp_fx.integrations.vllm.state import (
     wrapped_worker_qualname,
 )
 from kvpp_fx.integrations.vllm.stats import worker_stats
-from kvpp_fx.ops import passthrough
+from kvpp_fx.runtime.graph_ops import passthrough
 
 __all__ = ["hooked_worker_qualname", "kvpp_worker_class", "kvpp_runner_class", "worker_stats", "current_engine",
            "KVPPHookError"]
