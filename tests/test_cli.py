@@ -116,8 +116,8 @@ def test_graph_command_prints_the_rewritten_reference_graph():
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
     assert text.splitlines()[1].strip() == "kvpp_prefetch_L0 = torch.ops.kvpp.prefetch.default(0, 0)"
-    assert "kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L0(kv_L0," in text
-    assert "kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L0(q_latent, q_pe_1, kv_L0," in text
+    assert "kvpp_fx_runtime_graph_ops_routed_owner_kvpp_ref_write_kv_L0(kv_L0," in text
+    assert "kvpp_fx_runtime_graph_ops_routed_heads_kvpp_ref_mla_attention_L0(q_latent, q_pe_1, kv_L0," in text
     assert ("submod_2 [eager]: kvpp.wait(0, 0, [l_caches_0_0_], ['kv'], tables=[l_slot_mapping_, "
             "l_block_table_], table_kinds=['slot_mapping', 'block_table'], routed=True); kvpp.prefetch(1, 1); "
             "routed[owner] kvpp_ref.write_kv(getitem, kv_c_1, k_pe_1, getitem_1, 0); "

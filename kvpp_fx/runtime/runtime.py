@@ -91,7 +91,7 @@ class KVPPRuntime:
         self.counters = TransferStats(plan.target_layers)
         self.parts = ForwardParts(self.schedule, self.routes, storage, device_api, transport, self.agreement, health,
                                   self.counters, timeline, overlap, group, plan.group_size, attention)
-        self.routing = Routing(plan.target_layers)  # what the engine reported for each layer's compiled graph
+        self._routing = Routing(plan.target_layers)  # what the engine reported for each layer's compiled graph
         self._forward: Forward | None = None
         self._closed = False
 
@@ -169,14 +169,15 @@ class KVPPRuntime:
     def note_routing(self, layers: Sequence[int], routed: bool) -> None:
         """A graph holding `layers` was compiled, routed for owner mode or not (an unreported layer
         counts as unknown: ``"auto"`` broadcasts until every layer is known to be routed)."""
-        self.routing.note(layers, routed)
+        self._routing.note(layers, routed)
+
+    def routing(self) -> dict[int, bool]:
+        """Each reported layer's routing: True (owner mode possible), False (broadcast only)."""
+        return dict(self._routing.reported)
 
     def unrouted_layers(self) -> list[int]:
         """Layers whose compiled graph is known not to be routed: owner mode is refused up front."""
-        return self.routing.unrouted()
-
-    def layers_not_known_routed(self) -> list[int]:
-        return self.routing.not_known_routed()
+        return self._routing.unrouted()
 
     # --- the forward --------------------------------------------------------------------------------
 
@@ -244,7 +245,7 @@ class KVPPRuntime:
         self.health.check()
         if self._forward is not None:
             raise NestedForwardError("runtime.forward() is already open.")
-        facts = PathFacts.of(self.plan, self.storage, self.routes, self.routing, alone=self.transport is None,
+        facts = PathFacts.of(self.plan, self.storage, self.routes, self._routing, alone=self.transport is None,
                              attention=self.attention, link=self.link, crossover=self.crossover)
         forward = Forward(self.parts, step_of(has_history, blocks, written, mode, load, requests), facts)
         forward.begin()

@@ -45,8 +45,8 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
     l_slot_mapping_L0 = kvpp_wait_L0[1]
     l_block_table_L0 = kvpp_wait_L0[2]
     kvpp_prefetch_L1 = torch.ops.kvpp.prefetch.default(1, 1)
-    write_kv = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L0(kv_L0, kv_c, k_pe, l_slot_mapping_L0, 0)
-    attn = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L0(q_latent, q_pe, kv_L0, l_block_table_L0, l_seq_lens_, l_query_lens_, 0.5, 0)
+    write_kv = kvpp_fx_runtime_graph_ops_routed_owner_kvpp_ref_write_kv_L0(kv_L0, kv_c, k_pe, l_slot_mapping_L0, 0)
+    attn = kvpp_fx_runtime_graph_ops_routed_heads_kvpp_ref_mla_attention_L0(q_latent, q_pe, kv_L0, l_block_table_L0, l_seq_lens_, l_query_lens_, 0.5, 0)
     flatten = attn.flatten(1)
     linear_2 = torch._C._nn.linear(flatten, self.layers.0.o.weight, None)
     x = l_x_ + linear_2
@@ -65,8 +65,8 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
     l_slot_mapping_L1 = kvpp_wait_L1[1]
     l_block_table_L1 = kvpp_wait_L1[2]
     kvpp_prefetch_L2 = torch.ops.kvpp.prefetch.default(2, 0)
-    write_kv_1 = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L1(kv_L1, kv_c_1, k_pe_1, l_slot_mapping_L1, 1)
-    attn_1 = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L1(q_latent_1, q_pe_1, kv_L1, l_block_table_L1, l_seq_lens_, l_query_lens_, 0.5, 1)
+    write_kv_1 = kvpp_fx_runtime_graph_ops_routed_owner_kvpp_ref_write_kv_L1(kv_L1, kv_c_1, k_pe_1, l_slot_mapping_L1, 1)
+    attn_1 = kvpp_fx_runtime_graph_ops_routed_heads_kvpp_ref_mla_attention_L1(q_latent_1, q_pe_1, kv_L1, l_block_table_L1, l_seq_lens_, l_query_lens_, 0.5, 1)
     flatten_1 = attn_1.flatten(1)
     linear_5 = torch._C._nn.linear(flatten_1, self.layers.1.o.weight, None)
     x_1 = x + linear_5
@@ -85,8 +85,8 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
     l_slot_mapping_L2 = kvpp_wait_L2[1]
     l_block_table_L2 = kvpp_wait_L2[2]
     kvpp_prefetch_L3 = torch.ops.kvpp.prefetch.default(3, 1)
-    write_kv_2 = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L2(kv_L2, kv_c_2, k_pe_2, l_slot_mapping_L2, 2)
-    attn_2 = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L2(q_latent_2, q_pe_2, kv_L2, l_block_table_L2, l_seq_lens_, l_query_lens_, 0.5, 2)
+    write_kv_2 = kvpp_fx_runtime_graph_ops_routed_owner_kvpp_ref_write_kv_L2(kv_L2, kv_c_2, k_pe_2, l_slot_mapping_L2, 2)
+    attn_2 = kvpp_fx_runtime_graph_ops_routed_heads_kvpp_ref_mla_attention_L2(q_latent_2, q_pe_2, kv_L2, l_block_table_L2, l_seq_lens_, l_query_lens_, 0.5, 2)
     flatten_2 = attn_2.flatten(1)
     linear_8 = torch._C._nn.linear(flatten_2, self.layers.2.o.weight, None)
     x_2 = x_1 + linear_8
@@ -104,8 +104,8 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
     kv_L3 = kvpp_wait_L3[0]
     l_slot_mapping_L3 = kvpp_wait_L3[1]
     l_block_table_L3 = kvpp_wait_L3[2]
-    write_kv_3 = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L3(kv_L3, kv_c_3, k_pe_3, l_slot_mapping_L3, 3)
-    attn_3 = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L3(q_latent_3, q_pe_3, kv_L3, l_block_table_L3, l_seq_lens_, l_query_lens_, 0.5, 3)
+    write_kv_3 = kvpp_fx_runtime_graph_ops_routed_owner_kvpp_ref_write_kv_L3(kv_L3, kv_c_3, k_pe_3, l_slot_mapping_L3, 3)
+    attn_3 = kvpp_fx_runtime_graph_ops_routed_heads_kvpp_ref_mla_attention_L3(q_latent_3, q_pe_3, kv_L3, l_block_table_L3, l_seq_lens_, l_query_lens_, 0.5, 3)
     flatten_3 = attn_3.flatten(1)
     linear_11 = torch._C._nn.linear(flatten_3, self.layers.3.o.weight, None)
     x_3 = x_2 + linear_11
@@ -149,8 +149,8 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
     l_slot_mapping_L0 = kvpp_wait_L0[1]
     l_block_table_L0 = kvpp_wait_L0[2]
     kvpp_prefetch_L1 = torch.ops.kvpp.prefetch.default(1, 1)
-    write_kv = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L0(kv_L0, kv_c, k_pe, l_slot_mapping_L0, 0)
-    attn = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L0(q_latent, q_pe, kv_L0, l_block_table_L0, l_seq_lens_, l_query_lens_, 0.5, 0)
+    write_kv = kvpp_fx_runtime_graph_ops_routed_owner_kvpp_ref_write_kv_L0(kv_L0, kv_c, k_pe, l_slot_mapping_L0, 0)
+    attn = kvpp_fx_runtime_graph_ops_routed_heads_kvpp_ref_mla_attention_L0(q_latent, q_pe, kv_L0, l_block_table_L0, l_seq_lens_, l_query_lens_, 0.5, 0)
     flatten = attn.flatten(1)
     linear_2 = torch._C._nn.linear(flatten, self.layers.0.o.weight, None)
     x = l_x_ + linear_2
@@ -168,8 +168,8 @@ def forward(self, L_x_, self.layers.0.kv_a.weight, self.layers.0.q.weight, L_cac
     kv_L1 = kvpp_wait_L1[0]
     l_slot_mapping_L1 = kvpp_wait_L1[1]
     l_block_table_L1 = kvpp_wait_L1[2]
-    write_kv_1 = kvpp_fx_ops_routed_owner_kvpp_ref_write_kv_L1(kv_L1, kv_c_1, k_pe_1, l_slot_mapping_L1, 1)
-    attn_1 = kvpp_fx_ops_routed_heads_kvpp_ref_mla_attention_L1(q_latent_1, q_pe_1, kv_L1, l_block_table_L1, l_seq_lens_, l_query_lens_, 0.5, 1)
+    write_kv_1 = kvpp_fx_runtime_graph_ops_routed_owner_kvpp_ref_write_kv_L1(kv_L1, kv_c_1, k_pe_1, l_slot_mapping_L1, 1)
+    attn_1 = kvpp_fx_runtime_graph_ops_routed_heads_kvpp_ref_mla_attention_L1(q_latent_1, q_pe_1, kv_L1, l_block_table_L1, l_seq_lens_, l_query_lens_, 0.5, 1)
     flatten_1 = attn_1.flatten(1)
     linear_5 = torch._C._nn.linear(flatten_1, self.layers.1.o.weight, None)
     x_1 = x + linear_5
