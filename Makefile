@@ -65,7 +65,7 @@ device-wheels:
 # minutes). Elsewhere: the smoke pass on CPU with the venv's Python if there is one. Not part of `make test`.
 device-check:
 	@if $(PYTHON) -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then \
-		PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/device_check.py --wheels $(DEVICE_WHEELS) $(DEVICE_CHECK_ARGS); \
+		PYTHONPATH=$(CURDIR) $(PYTHON) -m benchmarks.device_check --wheels $(DEVICE_WHEELS) $(DEVICE_CHECK_ARGS); \
 	else \
-		PYTHONPATH=$(CURDIR) $(VENV_OR_PYTHON) benchmarks/device_check.py --wheels $(DEVICE_WHEELS) $(DEVICE_CHECK_ARGS); \
+		PYTHONPATH=$(CURDIR) $(VENV_OR_PYTHON) -m benchmarks.device_check --wheels $(DEVICE_WHEELS) $(DEVICE_CHECK_ARGS); \
 	fi

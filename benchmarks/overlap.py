@@ -51,7 +51,7 @@ def _forward(rt, compute_s, overlapped):
     with rt.forward(has_history=True):
         if overlapped:
             rt.prefetch(schedule.first().layer, schedule.first().slot)
-        for layer in schedule.targets:
+        for layer in schedule.target_layers:
             time.sleep(compute_s)  # this layer's work before attention (norm, projections, MLP of the previous)
             wait, *prefetch_next = schedule.at_layer(layer)
             if not overlapped:

@@ -651,3 +651,127 @@ def test_under_breakable_cuda_graphs_the_waits_rerun_on_every_replay():
         state.awaited.clear()
         with pytest.raises(SkippedLayerError), runtime.forward(has_history=False):
             plain.replay()
+
+
+# --- owner calls on the GPU MLA kernels ------------------------------------------------------------------
+
+
+def _triton_mla_call(q, cache, block_table, seq_lens, splits_for=4):
+    """`TritonMLAImpl.forward_mqa` itself (vLLM's code, its Triton kernel interpreted), on a stand-in impl,
+    metadata and layer that hold what it reads."""
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
+
+    impl = types.SimpleNamespace(kv_lora_rank=512, scale=0.07, _sm_count=splits_for, dcp_world_size=1)
+    decode = types.SimpleNamespace(block_table=block_table, seq_lens=seq_lens)
+    metadata = types.SimpleNamespace(decode=decode, max_seq_len=int(seq_lens.max()), causal=True)
+    layer = types.SimpleNamespace(_k_scale=torch.ones((), dtype=torch.float32))
+    out, _ = TritonMLAImpl.forward_mqa(impl, q, cache, metadata, layer)
+    return out
+
+
+@pytest.mark.parametrize("heads_per_rank,group,splits", [(2, 2, 1), (2, 4, 4), (8, 2, 4)])
+def test_a_triton_mla_owner_call_over_every_ranks_heads_equals_each_ranks_own_call(heads_per_rank, group, splits):
+    """The kernel takes the head count from the query: the owner's call over the group's heads, split back by
+    rank, gives each rank exactly its own call's output (float32, Triton's interpreter: each head's scores,
+    softmax and split-KV merge are computed in its own row, whatever rows share the call). The control: the
+    heads split back in the wrong order differ."""
+    torch.manual_seed(0)
+    num_blocks, block, batch = 12, 16, 3
+    cache = torch.randn(num_blocks, block, 576)
+    block_table = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11], [4, 8, 6, 10]], dtype=torch.int32)
+    seq_lens = torch.tensor([40, 64, 17], dtype=torch.int32)
+    queries = [torch.randn(batch, heads_per_rank, 576) for _ in range(group)]
+    own = [_triton_mla_call(q, cache, block_table, seq_lens, splits) for q in queries]
+    full = _triton_mla_call(torch.cat(queries, dim=1), cache, block_table, seq_lens, splits)
+    parts = full.split(heads_per_rank, dim=1)
+    assert all(torch.equal(part, mine) for part, mine in zip(parts, own))
+    assert not torch.equal(parts[1], own[0])  # the control: another rank's heads
+
+
+def test_owner_calls_get_their_own_metadata_where_the_backend_sizes_it_by_heads():
+    """FLASH_ATTN_MLA's ahead-of-time scheduler metadata is sized for the rank's heads: owner calls run without
+    it (FA3 plans the call itself); vLLM's object stays as it is. FLASHMLA (needs its CUDA extension to import)
+    gets a fresh FlashMLASchedMeta the same way. Other backends read vLLM's metadata unchanged."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.mla.flashattn_mla import FlashAttnMLADecodeMetadata
+
+    from kvpp_fx.integrations.vllm.backends import owner_metadata
+
+    decode = FlashAttnMLADecodeMetadata(block_table=torch.zeros(2, 4, dtype=torch.int32),
+                                        seq_lens=torch.tensor([5, 9]), dcp_tot_seq_lens=None,
+                                        query_start_loc=torch.tensor([0, 1, 2]), max_query_len=1, max_seq_len=9,
+                                        scheduler_metadata=torch.ones(8, dtype=torch.int32))
+    metadata = types.SimpleNamespace(decode=decode)
+
+    @dataclasses.dataclass
+    class Metadata:
+        decode: FlashAttnMLADecodeMetadata
+
+    vllms = Metadata(decode)
+    owner = owner_metadata("FLASH_ATTN_MLA", vllms)
+    assert owner.decode.scheduler_metadata is None and owner.decode.block_table is decode.block_table
+    assert vllms.decode.scheduler_metadata is not None  # vLLM's object is not changed
+    assert owner_metadata("TRITON_MLA", metadata) is metadata and owner_metadata("CPU_MLA", metadata) is metadata
+
+
+def test_every_cuda_mla_backend_is_owner_capable_or_refused_by_name():
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from kvpp_fx.integrations.vllm.backends import BACKENDS, owner_blocker, owner_capable_backends
+    from kvpp_fx.integrations.vllm.owner_rows import why_not_owner_capable
+
+    mla = {b.name for b in AttentionBackendEnum if b.name.endswith("_MLA") or b.name == "FLASHMLA"}
+    dense = {"CPU_MLA", "AMX_MLA", "TRITON_MLA", "FLASHMLA", "FLASH_ATTN_MLA", "FLASHINFER_MLA", "CUTLASS_MLA"}
+    assert dense <= mla and dense <= set(BACKENDS)
+    assert {"TRITON_MLA", "FLASHMLA", "CPU_MLA"} <= set(owner_capable_backends())
+    assert owner_blocker("TRITON_MLA") is None and owner_blocker("FLASHMLA") is None
+    assert "AMX_MLA allocates its decode buffers by its own head count" in owner_blocker("AMX_MLA")
+    assert "quantizes the queries" in owner_blocker("FLASHMLA", quantized_queries=True)
+    unknown = owner_blocker("ROCM_AITER_MLA")  # any backend the table does not know is refused by name
+    assert "ROCM_AITER_MLA is not known to run an owner call" in unknown and "TRITON_MLA" in unknown
+    assert why_not_owner_capable({"TRITON_MLA", "CPU_MLA"}, "mla", 1) is None
+    assert "AMX_MLA" in why_not_owner_capable({"TRITON_MLA", "AMX_MLA"}, "mla", 1)
+
+
+def test_triton_mla_workspace_holds_owner_calls_once_kvpp_reserved_it(monkeypatch):
+    """vLLM's WorkspaceManager with TRITON_MLA's own reservation, at DeepSeek-V3's shape under TP 8 (16 heads
+    per rank, kv_lora_rank 512, 128K context; 64 requests, 8 compute units here): after KVPP reserved it again
+    through vLLM's DCP sizing (a builder copy with dcp_world_size x 8) and vLLM locked it, an owner call over
+    the group's 128 heads at the largest batch and context fits. The control: with vLLM's reservation alone,
+    the locked workspace refuses that call, as it would on a GPU once the engine runs."""
+    import vllm.v1.worker.workspace as workspace
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLAMetadataBuilder, _compute_num_kv_splits
+
+    from kvpp_fx.integrations.vllm.backends import reserve_owner_workspaces
+
+    monkeypatch.setattr("vllm.platforms.current_platform.num_compute_units", lambda *a: 8, raising=False)
+    monkeypatch.setattr("vllm.v1.attention.backends.mla.triton_mla.current_platform.num_compute_units",
+                        lambda *a: 8, raising=False)
+    config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=64))
+    builder = types.SimpleNamespace(vllm_config=config, reorder_batch_threshold=1, num_heads=16, dcp_world_size=1,
+                                    model_config=types.SimpleNamespace(max_model_len=131072),
+                                    mla_dims=types.SimpleNamespace(kv_lora_rank=512))
+    builder._reserve_attn_logits_workspace = types.MethodType(TritonMLAMetadataBuilder._reserve_attn_logits_workspace,
+                                                              builder)
+    group = types.SimpleNamespace(backend=types.SimpleNamespace(get_name=lambda: "TRITON_MLA"),
+                                  metadata_builders=[builder])
+    splits = _compute_num_kv_splits(131072, 8)
+    owner_call = ((64, 16 * 8, splits, 512 + 1), torch.float32)
+    try:
+        for kvpp in (True, False):
+            workspace.init_workspace_manager(torch.device("cpu"))
+            builder._reserve_attn_logits_workspace()  # vLLM's, when it builds the builder
+            # KVPP's, for a group of 8 (and nothing for a group of one: KVPP off)
+            assert reserve_owner_workspaces([[group]], 8 if kvpp else 1) == (1 if kvpp else 0)
+            workspace.lock_workspace()
+            if kvpp:
+                (logits,) = workspace.current_workspace_manager().get_simultaneous(owner_call)
+                assert logits.shape == owner_call[0]
+                assert builder.dcp_world_size == 1  # vLLM's builder is not changed
+            else:
+                with pytest.raises(AssertionError, match="Workspace is locked"):
+                    workspace.current_workspace_manager().get_simultaneous(owner_call)
+            workspace.reset_workspace_manager()
+    finally:
+        workspace.reset_workspace_manager()

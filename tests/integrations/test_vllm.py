@@ -24,6 +24,7 @@ import torch
 
 from kvpp_fx.config import MSG_DCP, MSG_GRAPH_MODE, MSG_SPEC_METHOD, MSG_SPEC_TOKENS, MSG_VLLM_CONNECTOR
 from kvpp_fx.integrations.vllm.compile_modes import KVPP_BACKEND, MSG_BACKEND, TORCH_BACKENDS, compile_digest
+from tests.integrations import triton_mla_on_cpu
 from tests.integrations.tiny_model import NUM_LAYERS, make_tiny_deepseek
 
 pytestmark = pytest.mark.vllm
@@ -517,6 +518,41 @@ def test_mode_3_runs_the_pass_before_vllms_split(owner_runs):
     for stats in broadcast["stats"]:
         assert ("target", tuple(range(NUM_LAYERS))) in {(g["kind"], tuple(g["layers"])) for g in stats["compiled_graphs"]}
         assert stats["broadcasts"] == NUM_LAYERS * (stats["forwards"] - 1)
+
+
+@pytest.fixture(scope="module")
+def triton_runs(tiny_deepseek):
+    """TRITON_MLA, a CUDA user's MLA kernel, on V2 at TP 2: selected on vLLM CPU by test code
+    (`triton_mla_on_cpu`: the platform's choice, CPU_MLA's cache write, float32), its Triton decode kernel
+    interpreted. KVPP off; on with compact slots (no row but a decode reads history, as `owner_runs`) in
+    "auto" on the staggered workload, then in owner mode, then with the owner scattering each rank the next
+    rank's heads (the negative control)."""
+    env = {triton_mla_on_cpu.ENV: "1"}
+    args = {**NO_HISTORY_ROWS, **EAGER, "attention_backend": "TRITON_MLA"}
+    variants = {
+        "off": {"args": args, "env": env, "workload": "staggered"},
+        "on": {"kvpp": True, "args": args, "env": env, "workload": "staggered", "phases": [
+            {"name": "owner", "mode": "owner", "workload": "staggered"},
+            {"name": "swapped-heads", "mode": "owner", "workload": "staggered", "fault": SWAPPED_HEADS}]},
+    }
+    return run_engines(tiny_deepseek, variants)
+
+
+def test_triton_mla_decode_rows_go_to_their_owners_with_the_tokens_of_kvpp_off(triton_runs):
+    """Owner calls over both ranks' heads run TRITON_MLA's own forward_mqa and kernel; "auto" sends the long
+    prompt's decodes to the owners; compact slots (the backend is owner-capable now); tokens of KVPP off."""
+    off, on = triton_runs["off"], triton_runs["on"]
+    assert len(off["tokens"]) == 3 and len(set(off["tokens"][0])) > 1
+    for name, run in (("auto", on), ("owner", on["phases"]["owner"])):
+        assert run["tokens"] == off["tokens"], name
+        for stats in run["stats"]:
+            assert stats["attention_backends"] == ["TRITON_MLA"] and stats["model_runner"] == "V2", stats
+            assert stats["owner_blocker"] is None and stats["exchanges"] > 0 and stats["rows"]["owner"] > 0, (name, stats)
+    for stats in on["stats"]:
+        assert (stats["scratch_blocks"], stats["compact_blocker"]) == (-(-768 // 16) + -(-2048 // 16), None)
+        assert stats["packed_layers"] > 0 and stats["modes"]["owner"] > 0
+    faulty = on["phases"]["swapped-heads"]
+    assert faulty["tokens"] != off["tokens"] and all(s["exchanges"] > 0 for s in faulty["stats"])
 
 
 @pytest.fixture(scope="module")

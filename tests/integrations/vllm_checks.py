@@ -8,6 +8,7 @@ vLLM runs its default model runner here, V2, with its Triton kernels under Trito
 from __future__ import annotations
 
 import tests.integrations.triton_interpreter  # noqa: F401, I001  (before vLLM is imported)
+from tests.integrations import triton_mla_on_cpu  # noqa: I001  (TRITON_MLA on CPU, where an engine's env asks)
 
 import contextlib
 import dataclasses
@@ -194,6 +195,8 @@ def generate(model_dir: str, variant: dict) -> dict:
                 additional_config={"enable_kvpp": variant.get("kvpp", False)})
     args.update(variant.get("args", {}))
     with _environment(variant.get("env", {})):
+        if os.environ.get(triton_mla_on_cpu.ENV):
+            triton_mla_on_cpu.apply()
         with keep_mode_3() if variant.get("mode3") else contextlib.nullcontext():
             llm = LLM(**args)
         try:

@@ -34,7 +34,7 @@ def run_layers(rt: KVPPRuntime, on_wait: Callable[[int, torch.Tensor], None] | N
     then per layer ``wait(L)``, ``prefetch(next)`` and ``on_wait(L, view)``, where the layer's attention
     runs. ``after_prefetch(L)`` runs right after each prefetch returns."""
     schedule = rt.plan.schedule()
-    for layer in (None, *schedule.targets):
+    for layer in (None, *schedule.target_layers):
         steps = (schedule.first(),) if layer is None else schedule.at_layer(layer)
         view = None
         for step in steps:

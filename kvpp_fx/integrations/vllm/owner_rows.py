@@ -24,9 +24,9 @@ Which steps and rows: `step_requests` reads the step's MLA metadata: the decode 
 group (one kernel call serves them, so they take one path together), each prefill request one more,
 never owner-capable. The runtime's cost model (``kvpp_mode="auto"``) or the configured mode picks.
 
-Where the decode kernel's metadata or workspace depends on the head count, owner mode cannot run:
-only `OWNER_CAPABLE_BACKENDS` are hooked; elsewhere "auto" broadcasts and "owner" is refused when the
-model loads.
+Which backends can run an owner call, and what KVPP does for each (its own metadata for the call, a
+workspace sized for the group's heads, a padded query) is `backends`; elsewhere "auto" broadcasts and
+"owner" is refused when the model loads.
 """
 
 from __future__ import annotations
@@ -38,15 +38,11 @@ from typing import Any
 import torch
 
 from kvpp_fx.cache.cost import AttentionShape, LinkModel, RequestRows
+from kvpp_fx.integrations.vllm.backends import before_owner_call, owner_blocker, owner_query
 from kvpp_fx.integrations.vllm.batch import StepBatch, request_blocks
 from kvpp_fx.runtime.errors import OwnerRoutingError
 from kvpp_fx.runtime.owner_exchange import HeadRule
 from kvpp_fx.runtime.runtime import KVPPRuntime, active_runtime
-
-# forward_mqa takes the number of heads from the query and sizes nothing by the rank's heads. GPU
-# kernels size metadata (FlashMLA's tile scheduler) or workspaces (TRITON_MLA's, reserved at warm-up
-# for the rank's heads) by their own head count, so the owner could not run all heads there.
-OWNER_CAPABLE_BACKENDS = ("CPU_MLA",)
 
 # The cost model's link per platform. CPU: measured on the bench (gloo, 2 processes, 2 cores). CUDA
 # and NPU: estimates, not measured here (NVLink at about half its peak per rank; HCCS likewise).
@@ -74,17 +70,18 @@ def attention_shape(model_config: Any) -> AttentionShape:
                           int(hf.kv_lora_rank), itemsize)
 
 
-def why_not_owner_capable(backends: set[str], model_kind: str, pcp: int) -> str | None:
-    """Why this engine's decode rows cannot go to the owner, or None when they can."""
+def why_not_owner_capable(backends: set[str], model_kind: str, pcp: int, quantized_queries: bool = False) -> str | None:
+    """Why this engine's decode rows cannot go to the owner, or None when they can (`backends.owner_blocker`
+    for each attention backend)."""
     if model_kind != "mla":
         return (f"the model is {model_kind.upper()}: its indexer reads its own cache on every rank, and only "
                 "MLA decode rows are exchanged")
     if pcp != 1:
         return "prefill context parallelism splits the KVPP group beyond the heads' TP split"
-    unsupported = sorted(backends - set(OWNER_CAPABLE_BACKENDS))
-    if unsupported:
-        return (f"attention backend {unsupported[0]} builds its decode metadata or workspace for its own heads "
-                f"(owner mode runs on {list(OWNER_CAPABLE_BACKENDS)})")
+    for backend in sorted(backends):
+        why = owner_blocker(backend, quantized_queries)
+        if why is not None:
+            return why
     return None
 
 
@@ -138,9 +135,12 @@ def owner_impl_class(cls: type) -> type:
             raise OwnerRoutingError(f"layer {self._kvpp_layer}: owner mode does not exchange quantized (fp8) "
                                     "queries; set kvpp_mode to 'broadcast'.")
         like = torch.empty(query.shape[0], query.shape[1], self.kv_lora_rank, dtype=query.dtype, device=query.device)
+        backend = self._kvpp_backend
 
         def on_owner(full: list[torch.Tensor]) -> torch.Tensor:
-            out, _ = cls.forward_mqa(self, full[0].contiguous(), kv_cache, attn_metadata, layer)
+            before_owner_call(backend, self)
+            out, _ = cls.forward_mqa(self, owner_query(backend, full[0].contiguous()), kv_cache,
+                                     self._kvpp_engine.owner_metadata(backend, attn_metadata), layer)
             return out
 
         part = runtime.owner_compute(self._kvpp_layer, MQA_RULE, [query], on_owner, output_like=like)
@@ -152,6 +152,7 @@ def owner_impl_class(cls: type) -> type:
 def hook_impl(layer: Any, engine: Any, index: int) -> None:
     impl = layer.impl
     impl._kvpp_engine, impl._kvpp_layer = engine, index
+    impl._kvpp_backend = layer.get_attn_backend().get_name()
     impl.__class__ = owner_impl_class(type(impl))
 
 

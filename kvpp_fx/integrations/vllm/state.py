@@ -13,9 +13,17 @@ import contextvars
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpp_fx.config import KVPPConfig, Mode
+from kvpp_fx.integrations.vllm.backends import owner_metadata
+
+if TYPE_CHECKING:  # types only: this module is imported in vLLM's engine process, which imports no torch here
+    from torch.distributed import ProcessGroup
+
+    from kvpp_fx.cache.placement import KVPPPlan
+    from kvpp_fx.integrations.vllm.specs import VllmPlan
+    from kvpp_fx.runtime.runtime import KVPPRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +80,13 @@ class KVPPAllocationError(RuntimeError):
 @dataclass
 class EngineState:
     config: KVPPConfig
-    vllm_config: Any = field(repr=False)
+    vllm_config: Any = field(repr=False)  # vLLM's VllmConfig
     runner_kind: str = ""  # "V1" or "V2": which of vLLM's model runners this engine's workers run
-    vplan: Any = None  # specs.VllmPlan, from the loaded model's cache specs
+    vplan: VllmPlan | None = None  # from the loaded model's cache specs
     budget_blocks: int | None = None  # what determine_available_memory promised vLLM's planner
-    runtime: Any = None
-    group: Any = None
-    agreement_group: Any = None  # gloo, same ranks: the runtime's per-forward agreement
+    runtime: KVPPRuntime | None = None
+    group: ProcessGroup | None = None
+    agreement_group: ProcessGroup | None = None  # gloo, same ranks: the runtime's per-forward agreement
     group_ranks: list[int] = field(default_factory=list)
     compiled_graphs: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     awaited: set[int] = field(default_factory=set)  # eager hooks, per step
@@ -95,6 +103,15 @@ class EngineState:
     packed_layers: int = 0  # non-owned layer forwards that read remapped metadata over a packed slot
     prefill_rows_with_history: int = 0  # rows whose prefill starts after computed tokens (a later chunk
     #                                     of a chunked prefill, or a prefix-cache hit)
+    owner_calls: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # this step: vLLM's metadata -> the
+    #                                     owner calls' (`backends.owner_metadata`), one per metadata object
+
+    def owner_metadata(self, backend: str, metadata: Any) -> Any:
+        """The metadata this step's owner calls read for vLLM's `metadata` (one per step and object)."""
+        found = self.owner_calls.get(id(metadata))
+        if found is None or found[0] is not metadata:
+            found = self.owner_calls[id(metadata)] = (metadata, owner_metadata(backend, metadata))
+        return found[1]
 
     def note_step(self, prefill_rows_with_history: int, mixed: bool = False) -> None:
         self.steps += 1
@@ -107,7 +124,7 @@ class EngineState:
         return self.plan is not None and self.plan.compact
 
     @property
-    def plan(self):
+    def plan(self) -> KVPPPlan | None:
         return None if self.vplan is None else self.vplan.plan
 
     @contextlib.contextmanager

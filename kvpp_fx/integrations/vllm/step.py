@@ -39,6 +39,7 @@ def step_forward(state: EngineState, batch: StepBatch) -> Iterator[None]:
     rows = step_rows(state, metadata, batch)
     state.note_step(batch.prefill_rows_with_history, mixed=rows is not None and 0 < rows[1] < batch.num_reqs)
     state.awaited.clear()
+    state.owner_calls.clear()
     has_history = batch.has_history
     if not packs(state, metadata):  # whole layers: the step's metadata cannot be remapped to packed slots
         forward = runtime.forward(has_history=has_history)
