@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.device_check import E2E_GROUP_TIMEOUT, LATE_MS, MEASURE_GROUP_TIMEOUT, STALL_MS
-from benchmarks.device_check.seams import Stall, make_seam_api, probe_collectives, rank_device, synchronize, use_compute_stream
-
+from benchmarks.device_check.seams import (Stall, make_seam_api, probe_collectives, rank_device, synchronize,
+                                           use_compute_stream)
 
 
 # --- ordering ---------------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from benchmarks.device_check import REQUIRED_MODULES
 
 
-
 # --- environment ------------------------------------------------------------------------------------
 
 def use_wheels(folder: Path) -> list[str]:

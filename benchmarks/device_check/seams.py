@@ -11,7 +11,6 @@ import torch.distributed as dist
 from benchmarks.device_check import STALL_MS
 
 
-
 # --- device helpers (inside a rank) -----------------------------------------------------------------
 
 def rank_device(device_type: str) -> torch.device:

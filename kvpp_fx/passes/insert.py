@@ -44,9 +44,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from kvpp_fx import ops
 from kvpp_fx.ops import is_kvpp_op
 from kvpp_fx.schedule import LayerSchedule, ScheduleStep
-from kvpp_fx.passes.pass_config import NodeStamp, PassConfig, stamp
+from kvpp_fx.passes.pass_config import KVPPPassError, NodeStamp, PassConfig, is_kvpp_handle, node_value, stamp
 from kvpp_fx.passes.registry import (
     LAYER_NAME_PATTERN,
     AttentionOpSpec,
@@ -58,17 +59,12 @@ from kvpp_fx.passes.registry import (
 
 logger = logging.getLogger(__name__)
 
-WAIT = torch.ops.kvpp.wait.default
-PREFETCH = torch.ops.kvpp.prefetch.default
-ENTER_LAYER = torch.ops.kvpp.enter_layer.default
+# The graph targets the pass writes: the overloads, as AOT writes them too.
+WAIT_OP, PREFETCH_OP, ENTER_LAYER_OP = ops.wait.default, ops.prefetch.default, ops.enter_layer.default
 RUN_TIME_LAYER = -1  # the layer of a stamp in a graph whose layer is a run-time value
 REGISTER_HINT = ("give the backend an AttentionOpSpec for the op that reads it, naming its cache operand "
                  "(kvpp_backend(..., specs=...), or register_attention_op for the default specs), or keep "
                  "the read inside a registered op")
-
-
-class KVPPPassError(ValueError):
-    """The graph cannot be rewritten safely."""
 
 
 class LayerOrderError(KVPPPassError):
@@ -119,17 +115,6 @@ class InsertResult:
     waits: tuple[torch.fx.Node, ...] = field(default=(), repr=False)
     prefetches: tuple[torch.fx.Node, ...] = field(default=(), repr=False)
     run_time_layer: bool = False  # one layer, named by a graph input at run time (`enter_layer`)
-
-
-def node_value(node: torch.fx.Node):
-    """A node's example value: ``meta["val"]`` (after AOT) or Dynamo's ``meta["example_value"]``."""
-    return node.meta.get("val", node.meta.get("example_value"))
-
-
-def is_kvpp_handle(value: object) -> bool:
-    """A KVPP cache handle: a tensor of several elements with no bytes behind it (all strides zero)."""
-    return (isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 1
-            and all(s == 0 for s in value.stride()))
 
 
 def handle_placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -270,8 +255,9 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, config: PassConfig, *, graph_break
         wait_step, *then = schedule.at_layer(group.layer)
         with graph.inserting_before(group.nodes[0]):
             kwargs = _table_kwargs(layer_tables)
-            wait = graph.create_node("call_function", WAIT, (group.layer, wait_step.slot, [node for node, _ in reads],
-                                     [component for _, component in reads]), kwargs,
+            wait = graph.create_node("call_function", WAIT_OP,
+                                     (group.layer, wait_step.slot, [node for node, _ in reads],
+                                      [component for _, component in reads]), kwargs,
                                      name=f"kvpp_wait_L{group.layer}")
             wait.meta["val"] = [_contiguous_like(node_value(node), contiguous)
                                 for node, _ in (*reads, *layer_tables)]
@@ -314,7 +300,7 @@ def _insert_run_time_layer(graph: torch.fx.Graph, nodes: list[torch.fx.Node], re
     source = ops[0].source
     layer_tables = _table_operands(group, {node: i for i, node in enumerate(nodes)})
     with graph.inserting_before(group.nodes[0]):
-        enter = graph.create_node("call_function", ENTER_LAYER, (source, [node for node, _ in reads],
+        enter = graph.create_node("call_function", ENTER_LAYER_OP, (source, [node for node, _ in reads],
                                   [component for _, component in reads]), _table_kwargs(layer_tables),
                                   name="kvpp_enter_layer")
         enter.meta["val"] = [_contiguous_like(node_value(node), {}) for node, _ in (*reads, *layer_tables)]
@@ -417,7 +403,7 @@ def _contiguous_like(value, made: dict):
 
 
 def _prefetch(graph: torch.fx.Graph, step: ScheduleStep, name: str) -> torch.fx.Node:
-    node = graph.create_node("call_function", PREFETCH, (step.layer, step.slot), name=f"kvpp_prefetch_L{step.layer}")
+    node = graph.create_node("call_function", PREFETCH_OP, (step.layer, step.slot), name=f"kvpp_prefetch_L{step.layer}")
     node.meta["val"] = None
     stamp(node, NodeStamp("prefetch", step.layer, name, step.slot))
     return node

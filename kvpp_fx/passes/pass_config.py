@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx
 
 from kvpp_fx.schedule import LayerSchedule
@@ -101,6 +102,21 @@ class NodeStamp:
     slot: int | None = None
     component: str | None = None
     spec: AttentionOpSpec | None = None
+
+
+class KVPPPassError(ValueError):
+    """The graph cannot be rewritten safely."""
+
+
+def node_value(node: torch.fx.Node):
+    """A node's example value: ``meta["val"]`` (after AOT) or Dynamo's ``meta["example_value"]``."""
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def is_kvpp_handle(value: object) -> bool:
+    """A KVPP cache handle: a tensor of several elements with no bytes behind it (all strides zero)."""
+    return (isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() > 1
+            and all(s == 0 for s in value.stride()))
 
 
 def stamp(node: torch.fx.Node, value: NodeStamp) -> None:

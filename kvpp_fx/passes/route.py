@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from kvpp_fx.ops import is_routed_op
-from kvpp_fx.passes.insert import WAIT, KVPPPassError, node_value
-from kvpp_fx.passes.pass_config import PassConfig, cache_op_stamp
+from kvpp_fx.ops import is_routed_op, kvpp_op_kind
+from kvpp_fx.passes.pass_config import KVPPPassError, PassConfig, cache_op_stamp, node_value
+from kvpp_fx.schedule import WAIT
 from kvpp_fx.passes.registry import (
     AttentionOpSpec,
     HeadSeparable,
@@ -103,12 +103,13 @@ def resolve_heads(node: torch.fx.Node, rule: HeadSeparable) -> tuple[tuple[int |
     return tuple(heads)
 
 
-def route_owner_ops(gm: torch.fx.GraphModule, config: PassConfig, routed_op: Callable[..., Any]) -> RouteResult:
+def route_owner_ops(gm: torch.fx.GraphModule, config: PassConfig,
+                    routed_op: Callable[..., Any]) -> RouteResult:
     """Route `gm`'s graph in place (see the module docstring); the caller regenerates ``gm.code``.
     ``routed_op(op, layer, heads=(), output_dim=None, output_like=0, token_dims=None, rows=None)`` makes
     the graph target of a routed op."""
     graph = gm.graph
-    waits = {n.args[0]: n for n in graph.nodes if n.op == "call_function" and n.target == WAIT}
+    waits = {n.args[0]: n for n in graph.nodes if n.op == "call_function" and kvpp_op_kind(n.target) == WAIT}
     if not waits:
         return RouteResult(False, "no kvpp.wait in the graph")
     if any(is_routed_op(n.target) for n in graph.nodes if n.op == "call_function"):

@@ -49,10 +49,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from kvpp_fx.ops import is_routed_op
-from kvpp_fx.passes.insert import KVPPPassError, is_kvpp_handle
-from kvpp_fx.schedule import LayerSchedule, ScheduleStep
-from kvpp_fx.passes.pass_config import PassConfig
+from kvpp_fx.ops import is_routed_op, kvpp_op_kind
+from kvpp_fx.schedule import ENTER_LAYER, PREFETCH, WAIT, LayerSchedule, ScheduleStep
+from kvpp_fx.passes.pass_config import KVPPPassError, PassConfig, is_kvpp_handle
 from kvpp_fx.passes.registry import (
     AttentionOpSpec,
     HeadSeparable,
@@ -66,11 +65,6 @@ from kvpp_fx.passes.registry import (
     run_time_layer_input,
 )
 
-KVPP_KINDS = {torch.ops.kvpp.wait.default: "wait", torch.ops.kvpp.wait: "wait",
-              torch.ops.kvpp.prefetch.default: "prefetch", torch.ops.kvpp.prefetch: "prefetch",
-              torch.ops.kvpp.enter_layer.default: "enter", torch.ops.kvpp.enter_layer: "enter"}
-
-
 class KVPPGraphVerificationError(KVPPPassError):
     """A rewritten graph breaks one of the KVPP invariants."""
 
@@ -82,12 +76,7 @@ class KVPPGraphVerificationError(KVPPPassError):
 
 
 def _kvpp_kind(node: torch.fx.Node) -> str | None:
-    if node.op != "call_function":
-        return None
-    try:
-        return KVPP_KINDS.get(node.target)
-    except TypeError:  # an unhashable target
-        return None
+    return kvpp_op_kind(node.target) if node.op == "call_function" else None
 
 
 def _is_routed_wait(wait: torch.fx.Node) -> bool:
@@ -144,11 +133,11 @@ class GraphFacts:
             if node.op != "call_function":
                 continue
             kind = _kvpp_kind(node)
-            if kind == "enter":
+            if kind == ENTER_LAYER:
                 enters.append(node)
                 continue
             if kind is not None:
-                (waits if kind == "wait" else prefetches).append(node)
+                (waits if kind == WAIT else prefetches).append(node)
                 kvpp_in_order.append((kind, node))
                 continue
             spec = config.matcher(node)
@@ -201,7 +190,7 @@ def check_counts(g: GraphFacts) -> Iterator[str]:
         awaited = sum(w.args[0] == layer for w in g.waits)
         if awaited != 1:
             yield f"layer {layer} is awaited {awaited} times, expected once."
-    expected = [step.layer for step in g.expected if step.kind == "prefetch"]
+    expected = [step.layer for step in g.expected if step.kind == PREFETCH]
     prefetched = [p.args[0] for p in g.prefetches]
     for layer in dict.fromkeys(expected + prefetched):
         got, want = prefetched.count(layer), expected.count(layer)
@@ -223,7 +212,7 @@ def check_outstanding(g: GraphFacts) -> Iterator[str]:
         layer = node.args[0]
         if not g.schedule.is_target(layer):
             continue
-        if kind == "prefetch":
+        if kind == PREFETCH:
             if pending is not None:
                 yield f"{node.name} prefetches layer {layer} while layer {pending}'s prefetch is still outstanding."
             pending = layer
@@ -300,7 +289,7 @@ def check_tables(g: GraphFacts) -> Iterator[str]:
     for op, source in ops:
         if source is None or g.position[source] > g.position[op.node]:  # reported by binding
             continue
-        caches = source.args[2] if _kvpp_kind(source) == "wait" else source.args[1]
+        caches = source.args[2] if _kvpp_kind(source) == WAIT else source.args[1]
         tables, kinds = _tables_of(source)
         for operand in op.spec.tables:
             read = get_arg(op.node, operand.arg)
@@ -315,7 +304,7 @@ def check_tables(g: GraphFacts) -> Iterator[str]:
 
 def _tables_of(node: torch.fx.Node) -> tuple[list, list]:
     """A wait's or enter's ``tables`` and ``table_kinds`` (keywords, or the trailing positionals)."""
-    first = 5 if _kvpp_kind(node) == "wait" else 3
+    first = 5 if _kvpp_kind(node) == WAIT else 3
     tables = node.kwargs.get("tables", node.args[first] if len(node.args) > first else None) or []
     kinds = node.kwargs.get("table_kinds", node.args[first + 1] if len(node.args) > first + 1 else None) or []
     return list(tables), list(kinds)
@@ -328,10 +317,10 @@ def check_originals(g: GraphFacts) -> Iterator[str]:
                   and is_kvpp_handle(n.meta.get("val", n.meta.get("example_value")))}
     for value in sorted(originals, key=g.position.__getitem__):
         for user in value.users:
-            if _kvpp_kind(user) not in ("wait", "enter"):
+            if _kvpp_kind(user) not in (WAIT, ENTER_LAYER):
                 yield (f"{user.name} reads the original cache value {value.name}; only kvpp.wait (or "
                        "kvpp.enter_layer) may read it.")
-        layers_of_value = sorted({user.args[0] for user in value.users if _kvpp_kind(user) == "wait"})
+        layers_of_value = sorted({user.args[0] for user in value.users if _kvpp_kind(user) == WAIT})
         if len(layers_of_value) > 1:
             yield (f"the original cache value {value.name} is awaited as the cache of layers {layers_of_value}; "
                    "each layer's cache is its own.")

@@ -266,14 +266,14 @@ def test_v2_step_batch_from_a_real_input_batch():
 
 
 def test_owner_rows_are_refused_where_vllm_cannot_run_them():
-    from kvpp_fx.integrations.vllm.owner_rows import OWNER_CAPABLE_BACKENDS, OwnerRowsUnsupportedError, \
-        why_not_owner_capable
+    from kvpp_fx.integrations.vllm.owner_rows import OwnerRowsUnsupportedError, why_not_owner_capable
     from kvpp_fx.integrations.vllm.state import EngineState
     from kvpp_fx.integrations.vllm.attention import set_mode as _set_mode
 
-    assert why_not_owner_capable({"CPU_MLA"}, "mla", 1) is None and OWNER_CAPABLE_BACKENDS == ("CPU_MLA",)
-    assert "TRITON_MLA builds its decode metadata" in why_not_owner_capable({"TRITON_MLA"}, "mla", 1)
+    assert why_not_owner_capable({"CPU_MLA"}, "mla", 1) is None
+    assert why_not_owner_capable({"TRITON_MLA"}, "mla", 1) is None
     assert "AMX_MLA builds its decode metadata" in why_not_owner_capable({"AMX_MLA", "CPU_MLA"}, "mla", 1)
+    assert "quantizes the queries" in why_not_owner_capable({"FLASHMLA"}, "mla", 1, quantized_queries=True)
     assert "SFA" in why_not_owner_capable({"CPU_MLA"}, "sfa", 1)
     assert "prefill context parallelism" in why_not_owner_capable({"CPU_MLA"}, "mla", 2)
     state = EngineState(KVPPConfig(enable_kvpp=True, tp=2), None, owner_blocker="the model is SFA")
@@ -690,17 +690,21 @@ def test_a_triton_mla_owner_call_over_every_ranks_heads_equals_each_ranks_own_ca
 
 def test_owner_calls_get_their_own_metadata_where_the_backend_sizes_it_by_heads():
     """FLASH_ATTN_MLA's ahead-of-time scheduler metadata is sized for the rank's heads: owner calls run without
-    it (FA3 plans the call itself); vLLM's object stays as it is. FLASHMLA (needs its CUDA extension to import)
-    gets a fresh FlashMLASchedMeta the same way. Other backends read vLLM's metadata unchanged."""
+    it (FA3 plans the call itself); vLLM's object stays as it is. FLASH_ATTN_MLA and FLASHMLA import only with
+    their CUDA extensions, so their decode metadata stands in here with vLLM's common fields and the one
+    field KVPP replaces (`scheduler_metadata`). Other backends read vLLM's metadata unchanged."""
     import dataclasses
 
-    from vllm.v1.attention.backends.mla.flashattn_mla import FlashAttnMLADecodeMetadata
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonDecodeMetadata
 
     from kvpp_fx.integrations.vllm.backends import owner_metadata
 
+    @dataclasses.dataclass
+    class FlashAttnMLADecodeMetadata(MLACommonDecodeMetadata):  # vLLM's, less the fields KVPP does not touch
+        scheduler_metadata: torch.Tensor | None = None
+
     decode = FlashAttnMLADecodeMetadata(block_table=torch.zeros(2, 4, dtype=torch.int32),
                                         seq_lens=torch.tensor([5, 9]), dcp_tot_seq_lens=None,
-                                        query_start_loc=torch.tensor([0, 1, 2]), max_query_len=1, max_seq_len=9,
                                         scheduler_metadata=torch.ones(8, dtype=torch.int32))
     metadata = types.SimpleNamespace(decode=decode)
 
@@ -748,12 +752,13 @@ def test_triton_mla_workspace_holds_owner_calls_once_kvpp_reserved_it(monkeypatc
     monkeypatch.setattr("vllm.platforms.current_platform.num_compute_units", lambda *a: 8, raising=False)
     monkeypatch.setattr("vllm.v1.attention.backends.mla.triton_mla.current_platform.num_compute_units",
                         lambda *a: 8, raising=False)
+    class Builder(types.SimpleNamespace):  # what TRITON_MLA's builder reads; its own reservation method
+        _reserve_attn_logits_workspace = TritonMLAMetadataBuilder._reserve_attn_logits_workspace
+
     config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=64))
-    builder = types.SimpleNamespace(vllm_config=config, reorder_batch_threshold=1, num_heads=16, dcp_world_size=1,
-                                    model_config=types.SimpleNamespace(max_model_len=131072),
-                                    mla_dims=types.SimpleNamespace(kv_lora_rank=512))
-    builder._reserve_attn_logits_workspace = types.MethodType(TritonMLAMetadataBuilder._reserve_attn_logits_workspace,
-                                                              builder)
+    builder = Builder(vllm_config=config, reorder_batch_threshold=1, num_heads=16, dcp_world_size=1,
+                      model_config=types.SimpleNamespace(max_model_len=131072),
+                      mla_dims=types.SimpleNamespace(kv_lora_rank=512))
     group = types.SimpleNamespace(backend=types.SimpleNamespace(get_name=lambda: "TRITON_MLA"),
                                   metadata_builders=[builder])
     splits = _compute_num_kv_splits(131072, 8)

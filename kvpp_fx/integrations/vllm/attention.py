@@ -118,8 +118,8 @@ def hook_attention(runner: Any, state: EngineState) -> int:
                  if index in targets and vplan.component[name] != INDEXER_COMPONENT}
     mla = [layer for layer in attention.values() if isinstance(layer, MLAAttention)]
     backends = {layer.get_attn_backend().get_name() for layer in mla}
-    quantized = any(getattr(layer.impl, "supports_quant_query_input", False) and is_quantized_kv_cache(layer.kv_cache_dtype)
-                    for layer in mla)
+    quantized = any(getattr(layer.impl, "supports_quant_query_input", False)
+                    and is_quantized_kv_cache(layer.kv_cache_dtype) for layer in mla)
     config = state.config
     state.owner_blocker = owner_rows.why_not_owner_capable(
         backends, model_kind_of(runner.model_config), config.pcp, quantized) if config.size > 1 else "KVPP is off"

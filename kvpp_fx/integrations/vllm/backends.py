@@ -101,7 +101,8 @@ def owner_metadata(backend: str, metadata: Any) -> Any:
     if backend == "FLASHMLA":
         from vllm.v1.attention.backends.mla.flashmla import FlashMLASchedMeta
 
-        return dataclasses.replace(metadata, decode=dataclasses.replace(decode, scheduler_metadata=FlashMLASchedMeta()))
+        fresh = dataclasses.replace(decode, scheduler_metadata=FlashMLASchedMeta())
+        return dataclasses.replace(metadata, decode=fresh)
     if backend == "FLASH_ATTN_MLA":
         return dataclasses.replace(metadata, decode=dataclasses.replace(decode, scheduler_metadata=None))
     return metadata

@@ -70,7 +70,8 @@ def attention_shape(model_config: Any) -> AttentionShape:
                           int(hf.kv_lora_rank), itemsize)
 
 
-def why_not_owner_capable(backends: set[str], model_kind: str, pcp: int, quantized_queries: bool = False) -> str | None:
+def why_not_owner_capable(backends: set[str], model_kind: str, pcp: int,
+                          quantized_queries: bool = False) -> str | None:
     """Why this engine's decode rows cannot go to the owner, or None when they can (`backends.owner_blocker`
     for each attention backend)."""
     if model_kind != "mla":
