@@ -97,6 +97,15 @@ def is_kvpp_op(target: object) -> bool:
     return kvpp_op_kind(target) is not None
 
 
+def kvpp_nodes(graph: Any, *kinds: str) -> list[Any]:
+    """The graph's kvpp op nodes (of `kinds`, default every kind), in graph order, from fx's index of its
+    nodes by target rather than a walk over every node."""
+    wanted = [target for target, kind in _KINDS.items() if not kinds or kind in kinds]
+    found = [node for target in wanted for node in graph.find_nodes(op="call_function", target=target, sort=False)]
+    order = {node: i for i, node in enumerate(graph.nodes)} if len(found) > 1 else {}
+    return sorted(found, key=order.__getitem__) if order else found
+
+
 def routed_op_of(target: object) -> Any:
     """The registered op a routed graph target routes, or None for any other target."""
     return getattr(target, ROUTED_ATTRIBUTE, None)

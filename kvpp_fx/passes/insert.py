@@ -45,7 +45,7 @@ import torch
 import torch.fx
 
 from kvpp_fx import ops
-from kvpp_fx.ops import is_kvpp_op
+from kvpp_fx.ops import kvpp_nodes
 from kvpp_fx.schedule import LayerSchedule, ScheduleStep
 from kvpp_fx.passes.pass_config import KVPPPassError, NodeStamp, PassConfig, is_kvpp_handle, node_value, stamp
 from kvpp_fx.passes.registry import (
@@ -118,7 +118,7 @@ class InsertResult:
 
 
 def handle_placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    return [n for n in graph.nodes if n.op == "placeholder" and is_kvpp_handle(node_value(n))]
+    return [n for n in graph.find_nodes(op="placeholder") if is_kvpp_handle(node_value(n))]
 
 
 def resolve_layer(node: torch.fx.Node, spec: AttentionOpSpec, schedule: LayerSchedule) -> tuple[int, str]:
@@ -208,7 +208,7 @@ def insert_kvpp_ops(gm: torch.fx.GraphModule, config: PassConfig, *, graph_break
     graph = gm.graph
     nodes = list(graph.nodes)
     resolved = resolve_cache_ops(nodes, config)
-    if any(n.op == "call_function" and is_kvpp_op(n.target) for n in nodes):
+    if kvpp_nodes(graph):
         _stamp_cache_ops(resolved)
         return InsertResult(changed=False, layers=())
     if any(op.source is not None for op in resolved):

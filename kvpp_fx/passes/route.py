@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from kvpp_fx.ops import is_routed_op, kvpp_op_kind
+from kvpp_fx.ops import is_routed_op, kvpp_nodes
 from kvpp_fx.passes.pass_config import KVPPPassError, PassConfig, cache_op_stamp, node_value
 from kvpp_fx.schedule import WAIT
 from kvpp_fx.passes.registry import (
@@ -109,7 +109,7 @@ def route_owner_ops(gm: torch.fx.GraphModule, config: PassConfig,
     ``routed_op(op, layer, heads=(), output_dim=None, output_like=0, token_dims=None, rows=None)`` makes
     the graph target of a routed op."""
     graph = gm.graph
-    waits = {n.args[0]: n for n in graph.nodes if n.op == "call_function" and kvpp_op_kind(n.target) == WAIT}
+    waits = {n.args[0]: n for n in kvpp_nodes(graph, WAIT)}
     if not waits:
         return RouteResult(False, "no kvpp.wait in the graph")
     if any(is_routed_op(n.target) for n in graph.nodes if n.op == "call_function"):
