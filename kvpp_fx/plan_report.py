@@ -155,7 +155,26 @@ def plan_report(plan: KVPPPlan, available_bytes: int, *, max_model_len: int | No
         unsharded = plan.with_(shard_draft_layers=False)
         base = unsharded.num_blocks(available_bytes)
         report["draft_sharding_gain"] = blocks / base if base else None
+    if plan.compact:
+        report["vllm_backends"] = vllm_backends(plan, available_bytes)
     return report
+
+
+def vllm_backends(plan: KVPPPlan, available_bytes: int) -> dict[str, dict[str, Any]]:
+    """Per vLLM MLA backend: whether its decode rows go to their owners, hence the slots vLLM takes with it
+    (compact only where every history row can go to its owner) and the capacity at this plan's block size.
+    An fp8 cache keeps whole-layer slots on the backends that quantize their queries for it."""
+    from kvpp_fx.integrations.vllm.backends import BACKENDS, owner_blocker
+
+    fp8 = any(c.dtype in ("uint8", "float8_e4m3fn") for layer in plan.spec.layers for c in layer.components)
+    out = {}
+    for name, support in BACKENDS.items():
+        why = owner_blocker(name, quantized_queries=fp8 and name not in ("CPU_MLA", "TRITON_MLA"))
+        chosen = plan if why is None else plan.whole_layer()
+        out[name] = {"owner_rows": why is None, "slots": "compact" if why is None else "whole-layer",
+                     "capacity_ratio": chosen.capacity_ratio(available_bytes), "why": why or support.how,
+                     "vllm_block_size": support.block_size}
+    return out
 
 
 def transfer_cost(plan: KVPPPlan, num_blocks: int, context_tokens: int, link_gb_per_s: float) -> dict[str, Any]:
@@ -252,6 +271,16 @@ def format_plan_table(report: dict[str, Any]) -> str:
             lines.append(f"owner mode: not available ({cost['owner_mode_unavailable']})")
     if "draft_sharding_gain" in report:
         lines.append(f"draft sharding gain over local drafts: {report['draft_sharding_gain']:.3f}x")
+    backends = report.get("vllm_backends")
+    if backends:
+        lines += ["", f"in vLLM, per MLA backend (compact slots need decode rows on their owners; at block size "
+                      f"{report['block_size']}; the backend's own block size in brackets):"]
+        for name, b in backends.items():
+            lines.append(f"  {name:<15} [{b['vllm_block_size']:>3}] {b['slots']:>11} slots {b['capacity_ratio']:7.3f}x"
+                         f"  {'owner rows: ' if b['owner_rows'] else 'no owner rows: '}{b['why']}")
+        lines.append("  and only where no prefill row reads history: vLLM's CUDA defaults (chunked prefill, prefix "
+                     "caching on) keep whole-layer slots; set enable_chunked_prefill=False, "
+                     "enable_prefix_caching=False, and no speculative decoding, for compact ones")
     return "\n".join(lines)
 
 

@@ -160,9 +160,13 @@ def test_a_step_beyond_the_crossover_is_costed_whole_layer(capsys):
 V3_OWNER_BYTES_PER_TOKEN = 7 * 16 * (576 + 512) * 2    # 7 of 8 ranks x 16 heads x (q + out) values x bf16
 
 
-def plan_json(capsys, *args):
+def plan_report_json(capsys, *args):
     assert main(["plan", "--json", *args]) == 0
-    return json.loads(capsys.readouterr().out)["transfer_cost"]
+    return json.loads(capsys.readouterr().out)
+
+
+def plan_json(capsys, *args):
+    return plan_report_json(capsys, *args)["transfer_cost"]
 
 
 def test_plan_long_decode_prints_owner_bytes_and_picks_owner(capsys):
@@ -292,3 +296,21 @@ def test_the_least_kv_memory_holds_one_block_and_one_byte_less_none():
     assert plan_report(plan, least)["engine_blocks"] == plan.num_blocks(least)
     with pytest.raises(KVMemoryTooSmallError, match=f"minimum is .* [(]{least:,} bytes[)]"):
         plan_report(plan, least - 1)
+
+
+def test_plan_says_per_vllm_backend_whether_compact_slots_apply(capsys):
+    """DeepSeek-V3 at TP 8, 64 GiB, 128K and FlashMLA's block size: compact slots on every owner-capable vLLM
+    backend (FlashMLA at least 7.4x), whole-layer slots on AMX_MLA. The control: an fp8 cache, whose queries
+    FlashMLA quantizes, keeps whole-layer slots there while TRITON_MLA (unquantized queries) keeps compact ones."""
+    common = ("--model", "deepseek-v3", "--tp", "8", "--kv-memory", "64GiB", "--block-size", "64",
+              "--max-model-len", "131072")
+    backends = plan_report_json(capsys, *common)["vllm_backends"]
+    flashmla = backends["FLASHMLA"]
+    assert flashmla["owner_rows"] and flashmla["slots"] == "compact" and flashmla["capacity_ratio"] >= 7.4
+    assert flashmla["vllm_block_size"] == 64
+    assert backends["AMX_MLA"]["slots"] == "whole-layer" and 6.0 < backends["AMX_MLA"]["capacity_ratio"] < 6.2
+    assert {name for name, b in backends.items() if b["owner_rows"]} >= {"TRITON_MLA", "FLASHMLA", "CPU_MLA"}
+    fp8 = plan_report_json(capsys, *common, "--kv-dtype", "fp8")["vllm_backends"]
+    assert fp8["FLASHMLA"]["slots"] == "whole-layer" and "quantizes the queries" in fp8["FLASHMLA"]["why"]
+    assert fp8["TRITON_MLA"]["slots"] == "compact"
+    assert "vllm_backends" not in plan_report_json(capsys, *common[:-2])  # whole-layer slots: nothing to choose

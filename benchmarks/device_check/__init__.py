@@ -49,12 +49,14 @@ HERE = Path(__file__).resolve().parent.parent  # benchmarks/
 ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # the working tree's kvpp_fx, whatever is installed
     sys.path.insert(1, str(ROOT))
+if str(HERE) not in sys.path:  # the other benchmarks' modules (runtime_overhead), as when run from benchmarks/
+    sys.path.insert(2, str(HERE))
 
 
 GPU_RESULT = HERE / "results" / "device_check.json"
 SMOKE_RESULT = Path(tempfile.gettempdir()) / "kvpp-device-check-smoke.json"
 CPU_OVERHEAD = HERE / "results" / "runtime_overhead.json"
-CHECKS = ("ordering", "overlap", "host_time", "end_to_end")
+CHECKS = ("ordering", "overlap", "host_time", "end_to_end", "owner_kernels")
 WORLD = 2
 STALL_MS = 5.0  # far above a small gloo transfer (~0.1-0.3 ms), so an unordered access shows every time
 LATE_MS = 20.0  # how late a slow link's bytes land: far above a compute step that does not wait for them

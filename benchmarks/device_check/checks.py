@@ -543,3 +543,83 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+
+
+# --- owner calls on vLLM's GPU MLA kernels -----------------------------------------------------------------
+
+OWNER_KERNEL_SHAPE = {"heads_per_rank": 16, "group": 8, "batch": 4, "blocks": 64, "block_size": 64}
+
+
+def owner_kernels_worker(rank: int, world: int, device_type: str) -> dict[str, Any]:
+    """One rank (the others idle): vLLM's own ``forward_mqa`` of TRITON_MLA and FLASHMLA (bf16) on the device,
+    an owner call over a group's heads (DeepSeek-V3 under TP 8: 16 heads per rank, 8 ranks) against each
+    rank's own call, with the owner-call metadata KVPP gives (`backends.owner_metadata`); for FLASHMLA the
+    control too: vLLM's one scheduling metadata for both head counts. Needs vLLM on the machine."""
+    if rank != 0:
+        return {}
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return {"skipped": "vLLM is not installed on this machine (the device check carries no vLLM wheel)"}
+    if device_type != "cuda":
+        return {"skipped": "vLLM's GPU MLA kernels need a GPU (make test runs TRITON_MLA's under Triton's "
+                           "interpreter on CPU)"}
+    out = {}
+    for backend in ("TRITON_MLA", "FLASHMLA"):
+        try:
+            out[backend] = _owner_kernel(backend, torch.device("cuda", 0))
+        except Exception as exc:  # a kernel that does not import or run here is named, not hidden
+            out[backend] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    return out
+
+
+def _owner_kernel(backend: str, device: torch.device) -> dict[str, Any]:
+    import types
+
+    from kvpp_fx.integrations.vllm.backends import owner_metadata
+
+    s = OWNER_KERNEL_SHAPE
+    h, g, b, block = s["heads_per_rank"], s["group"], s["batch"], s["block_size"]
+    torch.manual_seed(0)
+    cache = torch.randn(s["blocks"], block, 576, device=device, dtype=torch.bfloat16)
+    table = torch.randperm(s["blocks"], device=device, dtype=torch.int32)[: b * 8].view(b, 8)
+    seq_lens = torch.tensor([block * 8 - 5, 100, 257, 33][:b], device=device, dtype=torch.int32)
+    queries = [torch.randn(b, h, 576, device=device, dtype=torch.bfloat16) for _ in range(g)]
+    layer = types.SimpleNamespace(_k_scale=torch.ones((), device=device), _q_scale=torch.ones((), device=device))
+    if backend == "TRITON_MLA":
+        from vllm.platforms import current_platform
+        from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl as Impl
+
+        impl = types.SimpleNamespace(kv_lora_rank=512, scale=0.07, dcp_world_size=1,
+                                     _sm_count=current_platform.num_compute_units())
+
+        def metadata():
+            decode = types.SimpleNamespace(block_table=table, seq_lens=seq_lens)
+            return types.SimpleNamespace(decode=decode, max_seq_len=int(seq_lens.max()), causal=True)
+    else:
+        from vllm.v1.attention.backends.mla.flashmla import FlashMLADecodeMetadata, FlashMLAImpl as Impl
+        from vllm.v1.attention.ops.flashmla import FlashMLASchedMeta
+
+        impl = types.SimpleNamespace(kv_lora_rank=512, scale=0.07, kv_cache_dtype="auto",
+                                     need_to_return_lse_for_decode=False)
+
+        def metadata():
+            decode = FlashMLADecodeMetadata(block_table=table, seq_lens=seq_lens, dcp_tot_seq_lens=None,
+                                            scheduler_metadata=FlashMLASchedMeta())
+            return types.SimpleNamespace(decode=decode, num_decodes=b)
+
+    step = metadata()  # one step: the ranks' own calls and the owner call share vLLM's metadata object
+    own = [Impl.forward_mqa(impl, q, cache, step, layer)[0].float() for q in queries]
+    owner_md = owner_metadata(backend, step)
+    full = Impl.forward_mqa(impl, torch.cat(queries, dim=1), cache, owner_md, layer)[0].float()
+    diff = max(float((part - mine).abs().max()) for part, mine in zip(full.split(h, dim=1), own))
+    result = {"max_abs_diff": diff, "heads": [h, h * g], "owner_metadata_own": owner_md is not step}
+    if backend == "FLASHMLA":  # the control: vLLM's one metadata object for both head counts
+        shared = metadata()
+        Impl.forward_mqa(impl, queries[0], cache, shared, layer)
+        try:
+            Impl.forward_mqa(impl, torch.cat(queries, dim=1), cache, shared, layer)
+            result["shared_metadata"] = "ran"
+        except Exception as exc:
+            result["shared_metadata"] = f"{type(exc).__name__}"
+    return result

@@ -17,7 +17,8 @@ import torch
 import benchmarks.device_check as package
 from benchmarks.device_check import (CHECKS, CPU_OVERHEAD, GPU_RESULT, LATE_MS, OVERLAP_GOAL, ROOT, SMOKE_RESULT,
                                      STALL_MS, WORLD)
-from benchmarks.device_check.checks import ORDER_SCENARIOS, end_to_end_worker, ordering_worker, overlap_worker
+from benchmarks.device_check.checks import (ORDER_SCENARIOS, end_to_end_worker, ordering_worker, overlap_worker,
+                                            owner_kernels_worker)
 from benchmarks.device_check.preflight import preflight, use_wheels
 
 
@@ -185,6 +186,28 @@ def _cpu_overhead() -> str:
         return "unavailable (benchmarks/results/runtime_overhead.json unreadable)"
 
 
+def judge_owner_kernels(results: list[dict[str, Any]], cuda: bool) -> Check:
+    """Owner calls on vLLM's GPU MLA kernels: each backend's owner call equals the ranks' own calls (bf16, each
+    kernel's rounding), and FLASHMLA's shared metadata, the control, fails."""
+    res = results[0]
+    if "skipped" in res:
+        return Check("owner_kernels", "SKIP", res["skipped"], res)
+    parts, ok = [], True
+    for backend, r in res.items():
+        if "error" in r:
+            ok = False
+            parts.append(f"{backend}: {r['error']}")
+            continue
+        good = r["max_abs_diff"] <= 2e-2 and r["owner_metadata_own"] == (backend == "FLASHMLA")
+        if backend == "FLASHMLA":
+            good = good and r["shared_metadata"] != "ran"
+        ok = ok and good
+        parts.append(f"{backend} ran: owner call over {r['heads'][1]} heads vs {r['heads'][0]}-head calls, max |diff| "
+                     f"{r['max_abs_diff']:.1e}" + (f"; control (one metadata for both): {r['shared_metadata']}"
+                                                   if backend == "FLASHMLA" else ""))
+    return Check("owner_kernels", "PASS" if ok else "FAIL", "; ".join(parts), res)
+
+
 COULD_NOT_RUN = (
     "device ordering: on CPU streams and events are no-ops, so the stalls are absent and only the bytes "
     "were checked",
@@ -266,6 +289,9 @@ def run_checks(wanted: list[str], device_type: str, cuda: bool, inner: str, dead
             if overlap_results is None:  # one launch measures both
                 overlap_results = _run(overlap_worker, device_type, not cuda, timeout_s=min(left, limits[name]))
             check = _judged(name, overlap_results, judge_overlap if name == "overlap" else judge_host_time, cuda)
+        elif name == "owner_kernels":
+            check = _judged(name, _run(owner_kernels_worker, device_type, timeout_s=min(left, 150.0)),
+                            judge_owner_kernels, cuda)
         else:
             check = _judged(name, _run(end_to_end_worker, device_type, inner, timeout_s=left, pg_timeout_s=180.0),
                             judge_end_to_end, cuda, inner)
