@@ -169,7 +169,11 @@ def vllm_backends(plan: KVPPPlan, available_bytes: int) -> dict[str, dict[str, A
     fp8 = any(c.dtype in ("uint8", "float8_e4m3fn") for layer in plan.spec.layers for c in layer.components)
     out = {}
     for name, support in BACKENDS.items():
-        why = owner_blocker(name, quantized_queries=fp8 and name not in ("CPU_MLA", "TRITON_MLA"))
+        if fp8 and support.fp8_cache == "none":
+            out[name] = {"owner_rows": False, "slots": None, "capacity_ratio": None,
+                         "why": f"{name} has no fp8 KV cache in vLLM 0.32", "vllm_block_size": support.block_size}
+            continue
+        why = owner_blocker(name, quantized_queries=fp8 and support.fp8_cache == "quantized queries")
         chosen = plan if why is None else plan.whole_layer()
         out[name] = {"owner_rows": why is None, "slots": "compact" if why is None else "whole-layer",
                      "capacity_ratio": chosen.capacity_ratio(available_bytes), "why": why or support.how,
@@ -276,6 +280,9 @@ def format_plan_table(report: dict[str, Any]) -> str:
         lines += ["", f"in vLLM, per MLA backend (compact slots need decode rows on their owners; at block size "
                       f"{report['block_size']}; the backend's own block size in brackets):"]
         for name, b in backends.items():
+            if b["slots"] is None:
+                lines.append(f"  {name:<15} [{b['vllm_block_size']:>3}] {'-':>11}       {'-':>7}   {b['why']}")
+                continue
             lines.append(f"  {name:<15} [{b['vllm_block_size']:>3}] {b['slots']:>11} slots {b['capacity_ratio']:7.3f}x"
                          f"  {'owner rows: ' if b['owner_rows'] else 'no owner rows: '}{b['why']}")
         lines.append("  and only where no prefill row reads history: vLLM's CUDA defaults (chunked prefill, prefix "

@@ -313,4 +313,5 @@ def test_plan_says_per_vllm_backend_whether_compact_slots_apply(capsys):
     fp8 = plan_report_json(capsys, *common, "--kv-dtype", "fp8")["vllm_backends"]
     assert fp8["FLASHMLA"]["slots"] == "whole-layer" and "quantizes the queries" in fp8["FLASHMLA"]["why"]
     assert fp8["TRITON_MLA"]["slots"] == "compact"
+    assert fp8["CPU_MLA"]["slots"] is None and "no fp8 KV cache" in fp8["CPU_MLA"]["why"]
     assert "vllm_backends" not in plan_report_json(capsys, *common[:-2])  # whole-layer slots: nothing to choose

@@ -553,7 +553,7 @@ OWNER_KERNEL_SHAPE = {"heads_per_rank": 16, "group": 8, "batch": 4, "blocks": 64
 def owner_kernels_worker(rank: int, world: int, device_type: str) -> dict[str, Any]:
     """One rank (the others idle): vLLM's own ``forward_mqa`` of TRITON_MLA and FLASHMLA (bf16) on the device,
     an owner call over a group's heads (DeepSeek-V3 under TP 8: 16 heads per rank, 8 ranks) against each
-    rank's own call, with the owner-call metadata KVPP gives (`backends.owner_metadata`); for FLASHMLA the
+    rank's own call, as KVPP runs it (`backends.owner_call`, `backends.owner_metadata`); for FLASHMLA the
     control too: vLLM's one scheduling metadata for both head counts. Needs vLLM on the machine."""
     if rank != 0:
         return {}
@@ -574,9 +574,10 @@ def owner_kernels_worker(rank: int, world: int, device_type: str) -> dict[str, A
 
 
 def _owner_kernel(backend: str, device: torch.device) -> dict[str, Any]:
+    import dataclasses
     import types
 
-    from kvpp_fx.integrations.vllm.backends import owner_metadata
+    from kvpp_fx.integrations.vllm.backends import owner_call, owner_metadata
 
     s = OWNER_KERNEL_SHAPE
     h, g, b, block = s["heads_per_rank"], s["group"], s["batch"], s["block_size"]
@@ -603,22 +604,30 @@ def _owner_kernel(backend: str, device: torch.device) -> dict[str, Any]:
         impl = types.SimpleNamespace(kv_lora_rank=512, scale=0.07, kv_cache_dtype="auto",
                                      need_to_return_lse_for_decode=False)
 
+        @dataclasses.dataclass
+        class Metadata:  # FlashMLAMetadata, less the common fields its forward_mqa does not read
+            decode: FlashMLADecodeMetadata
+            num_decodes: int
+
         def metadata():
             decode = FlashMLADecodeMetadata(block_table=table, seq_lens=seq_lens, dcp_tot_seq_lens=None,
                                             scheduler_metadata=FlashMLASchedMeta())
-            return types.SimpleNamespace(decode=decode, num_decodes=b)
+            return Metadata(decode, b)
+
+    def forward_mqa(q, md):
+        return Impl.forward_mqa(impl, q, cache, md, layer)[0]
 
     step = metadata()  # one step: the ranks' own calls and the owner call share vLLM's metadata object
-    own = [Impl.forward_mqa(impl, q, cache, step, layer)[0].float() for q in queries]
+    own = [forward_mqa(q, step).float() for q in queries]
     owner_md = owner_metadata(backend, step)
-    full = Impl.forward_mqa(impl, torch.cat(queries, dim=1), cache, owner_md, layer)[0].float()
+    full = owner_call(backend, forward_mqa, torch.cat(queries, dim=1), owner_md, h).float()
     diff = max(float((part - mine).abs().max()) for part, mine in zip(full.split(h, dim=1), own))
     result = {"max_abs_diff": diff, "heads": [h, h * g], "owner_metadata_own": owner_md is not step}
     if backend == "FLASHMLA":  # the control: vLLM's one metadata object for both head counts
         shared = metadata()
-        Impl.forward_mqa(impl, queries[0], cache, shared, layer)
+        forward_mqa(queries[0], shared)
         try:
-            Impl.forward_mqa(impl, torch.cat(queries, dim=1), cache, shared, layer)
+            forward_mqa(torch.cat(queries, dim=1), shared)
             result["shared_metadata"] = "ran"
         except Exception as exc:
             result["shared_metadata"] = f"{type(exc).__name__}"

@@ -719,6 +719,68 @@ def test_owner_calls_get_their_own_metadata_where_the_backend_sizes_it_by_heads(
     assert owner_metadata("TRITON_MLA", metadata) is metadata and owner_metadata("CPU_MLA", metadata) is metadata
 
 
+def test_flashmla_owner_calls_share_one_fresh_scheduling_metadata_per_step():
+    """FLASHMLA (bf16) plans its scheduling metadata in the step's first call, for that call's heads, and
+    asserts the same heads in every later call. vLLM's decode metadata and FlashMLASchedMeta (its stand-in
+    where the CUDA extension is absent; the kernel itself needs a GPU): each step's owner calls get one
+    fresh FlashMLASchedMeta, shared by all of that step's owner calls and none of the ranks' own calls; the
+    next step gets another; vLLM's object is unchanged."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.mla.flashmla import FlashMLADecodeMetadata
+    from vllm.v1.attention.ops.flashmla import FlashMLASchedMeta
+
+    from kvpp_fx.config import KVPPConfig
+    from kvpp_fx.integrations.vllm.state import EngineState
+
+    @dataclasses.dataclass
+    class Metadata:  # FlashMLAMetadata, less the common fields KVPP does not touch
+        decode: FlashMLADecodeMetadata
+        num_decodes: int
+
+    def step_metadata():
+        decode = FlashMLADecodeMetadata(block_table=torch.zeros(2, 4, dtype=torch.int32),
+                                        seq_lens=torch.tensor([5, 9]), dcp_tot_seq_lens=None,
+                                        scheduler_metadata=FlashMLASchedMeta())
+        return Metadata(decode, 2)
+
+    state = EngineState(KVPPConfig(enable_kvpp=True, tp=2), vllm_config=None)
+    first = step_metadata()
+    owner = state.owner_metadata("FLASHMLA", first)
+    assert isinstance(owner.decode.scheduler_metadata, FlashMLASchedMeta)
+    assert owner.decode.scheduler_metadata is not first.decode.scheduler_metadata
+    assert owner.decode.block_table is first.decode.block_table and owner.num_decodes == 2
+    assert state.owner_metadata("FLASHMLA", first) is owner  # every owner call of the step
+    state.owner_calls.clear()  # the next step (`step.step_forward`)
+    second = step_metadata()
+    assert state.owner_metadata("FLASHMLA", second).decode.scheduler_metadata is not owner.decode.scheduler_metadata
+
+
+def test_cutlass_and_flashinfer_owner_calls_get_what_their_kernels_size_by_heads():
+    """CUTLASS_MLA computes 128 heads through the query's strides: the owner's query keeps its heads and
+    gets storage for 128 (vLLM's `reserve_query_head_storage`), and more than 128 are refused by name.
+    FLASHINFER_MLA sizes its multi-CTA counter in its first call: the first owner call sizes it again,
+    later ones keep it."""
+    from kvpp_fx.integrations.vllm.backends import before_owner_call, owner_query
+
+    query = torch.randn(3, 64, 576)
+    padded = owner_query("CUTLASS_MLA", query)
+    assert padded.shape == query.shape and torch.equal(padded, query)
+    assert padded.untyped_storage().nbytes() >= 3 * 128 * 576 * 4
+    assert owner_query("FLASHMLA", query) is query
+    with pytest.raises(ValueError, match="CUTLASS_MLA computes at most 128 query heads; an owner call has 129"):
+        owner_query("CUTLASS_MLA", torch.randn(3, 129, 576))
+    impl = types.SimpleNamespace(_mla_counter_bytes=4096)
+    before_owner_call("FLASHINFER_MLA", impl)
+    assert impl._mla_counter_bytes is None
+    impl._mla_counter_bytes = 8192  # sized by the owner call
+    before_owner_call("FLASHINFER_MLA", impl)
+    assert impl._mla_counter_bytes == 8192
+    other = types.SimpleNamespace(_mla_counter_bytes=4096)
+    before_owner_call("TRITON_MLA", other)
+    assert other._mla_counter_bytes == 4096
+
+
 def test_every_cuda_mla_backend_is_owner_capable_or_refused_by_name():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
@@ -738,45 +800,51 @@ def test_every_cuda_mla_backend_is_owner_capable_or_refused_by_name():
     assert "AMX_MLA" in why_not_owner_capable({"TRITON_MLA", "AMX_MLA"}, "mla", 1)
 
 
-def test_triton_mla_workspace_holds_owner_calls_once_kvpp_reserved_it(monkeypatch):
-    """vLLM's WorkspaceManager with TRITON_MLA's own reservation, at DeepSeek-V3's shape under TP 8 (16 heads
-    per rank, kv_lora_rank 512, 128K context; 64 requests, 8 compute units here): after KVPP reserved it again
-    through vLLM's DCP sizing (a builder copy with dcp_world_size x 8) and vLLM locked it, an owner call over
-    the group's 128 heads at the largest batch and context fits. The control: with vLLM's reservation alone,
-    the locked workspace refuses that call, as it would on a GPU once the engine runs."""
+def test_triton_mla_owner_calls_fit_the_workspace_vllm_reserved_for_the_ranks_heads(monkeypatch):
+    """vLLM's WorkspaceManager with TRITON_MLA's own reservation (its metadata builder's, for the rank's 2
+    heads, 4 requests, 64-token context; 4 compute units here), locked as vLLM locks it once the engine runs:
+    the owner's attention over a group of 4 ranks' heads (`backends.owner_call`, vLLM's own forward_mqa and
+    kernel, interpreted) runs one call per rank's heads, each fits, and each rank gets exactly its own call's
+    output. The control: one call over the group's 8 heads needs a larger workspace, which the locked manager
+    refuses. (Reserving that for DeepSeek-V3 at TP 8 with vLLM's default 1024 sequences would take about
+    66 GiB per rank.)"""
     import vllm.v1.worker.workspace as workspace
-    from vllm.v1.attention.backends.mla.triton_mla import TritonMLAMetadataBuilder, _compute_num_kv_splits
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLAMetadataBuilder
 
-    from kvpp_fx.integrations.vllm.backends import reserve_owner_workspaces
+    from kvpp_fx.integrations.vllm.backends import owner_call
 
-    monkeypatch.setattr("vllm.platforms.current_platform.num_compute_units", lambda *a: 8, raising=False)
+    units = 4
+    # the manager hands freed memory back to the accelerator before it grows; a CPU host has none
+    monkeypatch.setattr("torch.accelerator.empty_cache", lambda: None)
     monkeypatch.setattr("vllm.v1.attention.backends.mla.triton_mla.current_platform.num_compute_units",
-                        lambda *a: 8, raising=False)
+                        lambda *a: units, raising=False)
+
     class Builder(types.SimpleNamespace):  # what TRITON_MLA's builder reads; its own reservation method
         _reserve_attn_logits_workspace = TritonMLAMetadataBuilder._reserve_attn_logits_workspace
 
-    config = types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=64))
-    builder = Builder(vllm_config=config, reorder_batch_threshold=1, num_heads=16, dcp_world_size=1,
-                      model_config=types.SimpleNamespace(max_model_len=131072),
+    heads, group, batch = 2, 4, 3
+    builder = Builder(vllm_config=types.SimpleNamespace(scheduler_config=types.SimpleNamespace(max_num_seqs=4)),
+                      reorder_batch_threshold=1, num_heads=heads, dcp_world_size=1,
+                      model_config=types.SimpleNamespace(max_model_len=64),
                       mla_dims=types.SimpleNamespace(kv_lora_rank=512))
-    group = types.SimpleNamespace(backend=types.SimpleNamespace(get_name=lambda: "TRITON_MLA"),
-                                  metadata_builders=[builder])
-    splits = _compute_num_kv_splits(131072, 8)
-    owner_call = ((64, 16 * 8, splits, 512 + 1), torch.float32)
+    torch.manual_seed(0)
+    cache = torch.randn(12, 16, 576)
+    block_table = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11], [4, 8, 6, 10]], dtype=torch.int32)
+    seq_lens = torch.tensor([40, 64, 17], dtype=torch.int32)
+    queries = [torch.randn(batch, heads, 576) for _ in range(group)]
+
+    def forward_mqa(q, metadata):
+        return _triton_mla_call(q, cache, block_table, seq_lens, units)
+
     try:
-        for kvpp in (True, False):
-            workspace.init_workspace_manager(torch.device("cpu"))
-            builder._reserve_attn_logits_workspace()  # vLLM's, when it builds the builder
-            # KVPP's, for a group of 8 (and nothing for a group of one: KVPP off)
-            assert reserve_owner_workspaces([[group]], 8 if kvpp else 1) == (1 if kvpp else 0)
-            workspace.lock_workspace()
-            if kvpp:
-                (logits,) = workspace.current_workspace_manager().get_simultaneous(owner_call)
-                assert logits.shape == owner_call[0]
-                assert builder.dcp_world_size == 1  # vLLM's builder is not changed
-            else:
-                with pytest.raises(AssertionError, match="Workspace is locked"):
-                    workspace.current_workspace_manager().get_simultaneous(owner_call)
-            workspace.reset_workspace_manager()
+        workspace.init_workspace_manager(torch.device("cpu"))
+        builder._reserve_attn_logits_workspace()
+        workspace.lock_workspace()
+        own = [forward_mqa(q, None) for q in queries]
+        full = owner_call("TRITON_MLA", forward_mqa, torch.cat(queries, dim=1), None, heads)
+        assert full.shape == (batch, heads * group, 512)
+        assert all(torch.equal(part, mine) for part, mine in zip(full.split(heads, dim=1), own))
+        with pytest.raises(AssertionError, match="Workspace is locked"):
+            forward_mqa(torch.cat(queries, dim=1), None)
     finally:
         workspace.reset_workspace_manager()

@@ -70,10 +70,17 @@ def test_requests_take_their_own_paths_and_make_a_hybrid_forward():
     assert alone.mode == BROADCAST and not alone.has_history and not alone.pack
 
 
-def test_the_same_step_gives_the_same_path():
-    step = Step(True, mode=AUTO, requests=(RequestRows(3, 3 * 2000, tuple(range(40))),
-                                          RequestRows(50, 2500, (41,), owner_capable=False)))
-    assert choose_path(step, FACTS) == choose_path(step, facts())
+def test_equal_steps_and_facts_give_equal_paths_on_every_rank():
+    """Each rank builds its own step and facts; equal values choose equal paths (what the per-forward
+    agreement compares). The control: another link makes the decodes broadcast."""
+    def step():
+        return Step(True, mode=AUTO, requests=(RequestRows(3, 3 * 5000, tuple(range(300))),
+                                               RequestRows(50, 2500, (341,), owner_capable=False)))
+
+    first, second = choose_path(step(), FACTS), choose_path(step(), facts())
+    assert first == second and first.mode == HYBRID and first.rows.modes == (OWNER, BROADCAST)
+    slow_owner = choose_path(step(), facts(link=LinkModel(attention_flops_per_s=1e6)))
+    assert slow_owner.rows.modes == (BROADCAST, BROADCAST) and slow_owner != first
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -27,7 +27,6 @@ import torch
 from kvpp_fx.cache.allocate import allocate_cache
 from kvpp_fx.cache.placement import PoolTooSmallError
 from kvpp_fx.integrations.vllm import owner_rows
-from kvpp_fx.integrations.vllm.backends import reserve_owner_workspaces
 from kvpp_fx.integrations.vllm.layout import plan_for
 from kvpp_fx.integrations.vllm.specs import per_layer_specs
 from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError, hook_error
@@ -68,13 +67,6 @@ def allocating(runner: Any, state: EngineState) -> Iterator[None]:
         yield
     finally:
         _ALLOCATING.reset(token)
-
-
-def size_owner_calls(runner: Any, state: EngineState) -> None:
-    """Where decode rows go to their owners, the attention workspaces hold an owner call over the group's
-    heads (`backends.reserve_owner_workspaces`), reserved before vLLM locks its workspace."""
-    if state.owner_blocker is None:
-        reserve_owner_workspaces(getattr(runner, "attn_groups", ()), state.config.size)
 
 
 def refuse_kv_sharing(shared_layers: Any) -> None:

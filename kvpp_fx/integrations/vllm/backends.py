@@ -10,9 +10,12 @@ Per backend (read from vLLM 0.32's sources; only CPU_MLA and TRITON_MLA run on t
 
 - CPU_MLA: the kernel takes the head count from the query, nothing is sized by heads. As is.
 - TRITON_MLA: nothing per step depends on heads, but its split-KV logits workspace is reserved for the
-  rank's heads (``num_heads x dcp_world_size``) before vLLM locks its workspace, so a larger owner call
-  would fail once locked. KVPP reserves it again through vLLM's own DCP sizing, on a copy of each metadata
-  builder whose ``dcp_world_size`` is multiplied by G (`reserve_owner_workspaces`).
+  rank's heads (``max rows x num_heads x dcp_world_size x splits(max_model_len)``, float32) before vLLM
+  locks its workspace, so a call over G times the heads fails once locked. Reserving G times that is no
+  answer: DeepSeek-V3 at TP 8 on an H200 (160K context, 1024 sequences) reserves 8.3 GiB per rank, and
+  would need 66 GiB for the group's heads. The owner runs the kernel once per rank's heads instead
+  (`owner_call`): G calls, each of the shape the rank's own call has, so vLLM's reservation holds them
+  and no byte is added.
 - FLASHMLA, bf16 cache: the step's ``FlashMLASchedMeta`` is planned by its first call and asserts the same
   head count in every later call. Owner calls get their own, one fresh instance per step shared by every
   owner call of that step (`owner_metadata`), as vLLM's DeepSeek-V4 layers keep one per layer type.
@@ -35,9 +38,8 @@ their rank quantized them with.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,21 +51,25 @@ class OwnerSupport:
     owner_capable: bool
     how: str  # what KVPP does for an owner call, or why it cannot run one
     block_size: int | None = None  # the kernel block size vLLM 0.32 uses for DeepSeek-V3 (kvpp-fx plan)
+    fp8_cache: str = "quantized queries"  # with an fp8 cache: "quantized queries", "unquantized queries", "none"
+    calls_per_rank: bool = False  # the owner runs one kernel call per rank's heads, not one over all of them
 
 
 BACKENDS: Mapping[str, OwnerSupport] = {
-    "CPU_MLA": OwnerSupport(True, "the kernel takes the head count from the query", 16),
-    "TRITON_MLA": OwnerSupport(True, "its logits workspace is reserved again for the group's heads through vLLM's "
-                                     "DCP sizing, before vLLM locks its workspace", 16),
+    "CPU_MLA": OwnerSupport(True, "the kernel takes the head count from the query", 16, fp8_cache="none"),
+    "TRITON_MLA": OwnerSupport(True, "one kernel call per rank's heads, so vLLM's logits workspace, reserved for "
+                                     "the rank's heads, holds every call", 16, fp8_cache="unquantized queries",
+                               calls_per_rank=True),
     "FLASHMLA": OwnerSupport(True, "owner calls get their own FlashMLASchedMeta per step (bf16 caches; fp8 caches "
                                    "quantize the queries, which owner rows do not exchange)", 64),
     "FLASH_ATTN_MLA": OwnerSupport(True, "owner calls run without the ahead-of-time scheduler metadata, which is "
-                                         "sized for the rank's heads", 16),
+                                         "sized for the rank's heads", 16, fp8_cache="none"),
     "FLASHINFER_MLA": OwnerSupport(True, "the kernel takes the head count from the query; the first owner call "
                                          "sizes the multi-CTA counter again", 32),
     "CUTLASS_MLA": OwnerSupport(True, "the owner's query gets storage for the kernel's 128 heads, as DCP pads it "
                                       "(at most 128 query heads)", 128),
-    "AMX_MLA": OwnerSupport(False, "AMX_MLA allocates its decode buffers by its own head count", 128),
+    "AMX_MLA": OwnerSupport(False, "AMX_MLA allocates its decode buffers by its own head count", 128,
+                            fp8_cache="none"),
 }
 
 FP8_QUERIES = ("the KV cache is fp8 and {backend} quantizes the queries for it; owner rows exchange unquantized "
@@ -126,23 +132,14 @@ def before_owner_call(backend: str, impl: Any) -> None:
         impl._kvpp_owner_sized = True
 
 
-def reserve_owner_workspaces(attn_groups: Any, group_size: int) -> int:
-    """TRITON_MLA: reserve each metadata builder's logits workspace again for ``group_size`` times the
-    rank's heads, through vLLM's own DCP sizing on a copy of the builder (vLLM's builder is not changed),
-    while the workspace can still grow. Returns the builders reserved for (0 without a workspace manager,
-    as on CPU)."""
-    from vllm.v1.worker.workspace import is_workspace_manager_initialized
+def owner_call(backend: str, forward_mqa: Callable[[Any, Any], Any], query: Any, metadata: Any,
+               rank_heads: int) -> Any:
+    """The owner's attention over every rank's heads ``query`` ``[T, rank_heads x G, L + R]``: one call of
+    ``forward_mqa(query, metadata)``, or, where the backend sizes its workspace by the rank's heads, one
+    call per rank's heads (each exactly the shape of that rank's own call), concatenated in rank order."""
+    if BACKENDS[backend].calls_per_rank and query.shape[1] > rank_heads:
+        import torch
 
-    if group_size <= 1 or not is_workspace_manager_initialized():
-        return 0
-    reserved = 0
-    for groups in attn_groups:
-        for group in groups:
-            if group.backend.get_name() != "TRITON_MLA":
-                continue
-            for builder in getattr(group, "metadata_builders", ()):
-                owner = copy.copy(builder)
-                owner.dcp_world_size = builder.dcp_world_size * group_size
-                owner._reserve_attn_logits_workspace()
-                reserved += 1
-    return reserved
+        return torch.cat([forward_mqa(part.contiguous(), metadata) for part in query.split(rank_heads, dim=1)],
+                         dim=1)
+    return forward_mqa(owner_query(backend, query), metadata)

@@ -25,8 +25,8 @@ group (one kernel call serves them, so they take one path together), each prefil
 never owner-capable. The runtime's cost model (``kvpp_mode="auto"``) or the configured mode picks.
 
 Which backends can run an owner call, and what KVPP does for each (its own metadata for the call, a
-workspace sized for the group's heads, a padded query) is `backends`; elsewhere "auto" broadcasts and
-"owner" is refused when the model loads.
+kernel call per rank's heads where the workspace is sized for them, a padded query) is `backends`;
+elsewhere "auto" broadcasts and "owner" is refused when the model loads.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from kvpp_fx.cache.cost import AttentionShape, LinkModel, RequestRows
-from kvpp_fx.integrations.vllm.backends import before_owner_call, owner_blocker, owner_query
+from kvpp_fx.integrations.vllm.backends import before_owner_call, owner_blocker, owner_call
 from kvpp_fx.integrations.vllm.batch import StepBatch, request_blocks
 from kvpp_fx.runtime.errors import OwnerRoutingError
 from kvpp_fx.runtime.owner_exchange import HeadRule
@@ -140,9 +140,9 @@ def owner_impl_class(cls: type) -> type:
 
         def on_owner(full: list[torch.Tensor]) -> torch.Tensor:
             before_owner_call(backend, self)
-            out, _ = cls.forward_mqa(self, owner_query(backend, full[0].contiguous()), kv_cache,
-                                     self._kvpp_engine.owner_metadata(backend, attn_metadata), layer)
-            return out
+            return owner_call(backend, lambda q, metadata: cls.forward_mqa(self, q, kv_cache, metadata, layer)[0],
+                              full[0].contiguous(), self._kvpp_engine.owner_metadata(backend, attn_metadata),
+                              query.shape[1])
 
         part = runtime.owner_compute(self._kvpp_layer, MQA_RULE, [query], on_owner, output_like=like)
         return part, None

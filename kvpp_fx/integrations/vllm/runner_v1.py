@@ -74,7 +74,6 @@ def kvpp_runner_v1_class(base: type) -> type:
             with allocation.allocating(self, state):
                 kv_caches = super().initialize_kv_cache_tensors(kv_cache_config, *args, **kwargs)
             allocation.self_check(self, state, kv_cache_config)
-            allocation.size_owner_calls(self, state)
             return kv_caches
 
         def execute_model(self, *args: Any, **kwargs: Any) -> Any:

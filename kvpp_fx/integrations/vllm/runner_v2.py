@@ -176,7 +176,6 @@ def kvpp_runner_v2_class(base: type) -> type:
             with allocation.allocating(self, state):
                 result = super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
             allocation.self_check(self, state, self.kv_cache_config)
-            allocation.size_owner_calls(self, state)
             mode = getattr(self.cudagraph_manager, "cudagraph_mode", None)
             if mode is not None and mode.has_full_cudagraphs():
                 raise KVPPAllocationError(
