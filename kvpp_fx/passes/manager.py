@@ -55,6 +55,7 @@ class KVPPPass:
     """One pass: ``name``, a call that changes the GraphModule in place and returns its result."""
 
     name: str = ""
+    implementation: Callable[..., Any] | None = None  # the function whose file holds the pass's rewrite
 
     def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, run: PassRun) -> Any:
         raise NotImplementedError
@@ -64,12 +65,13 @@ class KVPPPass:
         return ""
 
     def uuid(self) -> str:
-        source = file_uuid(Path(inspect.getsourcefile(type(self))))
+        source = file_uuid(Path(inspect.getsourcefile(self.implementation or type(self))))
         return hashlib.sha256(f"{type(self).__qualname__}|{source}|{self.configuration()}".encode()).hexdigest()
 
 
 class InsertPass(KVPPPass):
     name = "insert"
+    implementation = staticmethod(insert_kvpp_ops)
 
     def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, run: PassRun) -> InsertResult:
         return insert_kvpp_ops(gm, config, graph_breaks=run.graph_breaks)
@@ -81,6 +83,7 @@ class RoutePass(KVPPPass):
     import the runtime."""
 
     name = "route"
+    implementation = staticmethod(route_owner_ops)
 
     def __init__(self, routed_op: Callable[..., Any]) -> None:
         self.routed_op = routed_op
@@ -94,6 +97,7 @@ class RoutePass(KVPPPass):
 
 class SplitPass(KVPPPass):
     name = "split"
+    implementation = staticmethod(split_pieces)
 
     def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, run: PassRun) -> SplitResult:
         split = split_pieces(gm)
@@ -103,6 +107,7 @@ class SplitPass(KVPPPass):
 
 class VerifyPass(KVPPPass):
     name = "verify"
+    implementation = staticmethod(verify_graph)
 
     def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, run: PassRun) -> None:
         verify_graph(gm, config, run.split.pieces if run.split is not None else ())

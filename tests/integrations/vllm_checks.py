@@ -183,7 +183,7 @@ def generate(model_dir: str, variant: dict) -> dict:
     vLLM's mode 3, `cpu_mode3`), ``workload`` (a key of WORKLOADS: prompt waves, each one ``generate``
     call), ``fault`` (a ``"module:callable"`` device API installed through the workers' test seam after
     the first run, which then runs again: the negative control, on the same engine), ``zero_blocks``
-    (`zero_blocks_probe`), ``phases`` (more runs on the same engine, each with its own mode, fault and
+    (`zero_blocks_probe`), ``v2_warm_up`` (`v2_warm_up`), ``phases`` (more runs on the same engine, each with its own mode, fault and
     workload).
     """
     from vllm import LLM, SamplingParams
@@ -234,7 +234,9 @@ def _drive(llm, variant: dict, worker_stats, SamplingParams) -> dict:
             tokens += [list(o.outputs[0].token_ids) for o in outputs]
         return tokens
 
-    result = {"tokens": run(), "stats": llm.collective_rpc(worker_stats), "num_blocks": llm.collective_rpc(vllm_num_blocks),
+    # At start, as on a GPU: vLLM's warm-up assumes a runner without requests.
+    warm_up = llm.collective_rpc(v2_warm_up) if variant.get("v2_warm_up") else None
+    result = {"v2_warm_up": warm_up, "tokens": run(), "stats": llm.collective_rpc(worker_stats), "num_blocks": llm.collective_rpc(vllm_num_blocks),
               "config": _config_summary(llm)}
     if variant.get("fault"):
         llm.reset_prefix_cache()
@@ -307,6 +309,51 @@ def zero_blocks_probe(worker, block_ids: list[int]) -> dict:
         if state.runner_kind == "V2":
             runner.kv_block_zeroer = zeroer
     return out
+
+
+def v2_warm_up(worker) -> dict:
+    """vLLM's V2 kernel warm-up as its GPU worker runs it (``gpu_worker.compile_or_warm_up_model`` calls
+    ``gpu.warmup.warmup_kernels``, which schedules real requests on real block ids through the worker's
+    ``execute_model``), here through the KVPP worker's own ``compile_or_warm_up_model`` with vLLM CPU's
+    worker method standing in for the GPU worker's (vLLM's CPU worker never warms up this way). Returns the
+    forwards it added on this rank, the largest block id its steps scheduled and the slot size: past a
+    compact slot's end, so a non-owned layer in passthrough would index outside its slot."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu.warmup import warmup_kernels
+
+    from kvpp_fx.integrations.vllm.worker import worker_stats
+
+    block_ids: list[int] = []
+
+    def execute_model(scheduler_output):
+        for request in scheduler_output.scheduled_new_reqs:
+            block_ids.extend(i for group in request.block_ids for i in group)
+        for group_ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            block_ids.extend(i for group in group_ids or () for i in group)
+        return worker.execute_model(scheduler_output)
+
+    def sample_tokens(grammar_output):
+        # The warm-up's sampler features (an all-allowed grammar bitmask, top-k/top-p) run Triton kernels
+        # that fail under the interpreter; here it samples greedily. They touch only logits, nothing KVPP reads.
+        return worker.sample_tokens(None)
+
+    def gpu_workers_warm_up(self):
+        warmup_kernels(self.model_runner, execute_model, sample_tokens)
+
+    worker = getattr(worker, "worker", worker)  # collective_rpc hands vLLM's WorkerWrapperBase
+    before = worker_stats(worker)["forwards"]
+    saved = CPUWorker.compile_or_warm_up_model, torch.accelerator.synchronize, SamplingParams.for_sampler_warmup
+    CPUWorker.compile_or_warm_up_model, torch.accelerator.synchronize = gpu_workers_warm_up, lambda *a: None
+    SamplingParams.for_sampler_warmup = staticmethod(lambda: SamplingParams(temperature=0))
+    try:
+        type(worker).compile_or_warm_up_model(worker)
+    finally:
+        CPUWorker.compile_or_warm_up_model, torch.accelerator.synchronize, for_sampler_warmup = saved
+        SamplingParams.for_sampler_warmup = staticmethod(for_sampler_warmup)
+    return {"forwards": worker_stats(worker)["forwards"] - before, "max_block_id": max(block_ids),
+            "slot_blocks": worker.model_runner._kvpp.runtime.storage.slot_blocks}
 
 
 def vllm_num_blocks(worker) -> int:

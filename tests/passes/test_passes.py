@@ -1,6 +1,7 @@
 """Insert pass, split pass and verifier on graphs captured by Dynamo from the toy model."""
 
 import dataclasses
+import inspect
 import operator
 import os
 import subprocess
@@ -598,6 +599,17 @@ def test_pass_config_uuid_names_its_content():
                 pass_config(TABLE.with_names({"model.layers.0.self_attn.attn": 0}))]
     uuids = [CONFIG.uuid()] + [v.uuid() for v in variants]
     assert len(set(uuids)) == len(uuids)
+
+
+def test_each_pass_uuid_hashes_the_file_of_its_rewrite():
+    """A pass's uuid covers the file that holds what it does (insert.py, route.py, ...), not the manager's."""
+    from kvpp_fx.passes.manager import CodegenPass, InsertPass, PassManager, RoutePass, SplitPass, VerifyPass
+
+    files = {p.name: Path(inspect.getsourcefile(p.implementation or type(p))).name
+             for p in (InsertPass(), RoutePass(print), SplitPass(), VerifyPass(), CodegenPass())}
+    assert files == {"insert": "insert.py", "route": "route.py", "split": "split.py", "verify": "verify.py",
+                     "codegen": "manager.py"}, files
+    assert PassManager.for_mode(CONFIG, "eager", print).uuid() != PassManager.for_mode(CONFIG, "piecewise", print).uuid()
 
 
 def test_pass_config_uuid_is_the_same_in_another_process():

@@ -86,8 +86,13 @@ def allocate(runner: Any, state: EngineState, kv_cache_config: Any, device: Any)
         state.group, state.agreement_group, state.group_ranks = kvpp_group(state.config)
     check_layout(state, kv_cache_config.num_blocks)
     rank = torch.distributed.get_rank(state.group)
+    if state.runtime is not None:
+        # An earlier allocation (V2's minimal cache for CUDA-graph memory profiling, which vLLM drops
+        # before allocating the real one): its pool goes first, or both would be alive at once.
+        state.runtime.close()
+        state.runtime = None
     storage = allocate_cache(vplan.plan, rank, kv_cache_config.num_blocks, device)
-    create_runtime(state, storage)
+    create_runtime(state, storage, state.device_api_factory)
     plan = vplan.plan
     logger.warning("KVPP: group %s, rank %d owns layers %s of %d; %d blocks; %d bytes allocated.",
                    state.group_ranks, rank, list(plan.owned_layers(rank)), len(plan.target_layers),
@@ -114,28 +119,29 @@ def check_layout(state: EngineState, num_blocks: int) -> None:
             raise KVPPAllocationError(f"vLLM planned {num_blocks} blocks: {exc}") from None
 
 
-def create_runtime(state: EngineState, storage: Any) -> None:
+def create_runtime(state: EngineState, storage: Any, device_api_factory: str | None) -> None:
+    """A runtime over `storage` with the `DeviceAPI` the factory names (None: the default), in place of the
+    engine's current one, which stays as it was if this raises."""
+    device_api = None
+    if device_api_factory is not None:
+        device_api = resolve_device_api(device_api_factory, storage.device)
+    link = owner_rows.DEFAULT_LINKS.get(storage.device.type, owner_rows.DEFAULT_LINKS["cuda"])
+    attention = owner_rows.attention_shape(state.vllm_config.model_config)
+    runtime = KVPPRuntime.create(state.plan, storage, state.group, agreement_group=state.agreement_group,
+                                 device_api=device_api, attention=attention, link=link)
+    # The MLA hooks exchange the decode rows of every target layer, whichever graph runs it.
+    runtime.note_routing(state.plan.target_layers, state.owner_blocker is None)
     if state.runtime is not None:
         state.runtime.close()
+    state.runtime, state.device_api_factory = runtime, device_api_factory
     state.mixed_steps = state.skipped_cache_writes = state.packed_layers = 0  # counted per runtime, as its stats are
-    device_api = None
-    if state.device_api_factory is not None:
-        device_api = resolve_device_api(state.device_api_factory, storage.device)
-    link = owner_rows.DEFAULT_LINKS.get(storage.device.type, owner_rows.DEFAULT_LINKS["cuda"])
-    state.runtime = KVPPRuntime.create(state.plan, storage, state.group, agreement_group=state.agreement_group,
-                                       device_api=device_api,
-                                       attention=owner_rows.attention_shape(state.vllm_config.model_config),
-                                       link=link)
-    # The MLA hooks exchange the decode rows of every target layer, whichever graph runs it.
-    state.runtime.note_routing(state.plan.target_layers, state.owner_blocker is None)
 
 
 def set_device_api(state: EngineState, factory: str | None) -> None:
     """Rebuild the runtime over the same cache with the `DeviceAPI` that `factory` names."""
     if state.runtime is None:
         raise KVPPAllocationError("kvpp_set_device_api before KVPP allocated the KV cache.")
-    state.device_api_factory = factory
-    create_runtime(state, state.runtime.storage)
+    create_runtime(state, state.runtime.storage, factory)
     logger.warning("KVPP: runtime rebuilt with device API %s.", factory or "default")
 
 

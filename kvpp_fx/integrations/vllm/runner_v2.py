@@ -7,12 +7,14 @@ subclass), vLLM's default wherever Triton runs: where each of KVPP's runner-agno
   refused; vLLM's ``allocate_kv_cache`` (as ``gpu.attn_utils`` calls it) allocates KVPP's layout;
   `allocation.self_check`; a FULL CUDA-graph mode that V2's graph manager resolved is refused; the
   block tables get a host mirror (`HostBlockTables`).
-- ``execute_model``: a step (``dummy_run=False`` outside passthrough) is pending; ``prepare_attn`` (which
-  V2 calls for real steps only, after the batch is prepared) records its `StepBatch`; vLLM's forward
-  context around the model call (``set_forward_context`` as ``gpu.model_runner`` calls it, the one
-  bracket shared by the eager, piecewise, breakable-CUDA-graph and micro-batched branches) then opens
-  `step.step_forward` inside it. Dummy and profile runs (``dummy_run=True``) and V2's synthetic warm-up
-  steps (``dummy_run=False``, under the worker's passthrough) run the kvpp ops in passthrough.
+- ``execute_model``: a step (``dummy_run=False``) is pending; ``prepare_attn`` (which V2 calls for real
+  steps only, after the batch is prepared) records its `StepBatch`; vLLM's forward context around the
+  model call (``set_forward_context`` as ``gpu.model_runner`` calls it, the one bracket shared by the
+  eager, piecewise, breakable-CUDA-graph and micro-batched branches) then opens `step.step_forward`
+  inside it. Dummy and profile runs (``dummy_run=True``) run the kvpp ops in passthrough. V2's warm-up
+  on a GPU (``gpu.warmup.warmup_kernels``, inside the worker's passthrough) schedules real requests on
+  real block ids: its steps are KVPP steps like any other, since in passthrough a non-owned layer would
+  be written and read at pool block ids in its scratch slot, past the end of a compact one.
 - ``sample_tokens`` (sampling and drafting) runs with the engine current, outside any forward.
 - Compact slots: the block zeroer and copy-on-write in ``update_requests`` on the persistent views only.
 
@@ -39,7 +41,7 @@ from kvpp_fx.integrations.vllm.batch import BlockRows, StepBatch
 from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError, KVPPHookError, hook_error, \
     require_methods
 from kvpp_fx.integrations.vllm.step import step_forward
-from kvpp_fx.runtime.graph_ops import passing_through, passthrough
+from kvpp_fx.runtime.graph_ops import passthrough
 
 KIND = "V2"
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
@@ -188,7 +190,7 @@ def kvpp_runner_v2_class(base: type) -> type:
                           **kwargs: Any) -> Any:
             state = self._kvpp
             with state.active(), (passthrough() if dummy_run else contextlib.nullcontext()):
-                pending = None if dummy_run or passing_through() else PendingStep(state)
+                pending = None if dummy_run else PendingStep(state)
                 token = _PENDING.set(pending)
                 try:
                     return super().execute_model(scheduler_output, intermediate_tensors, dummy_run=dummy_run, **kwargs)

@@ -17,8 +17,9 @@ subclass of its own class: `runner_v2` for vLLM's V2 runner (its default whereve
 Nothing else in the process changes, except the module attributes each adapter wraps, which delegate
 to vLLM's unless a KVPP runner is the caller. Dummy, profile, warm-up and capture runs run the kvpp ops
 in passthrough: the worker's ``determine_available_memory`` and ``compile_or_warm_up_model`` are
-passthrough, and the adapters' steps open a forward only outside it. In mode 3 the worker makes vLLM
-build KVPP's ``VllmBackend`` (`compilation`).
+passthrough. The exception is V2's warm-up on a GPU, whose steps carry real requests and block ids: the V2
+adapter runs them as KVPP steps (`runner_v2`). In mode 3 the worker makes vLLM build KVPP's
+``VllmBackend`` (`compilation`).
 
 What CPU runs and CUDA would run differently: the worker classes (``CPUWorker`` overrides
 ``determine_available_memory`` and ``compile_or_warm_up_model``); every hooked runner method is the
@@ -31,11 +32,9 @@ import functools
 from typing import Any
 
 from kvpp_fx.config import KVPPConfig
-from kvpp_fx.integrations.vllm import allocation, layout
+from kvpp_fx.integrations.vllm import allocation, layout, runner_v1, runner_v2
 from kvpp_fx.integrations.vllm.attention import set_mode
 from kvpp_fx.integrations.vllm.compilation import install_vllm_backend
-from kvpp_fx.integrations.vllm.runner_v1 import is_v1_runner, kvpp_runner_v1_class
-from kvpp_fx.integrations.vllm.runner_v2 import is_v2_runner, kvpp_runner_v2_class
 from kvpp_fx.integrations.vllm.state import (
     WORKER_PREFIX,
     EngineState,
@@ -63,10 +62,10 @@ def __getattr__(name: str) -> Any:
 
 def kvpp_runner_class(base: type) -> tuple[type, str]:
     """KVPP's subclass of a vLLM model runner class, and which runner it is ("V1" or "V2")."""
-    if is_v2_runner(base):
-        return kvpp_runner_v2_class(base), "V2"
-    if is_v1_runner(base):
-        return kvpp_runner_v1_class(base), "V1"
+    if runner_v2.is_v2_runner(base):
+        return runner_v2.kvpp_runner_v2_class(base), runner_v2.KIND
+    if runner_v1.is_v1_runner(base):
+        return runner_v1.kvpp_runner_v1_class(base), runner_v1.KIND
     raise hook_error(f"{base.__module__}.{base.__qualname__}",
                      "KVPP hooks vLLM's V1 and V2 GPUModelRunner classes and their subclasses.")
 
