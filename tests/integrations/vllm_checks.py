@@ -183,8 +183,8 @@ def generate(model_dir: str, variant: dict) -> dict:
     vLLM's mode 3, `cpu_mode3`), ``workload`` (a key of WORKLOADS: prompt waves, each one ``generate``
     call), ``fault`` (a ``"module:callable"`` device API installed through the workers' test seam after
     the first run, which then runs again: the negative control, on the same engine), ``zero_blocks``
-    (`zero_blocks_probe`), ``v2_warm_up`` (`v2_warm_up`), ``phases`` (more runs on the same engine, each with its own mode, fault and
-    workload).
+    (`zero_blocks_probe`), ``v2_warm_up`` (`v2_warm_up`), ``phases`` (more runs on the same engine, each
+    with its own mode, fault and workload).
     """
     from vllm import LLM, SamplingParams
 
@@ -236,8 +236,8 @@ def _drive(llm, variant: dict, worker_stats, SamplingParams) -> dict:
 
     # At start, as on a GPU: vLLM's warm-up assumes a runner without requests.
     warm_up = llm.collective_rpc(v2_warm_up) if variant.get("v2_warm_up") else None
-    result = {"v2_warm_up": warm_up, "tokens": run(), "stats": llm.collective_rpc(worker_stats), "num_blocks": llm.collective_rpc(vllm_num_blocks),
-              "config": _config_summary(llm)}
+    result = {"v2_warm_up": warm_up, "tokens": run(), "stats": llm.collective_rpc(worker_stats),
+              "num_blocks": llm.collective_rpc(vllm_num_blocks), "config": _config_summary(llm)}
     if variant.get("fault"):
         llm.reset_prefix_cache()
         llm.collective_rpc("kvpp_set_device_api", args=(variant["fault"],))
