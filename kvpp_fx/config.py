@@ -23,13 +23,19 @@ import pydantic
 SUPPORTED_CONNECTOR = "MooncakeConnectorV2"
 # vLLM 0.32's own KV connectors (vllm.distributed.kv_transfer.kv_connector.factory). Each reads every
 # layer's cache on every rank, and under KVPP a rank holds only its own layers (the rest are scratch
-# buffers), so none of them may run with KVPP.
+# buffers), so they run with KVPP only through a KVPP subclass that reads each layer on its owner
+# (`kvpp_fx.integrations.vllm.connectors`), which exists for those in KVPP_VLLM_CONNECTORS.
 VLLM_CONNECTORS = (
     "ExampleConnector", "ExampleHiddenStatesConnector", "LMCacheConnectorV1", "LMCacheMPConnector",
     "NixlConnector", "NixlPullConnector", "NixlPushConnector", "MultiConnector", "HiSparseConnector",
     "MoRIIOConnector", "OffloadingConnector", "DecodeBenchConnector", "MooncakeConnector",
     "MooncakeStoreConnector", "FlexKVConnectorV1", "SimpleCPUOffloadConnector", "HF3FSKVConnector",
 )
+# vLLM's connectors that run on a KVPP prefill node (kv_role "kv_producer"), each layer saved by its owner.
+KVPP_VLLM_CONNECTORS = ("ExampleConnector",)
+# Where KVPP's subclasses of them live: the plugin names this module in kv_transfer_config's
+# kv_connector_module_path, so vLLM's connector factory builds KVPP's class under vLLM's own name.
+KVPP_CONNECTOR_MODULE = "kvpp_fx.integrations.vllm.connectors"
 SUPPORTED_SPEC_METHODS = (None, "mtp", "dspark")
 GRAPH_MODES = ("eager", "piecewise", "full")
 MODEL_KINDS = ("mla", "sfa", "hybrid", "mha")
@@ -39,10 +45,22 @@ MSG_DCP = "KVPP and DCP cannot be enabled at the same time."
 MSG_CONNECTOR = "KVPP broadcast supports only MooncakeConnectorV2 for PD disaggregation."
 MSG_VLLM_CONNECTOR = (
     "KVPP cannot run with vLLM's KV connector {name}: it reads every layer's KV cache on every rank, "
-    "while under KVPP a rank keeps only the layers it owns. Remove kv_transfer_config, or use "
-    "vllm-ascend's MooncakeConnectorV2 for PD disaggregation with KVPP."
+    "while under KVPP a rank keeps only the layers it owns. With KVPP on a prefill node (kv_role "
+    "'kv_producer') use " + ", ".join(KVPP_VLLM_CONNECTORS) + " (each layer is saved by its owner), or "
+    "vllm-ascend's MooncakeConnectorV2; or remove kv_transfer_config."
+)
+MSG_NOT_KVPP_CONNECTOR = (
+    "kv_transfer_config names connector {name} in module {module}, which is not a KVPP connector (a "
+    "subclass of a class in " + KVPP_CONNECTOR_MODULE + "): with KVPP on, a rank's non-owned layers are "
+    "scratch slots, which a connector must not read. Use one of " + ", ".join(KVPP_VLLM_CONNECTORS) +
+    " without kv_connector_module_path, or run without additional_config.enable_kvpp."
 )
 MSG_DECODE_NODE = "KVPP must be disabled on the decode-only node."
+MSG_PRODUCER_ONLY = (
+    MSG_DECODE_NODE + " With vLLM's {name}, KVPP runs only on a prefill node: set kv_role='kv_producer' "
+    "(a 'kv_both' node also loads KV the way a decode node does), or run without "
+    "additional_config.enable_kvpp."
+)
 MSG_GRAPH_MODE = "KVPP supports eager execution or PIECEWISE only."
 MSG_MODEL_KIND = "KVPP currently supports only non-hybrid MLA models."
 MSG_SPEC_METHOD = (
@@ -112,6 +130,9 @@ class Deployment:
     adaptive_verification: bool = False
     kv_connector: str | None = None
     kv_role: str | None = None
+    # kv_transfer_config.kv_connector_module_path: where set, the connector class is not vLLM's own
+    # and the vLLM integration checks it is KVPP's (`connectors.route_connector`).
+    kv_connector_module_path: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "pcp", "dcp"):
@@ -171,7 +192,23 @@ class Deployment:
         if transfer is not None:
             fields["kv_connector"] = getattr(transfer, "kv_connector", None)
             fields["kv_role"] = getattr(transfer, "kv_role", None)
+            fields["kv_connector_module_path"] = getattr(transfer, "kv_connector_module_path", None)
         return cls(**fields)
+
+
+def check_connector(d: Deployment) -> None:
+    """The PD rule: vllm-ascend's MooncakeConnectorV2 as the seed allows it, or one of vLLM's connectors
+    KVPP has a subclass for, on a prefill node. A connector class from a module path is the vLLM
+    integration's to check; a name alone is checked here."""
+    if d.kv_connector_module_path is None:
+        if d.kv_connector in VLLM_CONNECTORS and d.kv_connector not in KVPP_VLLM_CONNECTORS:
+            raise ValueError(MSG_VLLM_CONNECTOR.format(name=d.kv_connector))
+        if d.kv_connector not in VLLM_CONNECTORS and d.kv_connector != SUPPORTED_CONNECTOR:
+            raise ValueError(MSG_CONNECTOR)
+    if d.kv_role == "kv_consumer":
+        raise ValueError(MSG_DECODE_NODE)
+    if d.kv_connector != SUPPORTED_CONNECTOR and d.kv_role != "kv_producer":
+        raise ValueError(MSG_PRODUCER_ONLY.format(name=d.kv_connector))
 
 
 def _graph_mode_of(vllm_config: Any) -> str:
@@ -287,12 +324,7 @@ class KVPPConfig:
         if d.dcp != 1:
             raise ValueError(MSG_DCP)
         if d.kv_connector is not None:
-            if d.kv_connector in VLLM_CONNECTORS:
-                raise ValueError(MSG_VLLM_CONNECTOR.format(name=d.kv_connector))
-            if d.kv_connector != SUPPORTED_CONNECTOR:
-                raise ValueError(MSG_CONNECTOR)
-            if d.kv_role == "kv_consumer":
-                raise ValueError(MSG_DECODE_NODE)
+            check_connector(d)
         if d.graph_mode == "full":
             raise ValueError(MSG_GRAPH_MODE)
         if d.model_kind not in ("mla", "sfa"):

@@ -63,6 +63,10 @@ RULES = [
      MSG_VLLM_CONNECTOR.format(name="MooncakeConnector")),
     (dict(kv_connector="MooncakeConnectorV2", kv_role="kv_consumer"),
      "KVPP must be disabled on the decode-only node."),
+    (dict(kv_connector="NixlConnector", kv_role="kv_producer"), MSG_VLLM_CONNECTOR.format(name="NixlConnector")),
+    (dict(kv_connector="ExampleConnector", kv_role="kv_consumer"), "KVPP must be disabled on the decode-only node."),
+    (dict(kv_connector="ExampleConnector", kv_role="kv_both"), C.MSG_PRODUCER_ONLY.format(name="ExampleConnector")),
+    (dict(kv_connector="ExampleConnector"), C.MSG_PRODUCER_ONLY.format(name="ExampleConnector")),
     (dict(graph_mode="full"), "KVPP supports eager execution or PIECEWISE only."),
     (dict(model_kind="hybrid"), "KVPP currently supports only non-hybrid MLA models."),
     (dict(model_kind="mha"), "KVPP currently supports only non-hybrid MLA models."),
@@ -107,6 +111,9 @@ def test_rules_apply_in_order():
     dict(spec_method="dspark"),
     dict(kv_connector="MooncakeConnectorV2", kv_role="kv_producer"),
     dict(kv_connector="MooncakeConnectorV2", kv_role="kv_both"),
+    dict(kv_connector="ExampleConnector", kv_role="kv_producer"),
+    # a connector class from a module path: the vLLM integration checks it is KVPP's
+    dict(kv_connector="NixlConnector", kv_role="kv_producer", kv_connector_module_path="my_pkg.connectors"),
 ])
 def test_supported_deployments_pass(ok):
     ON.validate(Deployment(tp=4, **ok))
@@ -198,3 +205,16 @@ def test_kvpp_scratch_blocks_is_a_positive_integer_or_absent():
             KVPPConfig.from_additional_config({"enable_kvpp": True, "kvpp_scratch_blocks": bad})
     # other plugins' keys are theirs
     assert not KVPPConfig.from_additional_config({"ascend_scheduler_config": {}, "kvpp_fx": {}}).enabled
+
+
+def test_the_supported_vllm_connectors_are_named_in_the_refusal():
+    # Each of vLLM's connectors either runs on a KVPP producer or is refused with the ones that do.
+    for name in C.VLLM_CONNECTORS:
+        deployment = Deployment(tp=4, kv_connector=name, kv_role="kv_producer")
+        if name in C.KVPP_VLLM_CONNECTORS:
+            ON.validate(deployment)
+            continue
+        with pytest.raises(ValueError) as info:
+            ON.validate(deployment)
+        assert all(supported in str(info.value) for supported in C.KVPP_VLLM_CONNECTORS), name
+    assert C.KVPP_VLLM_CONNECTORS and set(C.KVPP_VLLM_CONNECTORS) <= set(C.VLLM_CONNECTORS)

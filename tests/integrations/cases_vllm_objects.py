@@ -23,8 +23,12 @@ from vllm.v1.kv_cache_interface import (
 
 from kvpp_fx.cache.allocate import allocate_cache
 from kvpp_fx.config import (
+    KVPP_CONNECTOR_MODULE,
+    KVPP_VLLM_CONNECTORS,
     MSG_ADAPTIVE,
     MSG_DECODE_NODE,
+    MSG_NOT_KVPP_CONNECTOR,
+    MSG_PRODUCER_ONLY,
     MSG_SPEC_TOKENS,
     MSG_VLLM_CONNECTOR,
     VLLM_CONNECTORS,
@@ -883,3 +887,76 @@ def test_triton_mla_owner_calls_fit_the_workspace_vllm_reserved_for_the_ranks_he
             forward_mqa(torch.cat(queries, dim=1), None)
     finally:
         workspace.reset_workspace_manager()
+
+
+# --- KV connectors on a KVPP prefill node -------------------------------------------------------------------
+
+
+def _transfer(**fields):
+    from vllm.config import KVTransferConfig
+
+    return types.SimpleNamespace(kv_transfer_config=KVTransferConfig(**fields))
+
+
+def test_each_kvpp_connector_is_vllms_class_of_that_name():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvpp_fx.integrations.vllm import connectors
+
+    for name in KVPP_VLLM_CONNECTORS:
+        ours = getattr(connectors, name)
+        assert issubclass(ours, KVConnectorFactory.get_connector_class_by_name(name)), name
+        assert issubclass(ours, connectors.KVPPConnector) and ours.__name__ == name
+
+
+def test_routing_has_vllms_factory_build_kvpps_class():
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from kvpp_fx.integrations.vllm import connectors
+
+    config = _transfer(kv_connector="ExampleConnector", kv_role="kv_producer")
+    assert KVConnectorFactory.get_connector_class(config.kv_transfer_config) is not connectors.ExampleConnector
+    connectors.route_connector(config)
+    assert config.kv_transfer_config.kv_connector_module_path == KVPP_CONNECTOR_MODULE
+    assert KVConnectorFactory.get_connector_class(config.kv_transfer_config) is connectors.ExampleConnector
+    ON.validate(Deployment.from_vllm_config(config))  # the second validation, after routing
+
+
+def test_a_connector_module_must_hold_a_kvpp_connector():
+    from kvpp_fx.integrations.vllm import connectors
+
+    vllms = "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"
+    config = _transfer(kv_connector="ExampleConnector", kv_role="kv_producer", kv_connector_module_path=vllms)
+    with pytest.raises(ValueError) as err:
+        connectors.route_connector(config)
+    assert str(err.value) == MSG_NOT_KVPP_CONNECTOR.format(name="ExampleConnector", module=vllms)
+    # A subclass of KVPP's (the PD test's fault connector) is left as named.
+    faulty = _transfer(kv_connector="ExampleConnector", kv_role="kv_producer",
+                       kv_connector_module_path="tests.support.connectors")
+    connectors.route_connector(faulty)
+    assert faulty.kv_transfer_config.kv_connector_module_path == "tests.support.connectors"
+
+
+@pytest.mark.parametrize("role,message", [("kv_both", MSG_PRODUCER_ONLY.format(name="ExampleConnector")),
+                                          ("kv_consumer", MSG_DECODE_NODE)])
+def test_a_kvpp_connector_runs_only_on_a_producer(role, message):
+    with pytest.raises(ValueError) as err:
+        ON.validate(Deployment.from_vllm_config(_transfer(kv_connector="ExampleConnector", kv_role=role)))
+    assert str(err.value) == message
+
+
+def test_a_layer_is_exposed_by_its_owner_and_a_draft_layer_by_the_first_rank():
+    from kvpp_fx.integrations.vllm import connectors
+    from kvpp_fx.integrations.vllm.state import EngineState
+
+    specs = {attn(i): mla() for i in range(5)}  # 4 target layers and a draft layer (index 4)
+    vplan = plan_from_specs(specs, 2, 4)
+    exposed = {}
+    for rank in (0, 1):
+        # The connector reads only the rank of the engine's runtime.
+        state = EngineState(ON, None, vplan=vplan, runtime=types.SimpleNamespace(rank=rank))
+        with state.active():
+            exposed[rank] = [i for i in range(5) if connectors.ExampleConnector.exposes(None, attn(i))]
+    assert exposed == {0: [0, 1, 4], 1: [2, 3]}
+    with pytest.raises(connectors.KVPPConnectorError, match="outside a KVPP step"):
+        connectors.ExampleConnector.exposes(None, attn(0))

@@ -22,7 +22,8 @@ import pytest
 
 import torch
 
-from kvpp_fx.config import MSG_DCP, MSG_GRAPH_MODE, MSG_SPEC_METHOD, MSG_SPEC_TOKENS, MSG_VLLM_CONNECTOR
+from kvpp_fx.config import (KVPP_CONNECTOR_MODULE, MSG_DCP, MSG_DECODE_NODE, MSG_GRAPH_MODE, MSG_NOT_KVPP_CONNECTOR,
+                            MSG_PRODUCER_ONLY, MSG_SPEC_METHOD, MSG_SPEC_TOKENS, MSG_VLLM_CONNECTOR)
 from kvpp_fx.integrations.vllm.compile_modes import KVPP_BACKEND, MSG_BACKEND, TORCH_BACKENDS, compile_digest
 from tests.integrations import triton_mla_on_cpu
 from tests.integrations.tiny_model import NUM_LAYERS, make_tiny_deepseek
@@ -136,6 +137,15 @@ def test_configs_at_construction(tiny_deepseek):
         "dcp": _on(**eager, decode_context_parallel_size=2),
         "custom-backend": _on(**base, compilation_config={"mode": 2, "backend": "my_pkg.my_backend"}),
         "connector": _on(**eager, kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}),
+        "nixl-producer": _on(**eager, kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_producer"}),
+        "example-both": _on(**eager, kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"}),
+        "example-consumer": _on(**eager, kv_transfer_config={"kv_connector": "ExampleConnector",
+                                                             "kv_role": "kv_consumer"}),
+        "example-from-vllms-module": _on(**eager, kv_transfer_config={
+            "kv_connector": "ExampleConnector", "kv_role": "kv_producer",
+            "kv_connector_module_path": "vllm.distributed.kv_transfer.kv_connector.v1.example_connector"}),
+        "example-producer": _on(**eager, kv_transfer_config={"kv_connector": "ExampleConnector",
+                                                             "kv_role": "kv_producer"}),
         "ngram": _on(**eager, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                  "prompt_lookup_max": 2}),
         "mtp-dynamic": _on(**eager, speculative_config={"method": "mtp", "num_speculative_tokens": 2,
@@ -180,6 +190,11 @@ def test_configs_at_construction(tiny_deepseek):
         "dcp": MSG_DCP,
         "custom-backend": MSG_BACKEND.format(mode=2, torch_backends=list(TORCH_BACKENDS), got="my_pkg.my_backend"),
         "connector": MSG_VLLM_CONNECTOR.format(name="OffloadingConnector"),
+        "nixl-producer": MSG_VLLM_CONNECTOR.format(name="NixlConnector"),
+        "example-both": MSG_PRODUCER_ONLY.format(name="ExampleConnector"),
+        "example-consumer": MSG_DECODE_NODE,
+        "example-from-vllms-module": MSG_NOT_KVPP_CONNECTOR.format(
+            name="ExampleConnector", module="vllm.distributed.kv_transfer.kv_connector.v1.example_connector"),
         "ngram": MSG_SPEC_METHOD,
         "mtp-dynamic": MSG_SPEC_TOKENS,
     }
@@ -192,7 +207,7 @@ def test_configs_at_construction(tiny_deepseek):
     for name, inner in (("defaults", "inductor"), ("mode-3", "inductor"), ("aot-off", "inductor"),
                         ("mode-2-eager", "eager"), ("kvpp-backend", "inductor"), ("breakable-cudagraph", None),
                         ("expert-parallel", "inductor"), ("eager", None), ("eager-mtp", None), ("owner-mode", None),
-                        ("scratch", None), ("v1", None)):
+                        ("scratch", None), ("v1", None), ("example-producer", None)):
         result = results[name]
         assert result["error"] is None, (name, result)
         assert result["worker_cls"] == KVPP_CPU_WORKER, name
@@ -214,6 +229,9 @@ def test_configs_at_construction(tiny_deepseek):
             assert results[name][key] == no_plugin[key]
     assert results["owner-mode"]["additional_config"]["kvpp_mode"] == "owner"
     assert results["scratch"]["additional_config"]["kvpp_scratch_blocks"] == 48
+    # vLLM's connector factory builds KVPP's class of vLLM's name: the plugin names its module.
+    assert results["example-producer"]["kv_connector_module_path"] == KVPP_CONNECTOR_MODULE
+    assert results["off"]["kv_connector_module_path"] is None
     assert results["off"]["additional_config"] == no_plugin["additional_config"] == {}
     assert results["off"]["hash"] == no_plugin["hash"]
 
@@ -658,6 +676,55 @@ def test_amx_chunked_prefill_and_prefix_hits_read_broadcast_history(platform_bac
 # --- online serving -------------------------------------------------------------------------------------
 
 SERVE_PROMPTS = ["The next layer's broadcast is", "Once upon a time a small model"]
+
+
+# Prompts whose length minus one is not a multiple of 16: the token count ExampleConnector's producer
+# saves ((n - 1) // 16 * 16) is then the one its consumer looks up ((n - 2) // 16 * 16).
+PD_PROMPTS = [[(7 * i + 3) % 500 for i in range(300)], [(5 * i + 1) % 500 for i in range(100)],
+              [(3 * i + 2) % 500 for i in range(181)]]
+
+
+@pytest.fixture(scope="module")
+def pd_runs(tmp_path_factory):
+    """Prefill/decode pairs over vLLM's ExampleConnector (`vllm_checks.pd_example`) on a dense tiny
+    DeepSeek (vLLM CPU's fused MoE is not repeatable run to run): TP 2 producers, eager, with KVPP off,
+    on, and on with the fault connector (each rank saves the layers it does not own, after the forward),
+    then one TP 1 consumer with KVPP off decoding from each one's files. (With a connector KVPP keeps
+    whole-layer slots: loaded tokens are history a compact slot may not hold.)"""
+    model = make_tiny_deepseek(tmp_path_factory.mktemp("tiny_dense"), moe_layers=0)
+    kvpp = {"enable_kvpp": True}
+    spec = {"storage": str(tmp_path_factory.mktemp("pd")), "prompts": PD_PROMPTS,
+            "producers": {"off": {**NO_HISTORY_ROWS, **EAGER},
+                          "kvpp": {**NO_HISTORY_ROWS, **EAGER, "additional_config": kvpp},
+                          "non-owners-save": {**NO_HISTORY_ROWS, **EAGER, "additional_config": kvpp,
+                                              "kv_connector_module_path": "tests.support.connectors"}},
+            "consumer": {**NO_HISTORY_ROWS, **EAGER}}
+    return run_check("pd_example", model, json.dumps(spec), timeout=900)
+
+
+def test_pd_consumer_decodes_a_kvpp_producers_kv_as_a_replicated_ones(pd_runs):
+    off, kvpp = pd_runs["producers"]["off"], pd_runs["producers"]["kvpp"]
+    assert "error" not in off and "error" not in kvpp, off.get("error", "") + kvpp.get("error", "")
+    assert off["connector_module"] is None and kvpp["connector_module"] == KVPP_CONNECTOR_MODULE
+    assert [stats["owned_layers"] for stats in kvpp["stats"]] == [[0, 1, 2], [3, 4, 5]]
+    # One file per prompt and layer, each written from its owner's cache: the bytes of the replicated run.
+    assert len(off["files"]) == len(PD_PROMPTS) * NUM_LAYERS
+    assert sorted(f for f in off["files"] if kvpp["files"].get(f) != off["files"][f]) == []
+    consumer = pd_runs["consumer"]
+    assert consumer["kvpp"]["tokens"] == consumer["off"]["tokens"]
+    assert all(len(t) == 12 for t in consumer["off"]["tokens"]) and len(set(consumer["off"]["tokens"][0])) > 1
+    # ExampleConnector's consumer loads (n - 2) // 16 * 16 tokens of an n-token prompt, in blocks of 16.
+    loaded = sum((len(p) - 2) // 16 * 16 for p in PD_PROMPTS)
+    assert consumer["off"]["external_hits"] == consumer["kvpp"]["external_hits"] == loaded
+
+
+def test_pd_producer_ranks_saving_layers_they_do_not_own_change_the_kv_and_the_tokens(pd_runs):
+    off, faulty = pd_runs["producers"]["off"], pd_runs["producers"]["non-owners-save"]
+    assert "error" not in faulty, faulty["error"]
+    assert faulty["connector_module"] == "tests.support.connectors"
+    assert set(faulty["files"]) == set(off["files"])
+    assert any(faulty["files"][f] != off["files"][f] for f in off["files"])
+    assert pd_runs["consumer"]["non-owners-save"]["tokens"] != pd_runs["consumer"]["off"]["tokens"]
 
 
 def _free_port() -> int:

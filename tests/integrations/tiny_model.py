@@ -21,16 +21,18 @@ block tables, slot mappings and block ids stay as they are; only where the bytes
 Once upon a time a small model answered questions about caches, layers, ranks and broadcasts."""
 
 
-def make_tiny_deepseek(path: Path, num_layers: int = NUM_LAYERS, max_positions: int = 1024) -> str:
-    """The checkpoint at `path` (``num_layers`` target layers, the last two MoE, plus one MTP layer),
-    for contexts of up to `max_positions` tokens."""
+def make_tiny_deepseek(path: Path, num_layers: int = NUM_LAYERS, max_positions: int = 1024,
+                       moe_layers: int = 2) -> str:
+    """The checkpoint at `path` (``num_layers`` target layers, the last `moe_layers` MoE, plus one MTP
+    layer), for contexts of up to `max_positions` tokens."""
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
         num_hidden_layers=num_layers + 1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
-        kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, first_k_dense_replace=num_layers - 2,
+        kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+        first_k_dense_replace=num_layers - moe_layers,
         n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=max_positions,
         initializer_range=0.3, bos_token_id=0, eos_token_id=1)
     torch.manual_seed(0)

@@ -91,6 +91,8 @@ def construct_many(cases_json: str) -> dict:
                              **_compile_settings(config),
                              "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
                              "model_runner": "V2" if config.use_v2_model_runner else "V1",
+                             "kv_connector_module_path": getattr(config.kv_transfer_config,
+                                                                 "kv_connector_module_path", None),
                              "hash": config.compute_hash()}
             # vLLM resolves copies of a config again (the MTP drafter's, with dataclasses.replace).
             results[name]["replaced"] = _compile_settings(dataclasses.replace(config))
@@ -404,6 +406,89 @@ def split(_: str = "") -> dict:
     return out
 
 
+def pd_example(model_dir: str, spec_json: str) -> dict:
+    """Prefill/decode pairs over vLLM's ExampleConnector (disk), one engine after another here.
+
+    ``spec``: ``storage`` (a directory), ``prompts`` (token ids), ``producers`` (name -> LLM arguments of
+    a TP 2 ``kv_producer`` that writes ``storage/<name>``; ``kv_connector_module_path`` among them goes to
+    its kv_transfer_config), ``consumer`` (LLM arguments of the ``kv_consumer``). Each producer prefills
+    the prompts (one token each); then one consumer engine decodes them once per producer, its storage
+    holding that producer's files. Returns, per producer, its worker stats, its connector module and the
+    name -> digest of every file it wrote (or the error), and per producer the consumer's tokens and how
+    many prompt tokens it loaded (vLLM's ``vllm:external_prefix_cache_hits``).
+    """
+    import hashlib
+    import shutil
+    import traceback
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+                      VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    from vllm import LLM, SamplingParams
+
+    from kvpp_fx.integrations.vllm.worker import worker_stats
+
+    spec = json.loads(spec_json)
+    root = Path(spec["storage"])
+    requests = [{"prompt_token_ids": p} for p in spec["prompts"]]
+
+    def transfer(role: str, storage: Path) -> dict:
+        return {"kv_connector": "ExampleConnector", "kv_role": role,
+                "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+
+    def digests(storage: Path) -> dict:
+        return {str(f.relative_to(storage)): hashlib.sha256(load_file(f)["kv_cache"].numpy().tobytes()).hexdigest()
+                for f in sorted(storage.rglob("*.safetensors"))}
+
+    result = {"producers": {}, "consumer": {}}
+    for name, args in spec["producers"].items():
+        storage = root / name
+        storage.mkdir(parents=True)
+        args = dict(args)
+        connector = transfer("kv_producer", storage)
+        if "kv_connector_module_path" in args:
+            connector["kv_connector_module_path"] = args.pop("kv_connector_module_path")
+        try:
+            llm = LLM(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=2,
+                      kv_transfer_config=connector, **args)
+            try:
+                llm.generate(requests, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+                kvpp = args.get("additional_config", {}).get("enable_kvpp")
+                stats = llm.collective_rpc(worker_stats) if kvpp else None
+                module = llm.llm_engine.vllm_config.kv_transfer_config.kv_connector_module_path
+            finally:
+                llm.llm_engine.engine_core.shutdown()
+                del llm
+                gc.collect()
+            result["producers"][name] = {"files": digests(storage), "stats": stats, "connector_module": module}
+        except Exception:  # reported to the test that reads this producer
+            result["producers"][name] = {"error": traceback.format_exc()}
+
+    loaded = root / "consumer"
+
+    def external_hits(llm) -> int:
+        return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
+
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, kv_transfer_config=transfer("kv_consumer", loaded),
+              disable_log_stats=False, **spec["consumer"])
+    try:
+        for name, produced in result["producers"].items():
+            if "error" in produced:
+                continue
+            shutil.rmtree(loaded, ignore_errors=True)
+            shutil.copytree(root / name, loaded)
+            before = external_hits(llm)
+            outputs = llm.generate(requests, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                                   use_tqdm=False)
+            result["consumer"][name] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                                        "external_hits": external_hits(llm) - before}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return result
+
+
 def graph_checks(_: str = "") -> dict:
     """`spec_ops` and `split`, in one interpreter."""
     return {"spec_ops": spec_ops(), "split": split()}
@@ -412,5 +497,5 @@ def graph_checks(_: str = "") -> dict:
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     checks = {"plugin_off": plugin_off, "construct_many": construct_many, "graph_checks": graph_checks,
-              "generate_many": generate_many}
+              "generate_many": generate_many, "pd_example": pd_example}
     print("KVPP-CHECK " + json.dumps(checks[name](*args)))

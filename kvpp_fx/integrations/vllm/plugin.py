@@ -10,7 +10,8 @@ With ``enable_kvpp`` on, the wrapper validates the configuration as given with t
 notes what the user chose (`compile_modes.Requested`). After vLLM resolved it, it checks the platform,
 release and model runner (`validation.check_execution`), sets what the compilation mode needs
 (`compile_modes.configure_compilation`), applies the KVPP rules again (and checks an explicit
-``kvpp_scratch_blocks``, `scratch.check_explicit`), and points
+``kvpp_scratch_blocks``, `scratch.check_explicit`), has vLLM's factory build KVPP's subclass of a KV
+connector (`connectors.route_connector`), and points
 ``parallel_config.worker_cls`` at KVPP's subclass of the platform's worker (see `worker`), so only the
 worker processes of that engine are hooked.
 """
@@ -47,6 +48,10 @@ def enable_kvpp(vllm_config, requested) -> KVPPConfig:
     configure_compilation(vllm_config, requested)
     config = validate_vllm_config(vllm_config)
     check_explicit(vllm_config, config)
+    if getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector", None) is not None:
+        from kvpp_fx.integrations.vllm.connectors import route_connector
+
+        route_connector(vllm_config)
     parallel = vllm_config.parallel_config
     parallel.worker_cls = hooked_worker_qualname(str(parallel.worker_cls))
     logger.info("KVPP on: group size %d (TP %d x PCP %d); workers %s.", config.size, config.tp, config.pcp,
