@@ -31,8 +31,9 @@ VLLM_CONNECTORS = (
     "MoRIIOConnector", "OffloadingConnector", "DecodeBenchConnector", "MooncakeConnector",
     "MooncakeStoreConnector", "FlexKVConnectorV1", "SimpleCPUOffloadConnector", "HF3FSKVConnector",
 )
-# vLLM's connectors that run on a KVPP prefill node (kv_role "kv_producer"), each layer saved by its owner.
-KVPP_VLLM_CONNECTORS = ("ExampleConnector",)
+# vLLM's connectors that run on a KVPP prefill node (kv_role "kv_producer"): each layer leaves the
+# instance from its owner (NixlConnector is vLLM's name of NixlPullConnector).
+KVPP_VLLM_CONNECTORS = ("ExampleConnector", "NixlConnector", "NixlPullConnector")
 # Where KVPP's subclasses of them live: the plugin names this module in kv_transfer_config's
 # kv_connector_module_path, so vLLM's connector factory builds KVPP's class under vLLM's own name.
 KVPP_CONNECTOR_MODULE = "kvpp_fx.integrations.vllm.connectors"
@@ -46,7 +47,7 @@ MSG_CONNECTOR = "KVPP broadcast supports only MooncakeConnectorV2 for PD disaggr
 MSG_VLLM_CONNECTOR = (
     "KVPP cannot run with vLLM's KV connector {name}: it reads every layer's KV cache on every rank, "
     "while under KVPP a rank keeps only the layers it owns. With KVPP on a prefill node (kv_role "
-    "'kv_producer') use " + ", ".join(KVPP_VLLM_CONNECTORS) + " (each layer is saved by its owner), or "
+    "'kv_producer') use " + ", ".join(KVPP_VLLM_CONNECTORS) + " (each layer leaves from its owner), or "
     "vllm-ascend's MooncakeConnectorV2; or remove kv_transfer_config."
 )
 MSG_NOT_KVPP_CONNECTOR = (

@@ -63,7 +63,8 @@ RULES = [
      MSG_VLLM_CONNECTOR.format(name="MooncakeConnector")),
     (dict(kv_connector="MooncakeConnectorV2", kv_role="kv_consumer"),
      "KVPP must be disabled on the decode-only node."),
-    (dict(kv_connector="NixlConnector", kv_role="kv_producer"), MSG_VLLM_CONNECTOR.format(name="NixlConnector")),
+    (dict(kv_connector="NixlPushConnector", kv_role="kv_producer"),
+     MSG_VLLM_CONNECTOR.format(name="NixlPushConnector")),
     (dict(kv_connector="ExampleConnector", kv_role="kv_consumer"), "KVPP must be disabled on the decode-only node."),
     (dict(kv_connector="ExampleConnector", kv_role="kv_both"), C.MSG_PRODUCER_ONLY.format(name="ExampleConnector")),
     (dict(kv_connector="ExampleConnector"), C.MSG_PRODUCER_ONLY.format(name="ExampleConnector")),
@@ -112,6 +113,7 @@ def test_rules_apply_in_order():
     dict(kv_connector="MooncakeConnectorV2", kv_role="kv_producer"),
     dict(kv_connector="MooncakeConnectorV2", kv_role="kv_both"),
     dict(kv_connector="ExampleConnector", kv_role="kv_producer"),
+    dict(kv_connector="NixlConnector", kv_role="kv_producer"),
     # a connector class from a module path: the vLLM integration checks it is KVPP's
     dict(kv_connector="NixlConnector", kv_role="kv_producer", kv_connector_module_path="my_pkg.connectors"),
 ])

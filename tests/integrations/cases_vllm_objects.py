@@ -906,7 +906,8 @@ def test_each_kvpp_connector_is_vllms_class_of_that_name():
     for name in KVPP_VLLM_CONNECTORS:
         ours = getattr(connectors, name)
         assert issubclass(ours, KVConnectorFactory.get_connector_class_by_name(name)), name
-        assert issubclass(ours, connectors.KVPPConnector) and ours.__name__ == name
+        assert issubclass(ours, connectors.KVPPConnector)
+    assert connectors.NixlPullConnector is connectors.NixlConnector  # vLLM's NixlConnector is its pull connector
 
 
 def test_routing_has_vllms_factory_build_kvpps_class():
@@ -960,3 +961,37 @@ def test_a_layer_is_exposed_by_its_owner_and_a_draft_layer_by_the_first_rank():
     assert exposed == {0: [0, 1, 4], 1: [2, 3]}
     with pytest.raises(connectors.KVPPConnectorError, match="outside a KVPP step"):
         connectors.ExampleConnector.exposes(None, attn(0))
+
+
+def test_a_nixl_rank_that_names_some_layers_is_read_as_one_with_all():
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlAgentMetadata
+
+    from kvpp_fx.integrations.vllm.connectors import padded_to
+
+    names = [attn(i) for i in range(4)]
+    # Rank 1 of a KVPP prefill instance: layers 2 and 3, one region each.
+    meta = NixlAgentMetadata(
+        engine_id="prefill", agent_metadata=b"", kv_caches_base_addr=[2000, 3000], device_id=0, num_blocks=8,
+        block_lens=[9216, 9216], block_strides=[9216, 9216], kv_cache_layout="NHD", block_size=16, ssm_sizes=(0, 0),
+        attn_backend_name="CPU_MLA", physical_blocks_per_logical_kv_block=1, region_num_blocks=[8, 8],
+        region_group_ids=[0, 0], region_names=names[2:], region_mem_types=["DRAM", "DRAM"],
+        region_members=[[names[2]], [names[3]]])
+    padded = padded_to(meta, names)
+    assert padded.region_names == names and padded.region_members == [[n] for n in names]
+    # Layers 0 and 1 repeat its first region (never addressed: no read of this rank selects them).
+    assert padded.kv_caches_base_addr == [2000, 2000, 2000, 3000]
+    assert padded.block_lens == padded.block_strides == [9216] * 4
+    assert padded.region_num_blocks == [8] * 4 and padded.region_mem_types == ["DRAM"] * 4
+    assert meta.region_names == names[2:]  # the remote's own metadata is left as it came
+
+
+def test_a_kvpp_nixl_reader_handshakes_with_every_remote_rank():
+    from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+
+    from kvpp_fx.integrations.vllm.connectors import AllRanksTopology
+
+    fields = dict(tp_rank=1, tp_size=2, block_size=16, engine_id="decode", is_mla=True, is_mamba=False,
+                  total_num_kv_heads=1, attn_backends=[])
+    assert TransferTopology(**fields).handshake_target_ranks(2) == [1]  # vLLM: MLA reads one rank
+    assert AllRanksTopology(**fields).handshake_target_ranks(2) == [0, 1]
+    assert AllRanksTopology(**dict(fields, tp_rank=0, tp_size=1)).handshake_target_ranks(4) == [0, 1, 2, 3]

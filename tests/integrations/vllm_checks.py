@@ -489,6 +489,106 @@ def pd_example(model_dir: str, spec_json: str) -> dict:
     return result
 
 
+def _nixl_env(port: int) -> dict:
+    """NIXL over UCX on loopback: each instance's side channel on its own port."""
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
+            "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _nixl_transfer(role: str, module: str | None) -> dict:
+    transfer = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+    if module:
+        transfer["kv_connector_module_path"] = module
+    return transfer
+
+
+def nixl_producer(model_dir: str, spec_json: str) -> None:
+    """The prefill instance of `nixl_pair`, in a process of its own: prefills the prompts (one token
+    each, ``do_remote_decode``), prints their kv_transfer_params, then serves the reads until a line
+    arrives on stdin."""
+    spec = json.loads(spec_json)
+    os.environ.update(_nixl_env(spec["port"]))
+    from vllm import LLM, SamplingParams
+
+    from kvpp_fx.integrations.vllm.worker import worker_stats
+
+    args = dict(spec["args"])
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=2,
+              kv_transfer_config=_nixl_transfer("kv_producer", args.pop("kv_connector_module_path", None)), **args)
+    try:
+        params = SamplingParams(max_tokens=1, temperature=0,
+                                extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        outputs = llm.generate([{"prompt_token_ids": p} for p in spec["prompts"]], params, use_tqdm=False)
+        kvpp = args.get("additional_config", {}).get("enable_kvpp")
+        print("KVPP-PRODUCED " + json.dumps({
+            "kv_transfer_params": [o.kv_transfer_params for o in outputs],
+            "connector_module": llm.llm_engine.vllm_config.kv_transfer_config.kv_connector_module_path,
+            "stats": llm.collective_rpc(worker_stats) if kvpp else None}), flush=True)
+        sys.stdin.readline()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def kv_digests(worker) -> dict:
+    """name -> sha256 of each attention layer's whole KV cache in this worker."""
+    import hashlib
+
+    import torch
+
+    layers = worker.model_runner.compilation_config.static_forward_context
+    return {name: hashlib.sha256(layer.kv_cache.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for name, layer in sorted(layers.items()) if getattr(layer, "kv_cache", None) is not None}
+
+
+def nixl_pair(model_dir: str, spec_json: str) -> dict:
+    """A prefill/decode pair over vLLM's NixlConnector (UCX on loopback): the producer (`nixl_producer`,
+    TP 2, ``spec["producer"]`` its LLM arguments) in a process of its own, the decode instance (TP 1,
+    ``spec["decode"]``) here. Returns the decode instance's tokens, the prompt tokens it loaded (vLLM's
+    ``vllm:external_prefix_cache_hits``), a digest of each of its layers' cache afterwards, and the
+    producer's report."""
+    import subprocess
+
+    spec = json.loads(spec_json)
+    producer = subprocess.Popen(
+        [sys.executable, "-m", "tests.integrations.vllm_checks", "nixl_producer", model_dir,
+         json.dumps({"port": spec["ports"][0], "args": spec["producer"], "prompts": spec["prompts"]})],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while not line.startswith("KVPP-PRODUCED "):
+            line = producer.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the producer exited ({producer.wait()}) before its prefills were done")
+        produced = json.loads(line.removeprefix("KVPP-PRODUCED "))
+        os.environ.update(_nixl_env(spec["ports"][1]))
+        from vllm import LLM, SamplingParams
+
+        args = dict(spec["decode"])
+        llm = LLM(model=model_dir, skip_tokenizer_init=True, disable_log_stats=False,
+                  kv_transfer_config=_nixl_transfer("kv_consumer", args.pop("kv_connector_module_path", None)),
+                  **args)
+        try:
+            requests = [(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                extra_args={"kv_transfer_params": params}))
+                        for prompt, params in zip(spec["prompts"], produced["kv_transfer_params"])]
+            outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], [s for _, s in requests],
+                                   use_tqdm=False)
+            hits = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
+            return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "external_hits": hits,
+                    "kv": llm.collective_rpc(kv_digests)[0], "producer": produced}
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    finally:
+        if producer.poll() is None:
+            producer.stdin.write("done\n")
+            producer.stdin.flush()
+            try:
+                producer.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                producer.kill()
+
+
 def graph_checks(_: str = "") -> dict:
     """`spec_ops` and `split`, in one interpreter."""
     return {"spec_ops": spec_ops(), "split": split()}
@@ -497,5 +597,8 @@ def graph_checks(_: str = "") -> dict:
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     checks = {"plugin_off": plugin_off, "construct_many": construct_many, "graph_checks": graph_checks,
-              "generate_many": generate_many, "pd_example": pd_example}
+              "generate_many": generate_many, "pd_example": pd_example, "nixl_pair": nixl_pair}
+    if name == "nixl_producer":
+        nixl_producer(*args)
+        sys.exit(0)
     print("KVPP-CHECK " + json.dumps(checks[name](*args)))

@@ -26,3 +26,12 @@ class ExampleConnector(connectors.ExampleConnector):
     def wait_for_save(self) -> None:
         for layer_name, kv_layer, attn_metadata, kwargs in self.__dict__.pop("_deferred", []):
             connectors.VllmExampleConnector.save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs)
+
+
+class NixlConnector(connectors.NixlConnector):
+    """Rank 0 also exposes layer 3, which rank 1 owns (TP 2, 6 layers): its scratch slot for that layer,
+    which holds layer 5's rows once the forward is done. The decode side reads a layer that two ranks
+    expose from the rank it would read every layer from with KVPP off, rank 0."""
+
+    def exposes(self, layer_name: str) -> bool:
+        return super().exposes(layer_name) or layer_name == "model.layers.3.self_attn.attn"

@@ -29,8 +29,8 @@ from kvpp_fx.runtime.graph_ops import passthrough
 
 KIND = "V1"
 ALLOCATOR_MODULE = "vllm.v1.worker.gpu_model_runner"
-RUNNER_HOOKS = ("load_model", "initialize_kv_cache_tensors", "execute_model", "_model_forward", "_dummy_run",
-                "sample_tokens", "get_kv_cache_spec", "_update_states", "_zero_block_ids", "_init_kv_zero_meta")
+RUNNER_HOOKS = ("load_model", "initialize_kv_cache", "initialize_kv_cache_tensors", "execute_model", "_model_forward",
+                "_dummy_run", "sample_tokens", "get_kv_cache_spec", "_update_states", "_zero_block_ids", "_init_kv_zero_meta")
 
 
 def is_v1_runner(cls: type) -> bool:
@@ -67,6 +67,11 @@ def kvpp_runner_v1_class(base: type) -> type:
             result = super().load_model(*args, **kwargs)
             prepare_model(self, self._kvpp)
             return result
+
+        def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
+            # A KV connector registers the caches in there, and a KVPP connector asks whose layer each is.
+            with self._kvpp.active():
+                return super().initialize_kv_cache(*args, **kwargs)
 
         def initialize_kv_cache_tensors(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
             state = self._kvpp

@@ -175,7 +175,8 @@ def kvpp_runner_v2_class(base: type) -> type:
 
             state = self._kvpp
             allocation.refuse_kv_sharing(get_shared_kv_cache_layers(self.vllm_config))
-            with allocation.allocating(self, state):
+            # A KV connector registers the caches in there, and a KVPP connector asks whose layer each is.
+            with state.active(), allocation.allocating(self, state):
                 result = super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
             allocation.self_check(self, state, self.kv_cache_config)
             mode = getattr(self.cudagraph_manager, "cudagraph_mode", None)
