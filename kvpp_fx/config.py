@@ -57,6 +57,12 @@ MSG_NOT_KVPP_CONNECTOR = (
     " without kv_connector_module_path, or run without additional_config.enable_kvpp."
 )
 MSG_DECODE_NODE = "KVPP must be disabled on the decode-only node."
+MSG_NIXL_PARALLEL = (
+    "KVPP with vLLM's {name} runs on a prefill instance of TP ranks only: NIXL's handshake and reads "
+    "address prefill ranks by TP rank, so the layers of PCP or PP ranks other than the first would never be "
+    "read. Set prefill_context_parallel_size=1 and pipeline_parallel_size=1, or run without "
+    "additional_config.enable_kvpp."
+)
 MSG_PRODUCER_ONLY = (
     MSG_DECODE_NODE + " With vLLM's {name}, KVPP runs only on a prefill node: set kv_role='kv_producer' "
     "(a 'kv_both' node also loads KV the way a decode node does), or run without "
@@ -210,6 +216,8 @@ def check_connector(d: Deployment) -> None:
         raise ValueError(MSG_DECODE_NODE)
     if d.kv_connector != SUPPORTED_CONNECTOR and d.kv_role != "kv_producer":
         raise ValueError(MSG_PRODUCER_ONLY.format(name=d.kv_connector))
+    if d.kv_connector in ("NixlConnector", "NixlPullConnector") and (d.pcp > 1 or d.pp > 1):
+        raise ValueError(MSG_NIXL_PARALLEL.format(name=d.kv_connector))
 
 
 def _graph_mode_of(vllm_config: Any) -> str:

@@ -34,5 +34,5 @@ def test_the_readme_is_short_and_links_its_details():
 
 def test_every_result_file_is_in_the_table():
     used = {"capacity", "overlap", "overlap_model", "runtime_overhead", "decode_step", "active_blocks", "pass_time",
-            "owner_mode", "vllm_serving", "vllm_owner_mode", "hybrid_steps"}
+            "owner_mode", "vllm_serving", "vllm_owner_mode", "hybrid_steps", "pd_prefill"}
     assert {p.stem for p in (ROOT / "benchmarks" / "results").glob("*.json")} == used

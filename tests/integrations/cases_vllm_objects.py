@@ -957,10 +957,19 @@ def test_a_layer_is_exposed_by_its_owner_and_a_draft_layer_by_the_first_rank():
         # The connector reads only the rank of the engine's runtime.
         state = EngineState(ON, None, vplan=vplan, runtime=types.SimpleNamespace(rank=rank))
         with state.active():
-            exposed[rank] = [i for i in range(5) if connectors.ExampleConnector.exposes(None, attn(i))]
+            exposed[rank] = [i for i in range(5) if connectors.kept_here("ExampleConnector", attn(i))]
+            with pytest.raises(connectors.KVPPConnectorError, match="plan does not hold"):
+                connectors.kept_here("ExampleConnector", attn(9))
     assert exposed == {0: [0, 1, 4], 1: [2, 3]}
     with pytest.raises(connectors.KVPPConnectorError, match="outside a KVPP step"):
-        connectors.ExampleConnector.exposes(None, attn(0))
+        connectors.kept_here("ExampleConnector", attn(0))
+    # A connector of an engine with KVPP on asks; with KVPP off (a decode instance) every layer is its own.
+    on, off = (types.SimpleNamespace(_vllm_config=types.SimpleNamespace(
+        additional_config={"enable_kvpp": enabled}, parallel_config=types.SimpleNamespace(tensor_parallel_size=2)))
+        for enabled in (True, False))
+    assert connectors.KVPPConnector.exposes(off, attn(0))
+    with pytest.raises(connectors.KVPPConnectorError, match="outside a KVPP step"):
+        connectors.KVPPConnector.exposes(on, attn(0))
 
 
 def test_a_nixl_rank_that_names_some_layers_is_read_as_one_with_all():
@@ -995,3 +1004,28 @@ def test_a_kvpp_nixl_reader_handshakes_with_every_remote_rank():
     assert TransferTopology(**fields).handshake_target_ranks(2) == [1]  # vLLM: MLA reads one rank
     assert AllRanksTopology(**fields).handshake_target_ranks(2) == [0, 1]
     assert AllRanksTopology(**dict(fields, tp_rank=0, tp_size=1)).handshake_target_ranks(4) == [0, 1, 2, 3]
+
+
+def test_amx_mlas_token_table_follows_the_remapped_block_table():
+    import dataclasses
+
+    from vllm.v1.attention.backends.mla.amx_mla import _expand_block_table
+
+    from kvpp_fx.integrations.vllm.packed_metadata import PackedMetadataError, _with_backend_attributes
+
+    @dataclasses.dataclass
+    class Prefill:  # the field the remap rewrites; AMX_MLA's builder adds the rest as attributes
+        block_table: torch.Tensor
+
+    original = Prefill(torch.tensor([[5, 9], [7, 0]], dtype=torch.int32))
+    original.req_to_token = _expand_block_table(original.block_table, 16).to(torch.int64)
+    original.extend_start_loc = torch.tensor([0, 3])
+    remapped = dataclasses.replace(original, block_table=torch.tensor([[0, 1], [2, 0]], dtype=torch.int32))
+    runtime = types.SimpleNamespace(plan=types.SimpleNamespace(spec=types.SimpleNamespace(block_size=16)))
+    out = _with_backend_attributes(original, remapped, runtime, 3)
+    assert torch.equal(out.req_to_token, _expand_block_table(remapped.block_table, 16).to(torch.int64))
+    assert out.req_to_token.dtype == torch.int64 and out.extend_start_loc is original.extend_start_loc
+    assert torch.equal(original.req_to_token, _expand_block_table(original.block_table, 16).to(torch.int64))
+    original.block_ids_of_its_own = torch.tensor([9])  # an attribute KVPP does not know: refused by name
+    with pytest.raises(PackedMetadataError, match="block_ids_of_its_own"):
+        _with_backend_attributes(original, dataclasses.replace(original), runtime, 3)

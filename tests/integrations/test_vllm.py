@@ -7,6 +7,7 @@ layer and a locally trained tokenizer (`tiny_model`).
 """
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -720,6 +721,10 @@ def test_pd_consumer_decodes_a_kvpp_producers_kv_as_a_replicated_ones(pd_runs):
     # ExampleConnector's consumer loads (n - 2) // 16 * 16 tokens of an n-token prompt, in blocks of 16.
     loaded = sum((len(p) - 2) // 16 * 16 for p in PD_PROMPTS)
     assert consumer["off"]["external_hits"] == consumer["kvpp"]["external_hits"] == loaded
+    # The producers ran the prompts again, loading them from their own files: on a KVPP rank, only the
+    # layers it owns.
+    assert off["reloaded"]["external_hits"] == kvpp["reloaded"]["external_hits"] == loaded
+    assert kvpp["reloaded"]["tokens"] == off["reloaded"]["tokens"]
 
 
 def test_pd_producer_ranks_saving_layers_they_do_not_own_change_the_kv_and_the_tokens(pd_runs):
@@ -728,31 +733,35 @@ def test_pd_producer_ranks_saving_layers_they_do_not_own_change_the_kv_and_the_t
     assert faulty["connector_module"] == "tests.support.connectors"
     assert set(faulty["files"]) == set(off["files"])
     assert any(faulty["files"][f] != off["files"][f] for f in off["files"])
+    # Loading its files again puts each layer into its non-owner's scratch slot, not into the owner's cache.
+    assert faulty["reloaded"]["tokens"] != off["reloaded"]["tokens"]
     assert pd_runs["consumer"]["non-owners-save"]["tokens"] != pd_runs["consumer"]["off"]["tokens"]
-
-
-@pytest.fixture(scope="module")
-def nixl_pairs(tmp_path_factory):
-    """Prefill/decode pairs over vLLM's NixlConnector, UCX on loopback (`vllm_checks.nixl_pair`), on the
-    dense tiny DeepSeek, eager: a TP 2 producer with KVPP off, on (vLLM's connector name; the plugin routes
-    it) and on with the fault connector (rank 0 also exposes a layer rank 1 owns), each read by a TP 1
-    decode instance with KVPP off and KVPP's NixlConnector named by module path."""
-    model = make_tiny_deepseek(tmp_path_factory.mktemp("tiny_dense"), moe_layers=0)
-    args = {**NO_HISTORY_ROWS, **EAGER}
-    kvpp = {**args, "additional_config": {"enable_kvpp": True}}
-    producers = {"off": args, "kvpp": kvpp,
-                 "rank-0-exposes-layer-3": {**kvpp, "kv_connector_module_path": "tests.support.connectors"}}
-    decode = {**args, "kv_connector_module_path": KVPP_CONNECTOR_MODULE}
-    return {name: run_check("nixl_pair", model, json.dumps({
-        "ports": [_free_port(), _free_port()], "producer": producer, "decode": decode, "prompts": NIXL_PROMPTS}),
-        timeout=600) for name, producer in producers.items()}
 
 
 NIXL_PROMPTS = [[(7 * i + 3) % 500 for i in range(300)], [(5 * i + 1) % 500 for i in range(100)]]
 
 
+@pytest.fixture(scope="module")
+def nixl_pairs(tmp_path_factory):
+    """Prefill/decode pairs over vLLM's NixlConnector, UCX on loopback (`vllm_checks.nixl_pair`), on the
+    dense tiny DeepSeek, eager, a TP 2 producer read by a TP 1 decode instance with KVPP off and KVPP's
+    NixlConnector (named by module path): the producer with KVPP off (the reference: every rank names
+    every layer), on (vLLM's connector name, which the plugin routes), and on with the fault connector
+    (rank 0 also exposes layer 3, which rank 1 owns)."""
+    model = make_tiny_deepseek(tmp_path_factory.mktemp("tiny_dense"), moe_layers=0)
+    args = {**NO_HISTORY_ROWS, **EAGER}
+    kvpp = {**args, "additional_config": {"enable_kvpp": True}}
+    kvpp_decode = {**args, "kv_connector_module_path": KVPP_CONNECTOR_MODULE}
+    pairs = {"off": (args, kvpp_decode), "kvpp": (kvpp, kvpp_decode),
+             "rank-0-exposes-layer-3": ({**kvpp, "kv_connector_module_path": "tests.support.connectors"}, kvpp_decode)}
+    return {name: run_check("nixl_pair", model, json.dumps({
+        "ports": _free_ports(2), "producer": producer, "decode": decode, "prompts": NIXL_PROMPTS}),
+        timeout=600) for name, (producer, decode) in pairs.items()}
+
+
 def test_nixl_decode_reads_each_layer_from_its_owner_with_the_tokens_and_rows_of_kvpp_off(nixl_pairs):
     off, kvpp = nixl_pairs["off"], nixl_pairs["kvpp"]
+    assert "error" not in off and "error" not in kvpp, off.get("traceback", "") + kvpp.get("traceback", "")
     assert kvpp["producer"]["connector_module"] == KVPP_CONNECTOR_MODULE
     assert off["producer"]["connector_module"] is None
     assert [stats["owned_layers"] for stats in kvpp["producer"]["stats"]] == [[0, 1, 2], [3, 4, 5]]
@@ -764,12 +773,21 @@ def test_nixl_decode_reads_each_layer_from_its_owner_with_the_tokens_and_rows_of
     assert off["external_hits"] > 0 and kvpp["external_hits"] == off["external_hits"]
 
 
-def test_nixl_decode_reading_a_non_owners_scratch_slot_changes_the_rows_and_the_tokens(nixl_pairs):
-    off, faulty = nixl_pairs["off"], nixl_pairs["rank-0-exposes-layer-3"]
+def test_nixl_decode_refuses_a_prefill_rank_that_exposes_a_layer_it_does_not_own(nixl_pairs):
+    faulty = nixl_pairs["rank-0-exposes-layer-3"]
     assert faulty["producer"]["connector_module"] == "tests.support.connectors"
-    # (The digests cover the decoded tokens' rows too, which the wrong layer 3 changes in every layer.)
-    assert faulty["kv"]["model.layers.3.self_attn.attn"] != off["kv"]["model.layers.3.self_attn.attn"]
-    assert faulty["tokens"] != off["tokens"]
+    # Layer 3 is named by both ranks: rank 0's copy is a scratch slot. The decode instance reads nothing.
+    assert "tokens" not in faulty and "KVPPConnectorError" in faulty["error"], faulty.get("traceback")
+    assert "'model.layers.3.self_attn.attn': [0, 1]" in faulty["error"], faulty["error"]
+
+
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct free ports (held open together, so the kernel cannot hand one out twice)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def _free_port() -> int:

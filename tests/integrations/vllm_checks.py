@@ -413,8 +413,9 @@ def pd_example(model_dir: str, spec_json: str) -> dict:
     a TP 2 ``kv_producer`` that writes ``storage/<name>``; ``kv_connector_module_path`` among them goes to
     its kv_transfer_config), ``consumer`` (LLM arguments of the ``kv_consumer``). Each producer prefills
     the prompts (one token each); then one consumer engine decodes them once per producer, its storage
-    holding that producer's files. Returns, per producer, its worker stats, its connector module and the
-    name -> digest of every file it wrote (or the error), and per producer the consumer's tokens and how
+    holding that producer's files. Returns, per producer, its worker stats, its connector module, the
+    name -> digest of every file it wrote, and its tokens when it runs the prompts again, loading them from
+    its own files (or the error), and per producer the consumer's tokens and how
     many prompt tokens it loaded (vLLM's ``vllm:external_prefix_cache_hits``).
     """
     import hashlib
@@ -442,6 +443,9 @@ def pd_example(model_dir: str, spec_json: str) -> dict:
         return {str(f.relative_to(storage)): hashlib.sha256(load_file(f)["kv_cache"].numpy().tobytes()).hexdigest()
                 for f in sorted(storage.rglob("*.safetensors"))}
 
+    def external_hits(llm) -> int:
+        return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
+
     result = {"producers": {}, "consumer": {}}
     for name, args in spec["producers"].items():
         storage = root / name
@@ -451,10 +455,16 @@ def pd_example(model_dir: str, spec_json: str) -> dict:
         if "kv_connector_module_path" in args:
             connector["kv_connector_module_path"] = args.pop("kv_connector_module_path")
         try:
-            llm = LLM(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=2,
+            llm = LLM(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=2, disable_log_stats=False,
                       kv_transfer_config=connector, **args)
             try:
                 llm.generate(requests, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+                # Again: the producer now finds the prompts on disk and loads them (no prefix cache here).
+                before = external_hits(llm)
+                again = llm.generate(requests, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                                     use_tqdm=False)
+                reloaded = {"tokens": [list(o.outputs[0].token_ids) for o in again],
+                            "external_hits": external_hits(llm) - before}
                 kvpp = args.get("additional_config", {}).get("enable_kvpp")
                 stats = llm.collective_rpc(worker_stats) if kvpp else None
                 module = llm.llm_engine.vllm_config.kv_transfer_config.kv_connector_module_path
@@ -462,14 +472,12 @@ def pd_example(model_dir: str, spec_json: str) -> dict:
                 llm.llm_engine.engine_core.shutdown()
                 del llm
                 gc.collect()
-            result["producers"][name] = {"files": digests(storage), "stats": stats, "connector_module": module}
+            result["producers"][name] = {"files": digests(storage), "stats": stats, "connector_module": module,
+                                         "reloaded": reloaded}
         except Exception:  # reported to the test that reads this producer
             result["producers"][name] = {"error": traceback.format_exc()}
 
     loaded = root / "consumer"
-
-    def external_hits(llm) -> int:
-        return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
 
     llm = LLM(model=model_dir, skip_tokenizer_init=True, kv_transfer_config=transfer("kv_consumer", loaded),
               disable_log_stats=False, **spec["consumer"])
@@ -546,8 +554,10 @@ def nixl_pair(model_dir: str, spec_json: str) -> dict:
     TP 2, ``spec["producer"]`` its LLM arguments) in a process of its own, the decode instance (TP 1,
     ``spec["decode"]``) here. Returns the decode instance's tokens, the prompt tokens it loaded (vLLM's
     ``vllm:external_prefix_cache_hits``), a digest of each of its layers' cache afterwards, and the
-    producer's report."""
+    producer's report; or the decode's error (``error``: its type and message) and the producer's report."""
     import subprocess
+    import threading
+    import traceback
 
     spec = json.loads(spec_json)
     producer = subprocess.Popen(
@@ -561,6 +571,8 @@ def nixl_pair(model_dir: str, spec_json: str) -> dict:
             if not line:
                 raise RuntimeError(f"the producer exited ({producer.wait()}) before its prefills were done")
         produced = json.loads(line.removeprefix("KVPP-PRODUCED "))
+        # vLLM logs to stdout: a pipe nobody reads would stall the producer once full.
+        threading.Thread(target=producer.stdout.read, daemon=True).start()
         os.environ.update(_nixl_env(spec["ports"][1]))
         from vllm import LLM, SamplingParams
 
@@ -572,8 +584,13 @@ def nixl_pair(model_dir: str, spec_json: str) -> dict:
             requests = [(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                                                 extra_args={"kv_transfer_params": params}))
                         for prompt, params in zip(spec["prompts"], produced["kv_transfer_params"])]
-            outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], [s for _, s in requests],
-                                   use_tqdm=False)
+            try:
+                # One request at a time: when each request's KV arrives decides which requests a decode step
+                # batches, and the batch changes vLLM's numerics (the rows the decode writes).
+                outputs = [llm.generate([{"prompt_token_ids": p}], s, use_tqdm=False)[0] for p, s in requests]
+            except Exception as exc:  # the test reads which error, by name
+                return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
+                        "producer": produced}
             hits = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
             return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "external_hits": hits,
                     "kv": llm.collective_rpc(kv_digests)[0], "producer": produced}

@@ -18,6 +18,7 @@ import copy
 import dataclasses
 import importlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
@@ -28,29 +29,38 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as V
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import ReadSpec
 
-from kvpp_fx.config import KVPP_CONNECTOR_MODULE, KVPP_VLLM_CONNECTORS, MSG_NOT_KVPP_CONNECTOR
+from kvpp_fx.config import KVPP_CONNECTOR_MODULE, KVPP_VLLM_CONNECTORS, MSG_NOT_KVPP_CONNECTOR, KVPPConfig
 from kvpp_fx.integrations.vllm.state import current_engine
 
+
 class KVPPConnectorError(RuntimeError):
-    """A connector was asked for a layer outside a KVPP step, where nothing says who owns it, or a
-    remote instance's layers do not add up to this one's."""
+    """A KVPP rank's connector was asked for a layer where nothing says who owns it, or a remote
+    instance's layers cannot be read layer by layer from their owners."""
 
 
 class KVPPConnector:
-    """What makes a vLLM connector KVPP's: it asks `exposes` before it hands a layer over."""
+    """What makes a vLLM connector KVPP's: on a KVPP rank it asks `exposes` before it hands a layer over."""
+
+    _vllm_config: Any  # set by vLLM's KVConnectorBase_V1
 
     def exposes(self, layer_name: str) -> bool:
-        """Whether this rank saves, loads and exposes `layer_name`: it owns the layer, or the layer is a
-        draft layer (kept on every rank) and this is the group's first rank."""
+        """Whether this rank saves, loads and exposes `layer_name`: with KVPP off every layer; with it on
+        a layer it owns, or a draft layer (kept on every rank) on the group's first rank."""
+        if not KVPPConfig.from_vllm_config(self._vllm_config).enabled:
+            return True
         return kept_here(type(self).__name__, layer_name)
 
 
 def kept_here(connector: str, layer_name: str) -> bool:
+    """Whether this KVPP rank keeps `layer_name`, read from the engine the worker is running; raises
+    `KVPPConnectorError` where no engine is current or the plan does not hold the layer."""
     state = current_engine()
     if state is None or state.runtime is None or state.vplan is None:
         raise KVPPConnectorError(
             f"{connector} was asked for layer {layer_name!r} outside a KVPP step of this worker: which "
             "rank owns it is not known there.")
+    if layer_name not in state.vplan.layer_index:
+        raise KVPPConnectorError(f"{connector} was asked for layer {layer_name!r}, which KVPP's plan does not hold.")
     owner = state.plan.owner(state.vplan.layer_index[layer_name])
     return state.runtime.rank == (0 if owner is None else owner)
 
@@ -64,6 +74,9 @@ class ExampleConnector(KVPPConnector, VllmExampleConnector):
             super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if all(request.is_store for request in metadata.requests):  # nothing loads this step
+            return super().start_load_kv(forward_context, **kwargs)
         owned = copy.copy(forward_context)
         owned.no_compile_layers = {name: layer for name, layer in forward_context.no_compile_layers.items()
                                    if getattr(layer, "kv_cache", None) is None or self.exposes(name)}
@@ -83,9 +96,13 @@ def route_connector(vllm_config: Any) -> None:
         if name in KVPP_VLLM_CONNECTORS:
             transfer.kv_connector_module_path = KVPP_CONNECTOR_MODULE
         return
-    connector = getattr(importlib.import_module(module), name, None)
-    if not (isinstance(connector, type) and issubclass(connector, KVPPConnector)):
+    try:
+        connector = getattr(importlib.import_module(module), name, None)
+    except ImportError as exc:
+        raise ValueError(MSG_NOT_KVPP_CONNECTOR.format(name=name, module=module) + f" ({exc})") from exc
+    if not (isinstance(connector, type) and issubclass(connector, (ExampleConnector, NixlConnector))):
         raise ValueError(MSG_NOT_KVPP_CONNECTOR.format(name=name, module=module))
+
 
 
 class NixlConnector(KVPPConnector, VllmNixlConnector):
@@ -94,8 +111,7 @@ class NixlConnector(KVPPConnector, VllmNixlConnector):
     On a KVPP rank (a prefill instance with KVPP on) the worker registers with NIXL only the layers the
     rank keeps, and its handshake metadata names them (vLLM's ``region_names``). On the reading side
     (KVPP off; named with ``kv_connector_module_path``) each rank handshakes with every rank of the remote
-    instance and reads each layer from the remote rank that names it; a remote whose ranks each name
-    every layer (KVPP off) is read as vLLM reads it.
+    instance and reads each layer from the remote rank that names it (`KVPPNixlWorker`).
     """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
@@ -103,6 +119,7 @@ class NixlConnector(KVPPConnector, VllmNixlConnector):
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorScheduler
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
 
+        # vLLM's NixlPullConnector.__init__ would build its own worker (and NIXL agent) first.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         self.connector_scheduler = self.connector_worker = None
         if role == KVConnectorRole.SCHEDULER:
@@ -112,61 +129,107 @@ class NixlConnector(KVPPConnector, VllmNixlConnector):
                                                    exposes=self.exposes)
 
 
-class KVPPNixlWorker(NixlPullConnectorWorker):
-    """`NixlConnector`'s worker: the producer side registers its own layers only; the reading side maps
-    each of its regions (one per layer, MLA) to the remote rank that exposes that layer."""
+NixlPullConnector = NixlConnector
 
-    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any, exposes: Any) -> None:
+
+class KVPPNixlWorker(NixlPullConnectorWorker):
+    """`NixlConnector`'s worker.
+
+    Invariants:
+    - On a KVPP rank only the layers `exposes` keeps are registered and named; a rank that keeps none
+      raises `KVPPConnectorError`.
+    - A reader (MLA, no DCP) classifies each remote instance once its handshake is done: replicated (every
+      rank names every layer: each layer is read from the rank vLLM reads everything from) or partitioned
+      (each layer named by exactly one rank: read from it). Anything else, or a layout that differs from
+      this instance's, raises `KVPPConnectorError` before any read, on the engine's thread.
+    - Every remote rank gets exactly one notification per request from each reading rank (its read's,
+      or a bare one), so it frees the request's blocks after ``transfer_tp_size`` of them.
+    """
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any,
+                 exposes: Callable[[str], bool]) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self._exposes = exposes
+        self._by_layer = self.use_mla and self.dcp_size == 1
         # remote engine id -> the remote rank each local region (in `region_names` order) is read from
-        self._region_sources: dict[str, list[int | None]] = {}
+        self._region_sources: dict[str, list[int]] = {}
+        # remote engine id -> per remote rank, the layers it names (filled during the handshake)
+        self._named: dict[str, dict[int, list[str]]] = {}
+        self._layout_errors: dict[str, KVPPConnectorError] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        if current_engine() is not None:  # KVPP on here: a non-owned layer is a scratch slot
-            kv_caches = {name: cache for name, cache in kv_caches.items() if self._exposes(name)}
-        super().register_kv_caches(kv_caches)
-        topology = self.transfer_topo
-        self.transfer_topo = AllRanksTopology(**{f.name: getattr(topology, f.name)
-                                                  for f in dataclasses.fields(TransferTopology)})
+        kept = {name: cache for name, cache in kv_caches.items() if self._exposes(name)}
+        if not kept:
+            raise KVPPConnectorError("this KVPP rank keeps no layer to register with NIXL (more ranks than layers).")
+        super().register_kv_caches(kept)
+        if self._by_layer:
+            topology = self.transfer_topo
+            self.transfer_topo = AllRanksTopology(**{f.name: getattr(topology, f.name)
+                                                      for f in dataclasses.fields(TransferTopology)})
+
+    def _nixl_handshake(self, host: str, port: int, remote_tp_size: int, expected_engine_id: str,
+                        *args: Any, **kwargs: Any) -> Any:
+        self._named[expected_engine_id] = {}
+        self._region_sources.pop(expected_engine_id, None)
+        self._layout_errors.pop(expected_engine_id, None)
+        result = super()._nixl_handshake(host, port, remote_tp_size, expected_engine_id, *args, **kwargs)
+        if self._by_layer and self._named[expected_engine_id]:
+            try:
+                self._region_sources[expected_engine_id] = self._sources(expected_engine_id, remote_tp_size)
+            except KVPPConnectorError as exc:  # raised where the engine reads, not in the handshake thread
+                self._layout_errors[expected_engine_id] = exc
+        return result
 
     def add_remote_agent(self, nixl_agent_meta: Any, remote_tp_rank: int = 0, remote_tp_size: int = 1,
                          remote_dcp_size: int = 1) -> str:
         meta = nixl_agent_meta
-        if (0, remote_tp_rank) in self._remote_agents.get(meta.engine_id, {}):
+        if not self._by_layer or (0, remote_tp_rank) in self._remote_agents.get(meta.engine_id, {}):
             return super().add_remote_agent(meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
-        names = list(meta.region_names or self.region_names)
-        position = {name: i for i, name in enumerate(self.region_names)}
-        unknown = [name for name in names if name not in position]
-        if unknown or (len(names) < len(self.region_names) and not self.use_mla):
+        names = list(self.region_names if meta.region_names is None else meta.region_names)
+        unknown = sorted(set(names) - set(self.region_names))
+        if unknown or not names:
             raise KVPPConnectorError(
-                f"rank {remote_tp_rank} of NIXL engine {meta.engine_id} exposes layers {names}, which this "
-                f"instance cannot read by layer (its layers: {self.region_names}; MLA: {self.use_mla}).")
-        sources = self._region_sources.setdefault(meta.engine_id, [None] * len(self.region_names))
-        # Where several remote ranks expose a layer (every rank, with KVPP off), read it from the one
-        # vLLM would read everything from.
-        preferred = self.transfer_tp_rank * remote_tp_size // self.transfer_tp_size
-        for name in names:
-            if sources[position[name]] is None or remote_tp_rank == preferred:
-                sources[position[name]] = remote_tp_rank
+                f"rank {remote_tp_rank} of NIXL engine {meta.engine_id} names layers {names}; this instance "
+                f"has {self.region_names}.")
+        self._named.setdefault(meta.engine_id, {})[remote_tp_rank] = names
         if len(names) < len(self.region_names):
             meta = padded_to(meta, self.region_names)
         return super().add_remote_agent(meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
 
+    def _sources(self, engine_id: str, remote_tp_size: int) -> list[int]:
+        named = self._named[engine_id]
+        if sorted(named) != list(range(remote_tp_size)):
+            raise KVPPConnectorError(f"NIXL engine {engine_id}: handshakes with ranks {sorted(named)} of "
+                                     f"{remote_tp_size}.")
+        if all(set(names) == set(self.region_names) for names in named.values()):  # replicated
+            preferred = self.transfer_tp_rank * remote_tp_size // self.transfer_tp_size
+            return [preferred] * len(self.region_names)
+        by_layer: dict[str, list[int]] = {name: [] for name in self.region_names}
+        for rank, names in named.items():
+            for name in names:
+                by_layer[name].append(rank)
+        wrong = {name: ranks for name, ranks in by_layer.items() if len(ranks) != 1}
+        if wrong:
+            raise KVPPConnectorError(
+                f"NIXL engine {engine_id} is neither replicated nor partitioned by layer: these layers are named "
+                f"by other than exactly one rank: {wrong}. A KVPP prefill rank must name only the layers it owns.")
+        return [by_layer[name][0] for name in self.region_names]
+
+    def _cleanup_remote_engine(self, engine_id: str, *args: Any, **kwargs: Any) -> None:
+        super()._cleanup_remote_engine(engine_id, *args, **kwargs)
+        self._region_sources.pop(engine_id, None)
+        self._named.pop(engine_id, None)
+        self._layout_errors.pop(engine_id, None)
+
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         engine_id = meta.remote.engine_id
-        sources = self._region_sources.get(engine_id)
-        if (engine_id in self._invalid_remote_engines or engine_id not in self._remote_agents
-                or sources is None or len(set(sources)) == 1
+        if (not self._by_layer or engine_id in self._invalid_remote_engines or engine_id not in self._remote_agents
                 or (self._bidirectional_kv_xfer_enabled and self._is_turn2_read_expired(meta))):
-            return super()._read_blocks_for_req(req_id, meta)
-        if None in sources:
-            missing = [name for name, rank in zip(self.region_names, sources) if rank is None]
-            raise KVPPConnectorError(f"no rank of NIXL engine {engine_id} exposes layers {missing}.")
-        if self._mixed_mem_types or self.dcp_size > 1:
-            raise KVPPConnectorError("reading layers from their owners needs one memory type and no DCP.")
-        self._engine_last_active[engine_id] = time.perf_counter()
+            return super()._read_blocks_for_req(req_id, meta)  # vLLM's handling: failures, handshakes, expiry
+        sources = self._region_sources.get(engine_id)
         remote_info = self.transfer_topo.get_engine_info(engine_id)
+        self._check_layout(engine_id, sources, remote_info)
+        self._engine_last_active[engine_id] = time.perf_counter()
         local, remote = meta.local_physical_block_ids, []
         reads = any(len(group) > 0 for group in local)
         if reads:
@@ -177,23 +240,39 @@ class KVPPNixlWorker(NixlPullConnectorWorker):
                                                        remote_info.remote_physical_blocks_per_logical)
             local = self._block_ids_by_region(local, self.region_group_ids)
             remote = self._block_ids_by_region(remote, self.region_group_ids)
-        # Every remote rank gets exactly one notification from each local rank: its read's, or a bare one.
+        local_handle = self.src_xfer_handles_by_block_size[remote_info.remote_block_size]
         for _, rank in sorted(self._remote_agents[engine_id]):
-            def own(by_region: list) -> list:
-                return [list(ids) if sources[i] == rank else [] for i, ids in enumerate(by_region)]
-
-            spec = (ReadSpec(rank, own(local), own(remote), block_ids_by_region=True) if reads
-                    else ReadSpec(rank, [], []))
+            spec = (ReadSpec(rank, _of_rank(local, sources, rank), _of_rank(remote, sources, rank),
+                             block_ids_by_region=True) if reads else ReadSpec(rank, [], []))
             if not self._read_blocks(
                     read_spec=spec, dst_engine_id=engine_id, request_id=req_id,
-                    remote_request_id=meta.remote.request_id,
-                    local_xfer_side_handle=self.src_xfer_handles_by_block_size[remote_info.remote_block_size],
+                    remote_request_id=meta.remote.request_id, local_xfer_side_handle=local_handle,
                     local_dram_handle=None, remote_xfer_side_handle=self.dst_xfer_side_handles[engine_id][rank],
                     expected_consumers=self.transfer_tp_size, awaiting_kvs=meta.awaiting_kvs):
                 return
 
+    def _check_layout(self, engine_id: str, sources: list[int] | None, remote_info: Any) -> None:
+        """Refuse, before any read, what reading by layer does not handle."""
+        if engine_id in self._layout_errors:
+            raise self._layout_errors[engine_id]
+        why = None
+        if sources is None:
+            why = "its ranks' layers were not recorded at the handshake"
+        elif self._mixed_mem_types:
+            why = "this instance mixes memory types"
+        elif remote_info.remote_block_size != self.block_size:
+            why = f"its block size {remote_info.remote_block_size} differs from {self.block_size}"
+        elif remote_info.remote_physical_blocks_per_logical != self._physical_blocks_per_logical_kv_block:
+            why = "its physical blocks per logical block differ from this instance's"
+        elif self.dst_region_group_ids.get(engine_id) != self.region_group_ids:
+            why = "its layers' cache groups differ from this instance's"
+        if why is not None:
+            raise KVPPConnectorError(f"cannot read NIXL engine {engine_id} layer by layer: {why}.")
 
-NixlPullConnector = NixlConnector
+
+def _of_rank(by_region: list, sources: list[int], rank: int) -> list:
+    """The block ids of the regions read from `rank`; empty for the others."""
+    return [list(ids) if sources[i] == rank else [] for i, ids in enumerate(by_region)]
 
 
 class AllRanksTopology(TransferTopology):

@@ -11,6 +11,10 @@ metadata object. Owned and draft layers keep vLLM's objects, which index their p
 Invariants:
 - Nothing vLLM owns is mutated: the runner's block table, slot buffer and metadata objects are read by
   the drafter after the forward. The forward context gets new dicts; the copies hold new tensors.
+- A backend's per-step attributes on vLLM's decode and prefill metadata (set by its builder, outside the
+  dataclass fields) go to the copies: those derived from the block table (AMX_MLA's token-level table)
+  are derived again from the remapped one, the others are copied. An attribute this module does not
+  know raises `PackedMetadataError`.
 - A metadata object of a kind this module does not know, or a block id of a decode row that the packed
   list does not hold, raises `PackedMetadataError` before attention runs: vLLM's CPU decode kernel does
   not bound-check block ids. It also reads every row's entries up to the batch's longest row and masks
@@ -31,6 +35,14 @@ from kvpp_fx.runtime.runtime import KVPPRuntime
 
 class PackedMetadataError(RuntimeError):
     """A non-owned layer's metadata cannot be remapped to its packed scratch slot."""
+
+
+# vLLM 0.32's AMX_MLA builder (`AMXMLAMetadataBuilder.build`) sets these on its decode and prefill
+# metadata: a token-level block table, read by its kernels instead of ``block_table``...
+TOKEN_TABLES = ("req_to_token",)
+# ...and attributes that hold no block id.
+BLOCK_FREE_ATTRIBUTES = ("seq_lens_i64", "req_pool_indices", "num_kv_splits", "cpu_seq_lens", "extend_seq_lens",
+                         "extend_start_loc", "max_len_extend")
 
 
 def rebind(forward_context: Any, runtime: KVPPRuntime, layer_index: Mapping[str, int]) -> int:
@@ -100,14 +112,35 @@ def remap_metadata(metadata: Any, runtime: KVPPRuntime, index: int) -> Any:
         if not runtime.owner_tokens:  # decode rows sent to the owner read nothing here
             (strict,) = runtime.tables(index, [decode.block_table], [BLOCK_TABLE], request_rows=False)
             _check_decode(runtime, index, strict, decode.seq_lens)
-        changes["decode"] = dataclasses.replace(decode, block_table=table)
+        changes["decode"] = _with_backend_attributes(decode, dataclasses.replace(decode, block_table=table), runtime,
+                                                     index)
     prefill = metadata.prefill
     if prefill is not None:
-        changes["prefill"] = dataclasses.replace(prefill, block_table=remap(prefill.block_table, BLOCK_TABLE))
+        remapped = dataclasses.replace(prefill, block_table=remap(prefill.block_table, BLOCK_TABLE))
+        changes["prefill"] = _with_backend_attributes(prefill, remapped, runtime, index)
     slot_mapping = getattr(metadata, "slot_mapping", None)
     if isinstance(slot_mapping, torch.Tensor):
         changes["slot_mapping"] = remap(slot_mapping, SLOT_MAPPING)
     return dataclasses.replace(metadata, **changes)
+
+
+def _with_backend_attributes(original: Any, copy: Any, runtime: KVPPRuntime, index: int) -> Any:
+    """`copy` (remapped fields) with the attributes a backend's builder set on `original` outside its fields."""
+    fields = {f.name for f in dataclasses.fields(original)}
+    for name, value in vars(original).items():
+        if name in fields:
+            continue
+        if name in TOKEN_TABLES:
+            block_size = runtime.plan.spec.block_size
+            offsets = torch.arange(block_size, device=copy.block_table.device, dtype=copy.block_table.dtype)
+            value = (copy.block_table.unsqueeze(-1) * block_size + offsets).reshape(copy.block_table.shape[0], -1)
+            value = value.to(original.__dict__[name].dtype).contiguous()
+        elif name not in BLOCK_FREE_ATTRIBUTES:
+            raise PackedMetadataError(
+                f"layer {index}: {type(original).__name__} carries {name!r}, set by its backend outside its fields, "
+                "which KVPP does not know how to remap to a packed scratch slot.")
+        setattr(copy, name, value)
+    return copy
 
 
 def _check_decode(runtime: KVPPRuntime, index: int, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
