@@ -964,12 +964,13 @@ def test_a_layer_is_exposed_by_its_owner_and_a_draft_layer_by_the_first_rank():
     with pytest.raises(connectors.KVPPConnectorError, match="outside a KVPP step"):
         connectors.kept_here("ExampleConnector", attn(0))
     # A connector of an engine with KVPP on asks; with KVPP off (a decode instance) every layer is its own.
-    on, off = (types.SimpleNamespace(_vllm_config=types.SimpleNamespace(
-        additional_config={"enable_kvpp": enabled}, parallel_config=types.SimpleNamespace(tensor_parallel_size=2)))
-        for enabled in (True, False))
-    assert connectors.KVPPConnector.exposes(off, attn(0))
+    on, off = connectors.KVPPConnector(), connectors.KVPPConnector()
+    for connector, enabled in ((on, True), (off, False)):
+        connector._vllm_config = types.SimpleNamespace(
+            additional_config={"enable_kvpp": enabled}, parallel_config=types.SimpleNamespace(tensor_parallel_size=2))
+    assert off.exposes(attn(0))
     with pytest.raises(connectors.KVPPConnectorError, match="outside a KVPP step"):
-        connectors.KVPPConnector.exposes(on, attn(0))
+        on.exposes(attn(0))
 
 
 def test_a_nixl_rank_that_names_some_layers_is_read_as_one_with_all():

@@ -406,6 +406,11 @@ def split(_: str = "") -> dict:
     return out
 
 
+def _external_hits(llm) -> int:
+    """The prompt tokens this engine loaded through its KV connector (vLLM's counter, log stats on)."""
+    return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
+
+
 def pd_example(model_dir: str, spec_json: str) -> dict:
     """Prefill/decode pairs over vLLM's ExampleConnector (disk), one engine after another here.
 
@@ -443,9 +448,6 @@ def pd_example(model_dir: str, spec_json: str) -> dict:
         return {str(f.relative_to(storage)): hashlib.sha256(load_file(f)["kv_cache"].numpy().tobytes()).hexdigest()
                 for f in sorted(storage.rglob("*.safetensors"))}
 
-    def external_hits(llm) -> int:
-        return sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
-
     result = {"producers": {}, "consumer": {}}
     for name, args in spec["producers"].items():
         storage = root / name
@@ -460,11 +462,11 @@ def pd_example(model_dir: str, spec_json: str) -> dict:
             try:
                 llm.generate(requests, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
                 # Again: the producer now finds the prompts on disk and loads them (no prefix cache here).
-                before = external_hits(llm)
+                before = _external_hits(llm)
                 again = llm.generate(requests, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
                                      use_tqdm=False)
                 reloaded = {"tokens": [list(o.outputs[0].token_ids) for o in again],
-                            "external_hits": external_hits(llm) - before}
+                            "external_hits": _external_hits(llm) - before}
                 kvpp = args.get("additional_config", {}).get("enable_kvpp")
                 stats = llm.collective_rpc(worker_stats) if kvpp else None
                 module = llm.llm_engine.vllm_config.kv_transfer_config.kv_connector_module_path
@@ -487,11 +489,11 @@ def pd_example(model_dir: str, spec_json: str) -> dict:
                 continue
             shutil.rmtree(loaded, ignore_errors=True)
             shutil.copytree(root / name, loaded)
-            before = external_hits(llm)
+            before = _external_hits(llm)
             outputs = llm.generate(requests, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
                                    use_tqdm=False)
             result["consumer"][name] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
-                                        "external_hits": external_hits(llm) - before}
+                                        "external_hits": _external_hits(llm) - before}
     finally:
         llm.llm_engine.engine_core.shutdown()
     return result
@@ -591,8 +593,7 @@ def nixl_pair(model_dir: str, spec_json: str) -> dict:
             except Exception as exc:  # the test reads which error, by name
                 return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
                         "producer": produced}
-            hits = sum(int(m.value) for m in llm.get_metrics() if m.name == "vllm:external_prefix_cache_hits")
-            return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "external_hits": hits,
+            return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "external_hits": _external_hits(llm),
                     "kv": llm.collective_rpc(kv_digests)[0], "producer": produced}
         finally:
             llm.llm_engine.engine_core.shutdown()

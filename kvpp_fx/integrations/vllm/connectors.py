@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import importlib
 import time
 from collections.abc import Callable
@@ -43,12 +44,14 @@ class KVPPConnector:
 
     _vllm_config: Any  # set by vLLM's KVConnectorBase_V1
 
+    @functools.cached_property
+    def _kvpp_on(self) -> bool:
+        return KVPPConfig.from_vllm_config(self._vllm_config).enabled
+
     def exposes(self, layer_name: str) -> bool:
         """Whether this rank saves, loads and exposes `layer_name`: with KVPP off every layer; with it on
         a layer it owns, or a draft layer (kept on every rank) on the group's first rank."""
-        if not KVPPConfig.from_vllm_config(self._vllm_config).enabled:
-            return True
-        return kept_here(type(self).__name__, layer_name)
+        return not self._kvpp_on or kept_here(type(self).__name__, layer_name)
 
 
 def kept_here(connector: str, layer_name: str) -> bool:

@@ -131,10 +131,9 @@ def _with_backend_attributes(original: Any, copy: Any, runtime: KVPPRuntime, ind
         if name in fields:
             continue
         if name in TOKEN_TABLES:
-            block_size = runtime.plan.spec.block_size
-            offsets = torch.arange(block_size, device=copy.block_table.device, dtype=copy.block_table.dtype)
-            value = (copy.block_table.unsqueeze(-1) * block_size + offsets).reshape(copy.block_table.shape[0], -1)
-            value = value.to(original.__dict__[name].dtype).contiguous()
+            from vllm.v1.attention.backends.mla.amx_mla import _expand_block_table  # what its builder derives
+
+            value = _expand_block_table(copy.block_table, runtime.plan.spec.block_size).to(value.dtype)
         elif name not in BLOCK_FREE_ATTRIBUTES:
             raise PackedMetadataError(
                 f"layer {index}: {type(original).__name__} carries {name!r}, set by its backend outside its fields, "
