@@ -513,6 +513,128 @@ def test_full_cudagraphs_that_cannot_be_lowered_are_refused(mode, asked):
     assert str(err.value) == MSG_DERIVED_FULL.format(mode=mode) and str(err.value).startswith(MSG_GRAPH_MODE)
 
 
+def _resolved_by_vllm(architecture="DeepseekV3ForCausalLM", **compilation):
+    """A config with `compilation`, through vLLM's own breakable-graph default and its piecewise
+    normalisation (`VllmConfig.__post_init__`'s steps, which on vLLM CPU its platform overrides)."""
+    import functools
+
+    from vllm.config import VllmConfig
+
+    config = _compiled_config(**compilation)
+    config.model_config = types.SimpleNamespace(architectures=[architecture])
+    config._uses_breakable_cudagraph_by_default = functools.partial(VllmConfig._uses_breakable_cudagraph_by_default,
+                                                                    config)
+    breakable = VllmConfig._maybe_enable_breakable_cudagraph(config)
+    VllmConfig._normalize_piecewise_cudagraph_mode(config, breakable_cudagraph_enabled=breakable)
+    return config
+
+
+@pytest.fixture
+def breakable_env():
+    """vLLM's config sets VLLM_USE_BREAKABLE_CUDAGRAPH in the process environment for the models that
+    default to breakable graphs; the test's process gets it back as it was."""
+    import os
+
+    before = os.environ.pop("VLLM_USE_BREAKABLE_CUDAGRAPH", None)
+    yield
+    os.environ.pop("VLLM_USE_BREAKABLE_CUDAGRAPH", None)
+    if before is not None:
+        os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = before
+
+
+@pytest.mark.parametrize("architecture", ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
+                                          "KimiK3ForConditionalGeneration"])
+def test_models_that_default_to_breakable_graphs_start_on_vllms_defaults(architecture, breakable_env, caplog):
+    from vllm.config import CUDAGraphMode
+
+    from kvpp_fx.integrations.vllm.compile_modes import MSG_LOWERED, Requested, configure_compilation
+    from kvpp_fx.integrations.vllm.plugin import breakable_cudagraphs
+
+    assert not breakable_cudagraphs()
+    config = _resolved_by_vllm(architecture, mode=3, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    # vLLM's choice for these models: breakable graphs, mode 0, FULL_AND_PIECEWISE kept.
+    assert breakable_cudagraphs() and config.compilation_config.mode == 0
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_AND_PIECEWISE
+    with caplog.at_level("WARNING"):
+        configure_compilation(config, Requested(cudagraph_mode=None), breakable=breakable_cudagraphs())
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE and MSG_LOWERED in caplog.text
+    assert Deployment.from_vllm_config(config).graph_mode == "piecewise"  # then accepted by the KVPP rules
+    # FULL_AND_PIECEWISE asked for stays refused, as in mode 3.
+    config = _resolved_by_vllm(architecture, mode=3, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    with pytest.raises(ValueError, match="KVPP supports eager execution or PIECEWISE only"):
+        configure_compilation(config, Requested(cudagraph_mode="FULL_AND_PIECEWISE"), breakable=True)
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_without_piecewise_graphs_a_full_mode_is_refused_saying_to_set_none(mode, breakable_env):
+    from vllm.config import CUDAGraphMode
+
+    from kvpp_fx.config import MSG_GRAPH_MODE
+    from kvpp_fx.integrations.vllm.compile_modes import MSG_NO_PIECEWISE_MODE, Requested, configure_compilation
+
+    config = _resolved_by_vllm(mode=mode, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    # vLLM's lowering outside mode 3, without breakable graphs: full graphs of decode steps only.
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+    with pytest.raises(ValueError) as err:
+        configure_compilation(config, Requested(cudagraph_mode=None))
+    assert str(err.value) == MSG_NO_PIECEWISE_MODE.format(mode=mode, cudagraph="FULL_DECODE_ONLY")
+    assert str(err.value).startswith(MSG_GRAPH_MODE) and "'cudagraph_mode': 'NONE'" in str(err.value)
+    config = _resolved_by_vllm(mode=mode, cudagraph_mode=CUDAGraphMode.NONE)
+    configure_compilation(config, Requested(cudagraph_mode="NONE"))
+    assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
+
+
+def test_mode_3_keeps_vllms_mla_attention_and_cache_write_as_splitting_ops(caplog):
+    from vllm.config import CUDAGraphMode
+    from vllm.config.vllm import enable_rope_kvcache_mla_fusion
+
+    from kvpp_fx.integrations.vllm.compile_modes import (
+        KVPP_SPLITTING_OPS,
+        MLA_SPLITTING_OPS,
+        MSG_ADDED_MLA_OPS,
+        MSG_NO_ROPE_CACHE_FUSION,
+        Requested,
+        configure_compilation,
+    )
+
+    users = ["vllm::unified_attention_with_output", "vllm::unified_mla_attention_with_output"]
+    config = _compiled_config(mode=3, cudagraph_mode=CUDAGraphMode.PIECEWISE, splitting_ops=list(users))
+    config.compilation_config.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+    # A user's list keeps the cache write in a piece, so vLLM's default turns on the rope + cache-write
+    # fusion on CUDA (vLLM CPU's pass config turns it off, so it is set here as vLLM's default says).
+    assert config.compilation_config.splitting_ops == users
+    config.compilation_config.pass_config.fuse_rope_kvcache_cat_mla = enable_rope_kvcache_mla_fusion(config)
+    assert config.compilation_config.pass_config.fuse_rope_kvcache_cat_mla
+    with caplog.at_level("WARNING"):
+        configure_compilation(config, Requested(cudagraph_mode="PIECEWISE"))
+    assert config.compilation_config.splitting_ops == users + ["vllm::unified_mla_kv_cache_update",
+                                                               *KVPP_SPLITTING_OPS]
+    assert set(MLA_SPLITTING_OPS) <= set(config.compilation_config.splitting_ops)
+    assert config.compilation_config.splitting_ops_contain_kv_cache_update() is False  # MHA's write: not KVPP's
+    assert not config.compilation_config.pass_config.fuse_rope_kvcache_cat_mla
+    assert MSG_ADDED_MLA_OPS.format(ops=["vllm::unified_mla_kv_cache_update"]) in caplog.text
+    assert MSG_NO_ROPE_CACHE_FUSION in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        configure_compilation(config, Requested(cudagraph_mode="PIECEWISE"))  # resolved again: unchanged, quiet
+    assert config.compilation_config.splitting_ops.count("vllm::unified_mla_kv_cache_update") == 1
+    assert "KVPP" not in caplog.text
+
+
+def test_attention_quant_fusion_is_refused_in_mode_3():
+    from kvpp_fx.integrations.vllm.compile_modes import MSG_ATTN_FUSION, Requested, configure_compilation
+
+    from vllm.config import CUDAGraphMode
+
+    config = _compiled_config(mode=3, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE,
+                              pass_config={"fuse_attn_quant": True})
+    config.compilation_config.set_splitting_ops_for_v1(all2all_backend="allgather_reducescatter")
+    assert config.compilation_config.splitting_ops == []  # vLLM's: attention inside a piece, FULL graphs
+    with pytest.raises(ValueError) as err:
+        configure_compilation(config, Requested(cudagraph_mode=None))
+    assert str(err.value) == MSG_ATTN_FUSION
+
+
 def test_inductor_graph_partition_is_refused():
     from kvpp_fx.integrations.vllm.compile_modes import MSG_GRAPH_PARTITION, Requested, configure_compilation
 
@@ -586,9 +708,14 @@ class StandInCapture:
     def __init__(self):
         self.segments = []
 
-    def add_eager(self, fn):
+    def add_eager(self, fn):  # vLLM's: end the segment, run fn outside any capture, record it, begin anew
+        self._capturing = False
+        try:
+            result = fn()
+        finally:
+            self._capturing = True
         self.segments.append(fn)
-        return fn()
+        return result
 
     def replay(self):
         for fn in self.segments:
@@ -655,6 +782,62 @@ def test_under_breakable_cuda_graphs_the_waits_rerun_on_every_replay():
         state.awaited.clear()
         with pytest.raises(SkippedLayerError), runtime.forward(has_history=False):
             plain.replay()
+
+
+def test_under_breakable_cuda_graphs_the_mla_cache_write_reads_each_replayed_steps_slot_mapping():
+    """vLLM records MLA attention as an eager segment but captures the MLA cache write with the capture's
+    slot mapping, so a replayed packed step would write at pool positions while attention reads packed
+    ones. KVPP records the write as a segment of its own that reads the step's forward context."""
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    from kvpp_fx.integrations.vllm import attention
+    from kvpp_fx.integrations.vllm.state import EngineState
+    from kvpp_fx.runtime.graph_ops import passthrough
+
+    name = "model.layers.0.self_attn.attn"
+
+    class MLA(torch.nn.Module):  # vLLM's MLAAttention.update_kv_cache, less the backends' kernels
+        layer_name = name
+
+        def update_kv_cache(self, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata, kv_cache_dtype, k_scale):
+            kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = torch.cat([kv_c_normed, k_pe], -1)
+
+    def captured(layer, capture_slots):
+        """The layer's cache write at capture (a dummy run, in passthrough); returns the recording."""
+        capture = StandInCapture()
+        BreakableCUDAGraphCapture._tls.active = capture
+        try:
+            with passthrough(), override_forward_context(context(capture_slots)):
+                layer.update_kv_cache(kv_c, k_pe, cache, capture_slots, None, "auto", None)
+        finally:
+            BreakableCUDAGraphCapture._tls.active = None
+        return capture
+
+    def context(slots):
+        return ForwardContext(no_compile_layers={name: layer}, attn_metadata={name: None}, slot_mapping={name: slots})
+
+    cache = torch.zeros(4, 2, 3)  # 4 blocks of 2 tokens; a record of 2 + 1 values
+    kv_c, k_pe = torch.ones(2, 2), torch.full((2, 1), 2.0)
+    layer = MLA()
+    layer._kvpp_engine, layer._kvpp_layer = EngineState(ON, None), 0
+    layer.kv_cache = cache
+    layer.__class__ = attention.waiting_class(MLA, True)
+    capture = captured(layer, torch.tensor([0, 1]))
+    assert len(capture.segments) == 1 and cache.view(-1, 3)[:2].eq(torch.tensor([1.0, 1.0, 2.0])).all()
+    for step, slots in enumerate(([4, 5], [6, 2])):  # each replayed step writes where its own mapping says
+        cache.zero_()
+        kv_c.fill_(step + 3)  # the captured graph's static input buffer, refilled by the step
+        with override_forward_context(context(torch.tensor(slots))):
+            capture.replay()
+        written = cache.view(-1, 3).abs().sum(-1).nonzero().flatten().tolist()
+        assert written == sorted(slots) and cache.view(-1, 3)[slots[0], 0] == step + 3
+    # The control: vLLM's class writes in plain Python at capture and records nothing; a replayed step's
+    # write is then the captured one, at the capture's positions, whatever the step's mapping says.
+    plain = MLA()
+    plain.kv_cache = cache
+    layer = plain
+    assert captured(plain, torch.tensor([0, 1])).segments == []
 
 
 def test_a_device_api_that_does_not_load_leaves_the_engine_its_runtime():

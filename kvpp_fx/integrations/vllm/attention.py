@@ -8,6 +8,11 @@ Invariants:
   capture the wait is recorded as an eager segment that reruns on every replay.
 - Outside a step's forward a target layer's attention raises `NoActiveForwardError`, except in
   passthrough (dummy, profile, warm-up and capture runs).
+- A non-owned layer's cache write reads the step's slot mapping (KVPP's remapped one in a packed step)
+  and is skipped on a non-owner in owner mode. Under a breakable CUDA-graph capture vLLM records only
+  MLA attention as an eager segment; the write would be captured with the capture's slot mapping and
+  replayed on every step, so KVPP records it as an eager segment that reads the step's forward context
+  when it runs (`replayed_cache_write`).
 - Decode rows go to the owner only where `owner_rows.why_not_owner_capable` says the backend can run
   them; ``kvpp_mode="owner"`` elsewhere is refused with the reason.
 """
@@ -93,16 +98,44 @@ def waiting_class(cls: type, writes: bool = False) -> type:
                 await_layer(self._kvpp_engine, self._kvpp_layer)
         return cls.forward(self, *args, **kwargs)
 
-    def update_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
+    def update_kv_cache(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                        slot_mapping: Any, attn_metadata: Any, kv_cache_dtype: str, k_scale: Any) -> Any:
+        capture = breakable_capture()
+        if capture is not None:
+            return capture.add_eager(functools.partial(
+                replayed_cache_write, self, replay_ref(kv_c_normed), replay_ref(k_pe), kv_cache_dtype, k_scale))
         if owner_rows.skips_cache_write(self):
             self._kvpp_engine.skipped_cache_writes += 1
             return None
-        return cls.update_kv_cache(self, *args, **kwargs)
+        return cls.update_kv_cache(self, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata, kv_cache_dtype,
+                                   k_scale)
 
     methods = {"forward": forward, "__module__": __name__}
     if writes:
         methods["update_kv_cache"] = update_kv_cache
     return type(f"KVPP{cls.__name__}", (cls,), methods)
+
+
+def replayed_cache_write(layer: Any, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache_dtype: str,
+                         k_scale: Any) -> None:
+    """An MLA layer's cache write as an eager segment of a breakable capture: at capture and on each
+    replay, with the inputs' static buffers and the cache, metadata and slot mapping of the step running
+    now (as vLLM's own unified MLA cache-write op reads them)."""
+    from vllm.model_executor.layers.attention.attention import get_attention_context
+
+    metadata, _, kv_cache, slot_mapping = get_attention_context(layer.layer_name)
+    layer.update_kv_cache(kv_c_normed, k_pe, kv_cache, slot_mapping, metadata, kv_cache_dtype, k_scale)
+
+
+def replay_ref(tensor: torch.Tensor) -> torch.Tensor:
+    """What an eager segment keeps of a captured input: a weak reference, as vLLM's own eager breaks keep
+    (a strong one would pin a CUDA-graph pool slot across batch sizes), where vLLM's build has the op;
+    the tensor itself elsewhere (CPU builds, which capture nothing)."""
+    if tensor.is_cuda and hasattr(torch.ops._C, "weak_ref_tensor"):
+        from vllm.utils.torch_utils import weak_ref_tensor
+
+        return weak_ref_tensor(tensor)
+    return tensor
 
 
 def hook_attention(runner: Any, state: EngineState) -> int:

@@ -45,7 +45,7 @@ def enable_kvpp(vllm_config, requested) -> KVPPConfig:
     from kvpp_fx.integrations.vllm.validation import check_execution
 
     check_execution(vllm_config)
-    configure_compilation(vllm_config, requested)
+    configure_compilation(vllm_config, requested, breakable=breakable_cudagraphs())
     config = validate_vllm_config(vllm_config)
     check_explicit(vllm_config, config)
     if getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector", None) is not None:
@@ -57,6 +57,14 @@ def enable_kvpp(vllm_config, requested) -> KVPPConfig:
     logger.info("KVPP on: group size %d (TP %d x PCP %d); workers %s.", config.size, config.tp, config.pcp,
                 parallel.worker_cls)
     return config
+
+
+def breakable_cudagraphs() -> bool:
+    """Whether vLLM captures breakable CUDA graphs, as vLLM resolved it (its config sets the variable for
+    the architectures that default to them)."""
+    import vllm.envs as envs
+
+    return bool(envs.VLLM_USE_BREAKABLE_CUDAGRAPH)
 
 
 def register() -> None:
