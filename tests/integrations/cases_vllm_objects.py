@@ -417,6 +417,34 @@ def test_a_hook_that_cannot_be_applied_names_vllm_version_and_hook():
         worker.kvpp_runner_class(NoBudget)
 
 
+@pytest.mark.parametrize("block_size,kernel", [(128, 64), (64, 64)])
+def test_a_block_size_the_backend_splits_into_kernel_blocks_is_refused_before_allocation(block_size, kernel, monkeypatch):
+    """FlashMLA reads 64-token kernel blocks; vLLM splits larger cache blocks into them, and its metadata
+    tables then hold kernel block ids, which KVPP's positions and remapped tables do not count."""
+    from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
+    from vllm.v1.worker.gpu import attn_utils
+    from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
+
+    from kvpp_fx.integrations.vllm.allocation import KernelBlockSizeError, allocating, install_allocator
+
+    specs = {attn(i): mla(block_size=block_size) for i in range(2)}
+    group = KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=mla(block_size=block_size))
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group])
+    sizes = prepare_kernel_block_sizes(config, [[AttentionGroup(FlashMLABackend, list(specs), group.kv_cache_spec, 0)]])
+    assert sizes == [kernel]  # vLLM's choice of kernel block size
+    install_allocator(attn_utils.__name__)  # V2's call site; V1's passes the same arguments
+    allocated = []  # KVPP's allocation, after the check
+    monkeypatch.setattr("kvpp_fx.integrations.vllm.allocation.allocate",
+                        lambda runner, state, cfg, device: allocated.append(cfg))
+    with allocating(None, None):
+        if kernel != block_size:
+            with pytest.raises(KernelBlockSizeError, match=f"Set block_size={kernel} "):
+                attn_utils.allocate_kv_cache(config, torch.device("cpu"), "NHD", sizes)
+        else:
+            attn_utils.allocate_kv_cache(config, torch.device("cpu"), "NHD", sizes)
+    assert allocated == ([] if kernel != block_size else [config])
+
+
 def test_post_allocation_self_check_catches_unbound_layers_and_block_mismatch():
     from kvpp_fx.integrations.vllm.allocation import self_check
     from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError

@@ -8,6 +8,9 @@ Invariants:
   a local draft cache; vLLM binds them by layer name. Every rank of a group allocates the same layout
   (`check_layout`), and `self_check` then proves every cache layer is bound to its KVPP view and
   vLLM's block count is at most the budget's.
+- Block ids mean one thing everywhere: vLLM's KV cache manager blocks. A backend that splits them into
+  smaller kernel blocks (vLLM's virtual block splitting: its metadata tables then hold kernel block ids)
+  is refused before anything is allocated (`check_kernel_blocks`), naming the block size to set.
 - Operations that index caches by pool block id outside attention (the block zeroer, copy-on-write)
   touch the persistent views only when the slots are compact (`persistent_views`).
 """
@@ -18,6 +21,7 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import inspect
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -47,12 +51,15 @@ def install_allocator(module_name: str) -> None:
         raise hook_error(f"{module_name}.allocate_kv_cache", "the function does not exist.")
     if getattr(original, _HOOK_MARK, False):
         return
+    signature = inspect.signature(original)
 
     @functools.wraps(original)
     def allocate_kv_cache(kv_cache_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
         allocate = _ALLOCATING.get()
         if allocate is None:
             return original(kv_cache_config, device, *args, **kwargs)
+        given = signature.bind(kv_cache_config, device, *args, **kwargs).arguments
+        check_kernel_blocks(kv_cache_config, given.get("kernel_block_sizes"))
         return allocate(kv_cache_config, device)
 
     setattr(allocate_kv_cache, _HOOK_MARK, True)
@@ -67,6 +74,24 @@ def allocating(runner: Any, state: EngineState) -> Iterator[None]:
         yield
     finally:
         _ALLOCATING.reset(token)
+
+
+class KernelBlockSizeError(KVPPAllocationError):
+    """The attention backend reads kernel blocks smaller than vLLM's KV cache blocks."""
+
+
+def check_kernel_blocks(kv_cache_config: Any, kernel_block_sizes: Any) -> None:
+    """Refuse a KV cache group whose attention kernels read blocks of another size than its own: their
+    metadata tables would hold kernel block ids, while KVPP's packed slots, positions and remapped
+    tables count manager blocks."""
+    for group, kernel in zip(kv_cache_config.kv_cache_groups, kernel_block_sizes or ()):
+        block = group.kv_cache_spec.block_size
+        if kernel != block:
+            raise KernelBlockSizeError(
+                f"KVPP needs the attention kernels to read the KV cache's own blocks; the backend of layers "
+                f"{list(group.layer_names)[:2]}... reads {kernel}-token kernel blocks of the {block}-token "
+                f"blocks (vLLM's virtual block splitting). Set block_size={kernel} (cache_config.block_size, "
+                "--block-size), or leave block_size to vLLM's default for the backend.")
 
 
 def refuse_kv_sharing(shared_layers: Any) -> None:
