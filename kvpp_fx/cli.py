@@ -41,7 +41,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from kvpp_fx.cache.cost import LinkModel
     from kvpp_fx.cache.spec import attention_shape_from_hf_config, load_hf_config
     from kvpp_fx.plan_report import (DEFAULT_TOKEN_BUDGET, build_plan, format_plan_table, owner_cost,
-                                     parse_bytes, plan_report, transfer_cost)
+                                     parse_bytes, plan_report, transfer_cost, vllm_whole_layer_steps)
 
     if args.context_tokens is None:
         given = [f"--{name.replace('_', '-')}" for name in _STEP_OPTIONS if getattr(args, name) is not None]
@@ -64,8 +64,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                       max_model_len=args.max_model_len, token_budget=token_budget,
                       scratch_blocks=args.scratch_blocks)
     report = plan_report(plan, available, max_model_len=args.max_model_len, token_budget=token_budget)
+    _, config = load_hf_config(args.model)
+    whole = vllm_whole_layer_steps(plan, report["engine_blocks"], sparse=bool(config.get("index_topk")),
+                                   pcp=args.pcp, link_gb_per_s=args.link_gbps)
+    if whole is not None:
+        report["vllm_whole_layer_steps"] = whole
     if args.context_tokens is not None:
-        _, config = load_hf_config(args.model)
         shape = attention_shape_from_hf_config(config, args.query_dtype or "bf16")
         link = LinkModel(bytes_per_s=args.link_gbps * 1e9,
                          latency_s=(PLAN_LINK_LATENCY_US if args.link_latency_us is None

@@ -181,6 +181,24 @@ def vllm_backends(plan: KVPPPlan, available_bytes: int) -> dict[str, dict[str, A
     return out
 
 
+def vllm_whole_layer_steps(plan: KVPPPlan, num_blocks: int, *, sparse: bool, pcp: int,
+                           link_gb_per_s: float) -> dict[str, Any] | None:
+    """Where kvpp-fx's vLLM integration broadcasts whole layers on every step, decode steps included: SFA
+    models (vLLM's sparse and indexer metadata hold block ids KVPP does not remap) and prefill context
+    parallelism (each rank's metadata holds only its part of the batch). None elsewhere."""
+    reasons = []
+    if sparse:
+        reasons.append("SFA: vLLM's sparse and indexer metadata are not remapped to packed slots, and SFA has no "
+                       "owner rows yet")
+    if pcp > 1:
+        reasons.append("PCP: each rank's attention metadata holds only its part of the batch")
+    if not reasons:
+        return None
+    per_step = plan.broadcast_bytes_per_forward(num_blocks)
+    return {"reasons": reasons, "bytes_per_step": per_step, "link_gb_per_s": link_gb_per_s,
+            "seconds_per_step": per_step / (link_gb_per_s * 1e9)}
+
+
 def transfer_cost(plan: KVPPPlan, num_blocks: int, context_tokens: int, link_gb_per_s: float) -> dict[str, Any]:
     """Bytes and link time per layer and per forward for a step that reads `context_tokens` tokens.
 
@@ -273,6 +291,13 @@ def format_plan_table(report: dict[str, Any]) -> str:
             lines += _format_mode_choice(cost)
         if "owner_mode_unavailable" in cost:
             lines.append(f"owner mode: not available ({cost['owner_mode_unavailable']})")
+    whole = report.get("vllm_whole_layer_steps")
+    if whole is not None:
+        lines += ["", f"in vLLM every step broadcasts whole layers, decode steps included: "
+                      f"{format_bytes(whole['bytes_per_step'])} per step at full occupancy, "
+                      f"{whole['seconds_per_step'] * 1e3:.1f} ms at {whole['link_gb_per_s']:g} GB/s: not for long "
+                      "decodes at scale"]
+        lines += [f"  {reason}" for reason in whole["reasons"]]
     if "draft_sharding_gain" in report:
         lines.append(f"draft sharding gain over local drafts: {report['draft_sharding_gain']:.3f}x")
     backends = report.get("vllm_backends")

@@ -315,3 +315,21 @@ def test_plan_says_per_vllm_backend_whether_compact_slots_apply(capsys):
     assert fp8["TRITON_MLA"]["slots"] == "compact"
     assert fp8["CPU_MLA"]["slots"] is None and "no fp8 KV cache" in fp8["CPU_MLA"]["why"]
     assert "vllm_backends" not in plan_report_json(capsys, *common[:-2])  # whole-layer slots: nothing to choose
+
+
+@pytest.mark.parametrize("model,pcp,reason", [("deepseek-v3.2-exp", 1, "SFA: "), ("deepseek-v3", 2, "PCP: "),
+                                              ("deepseek-v3", 1, None)])
+def test_plan_says_where_vllm_broadcasts_whole_layers_on_every_step(capsys, model, pcp, reason):
+    args = ["--model", model, "--tp", str(8 // pcp), "--pcp", str(pcp), "--kv-memory", "64GiB"]
+    report = plan_report_json(capsys, *args)
+    whole = report.get("vllm_whole_layer_steps")
+    if reason is None:  # dense MLA without PCP: steps pack the blocks they read, or go to the owners
+        assert whole is None
+    else:
+        assert [r[:len(reason)] for r in whole["reasons"]] == [reason]
+        # Every non-owned layer of the whole pool, on every step: the full-occupancy broadcast.
+        assert whole["bytes_per_step"] == report["broadcast_bytes_per_forward"] > 300 * 2**30
+        assert whole["seconds_per_step"] == pytest.approx(whole["bytes_per_step"] / 400e9)
+    assert main(["plan", *args]) == 0
+    text = capsys.readouterr().out
+    assert ("in vLLM every step broadcasts whole layers, decode steps included" in text) == (reason is not None)
