@@ -11,6 +11,8 @@ from kvpp_fx.argtypes import non_negative_float, non_negative_int, positive_floa
 from kvpp_fx.cache.placement import DEFAULT_DEPTH, MIN_DEPTH
 from kvpp_fx.cache.spec import KV_DTYPES, QUERY_DTYPES, UnknownModelError
 
+DEFAULT_MAX_NUM_SEQS = 1024  # vLLM's default on H100/H200-class GPUs
+
 
 class UsageError(Exception):
     """A bad option: reported on one line, exit code 2."""
@@ -41,7 +43,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from kvpp_fx.cache.cost import LinkModel
     from kvpp_fx.cache.spec import attention_shape_from_hf_config, load_hf_config
     from kvpp_fx.plan_report import (DEFAULT_TOKEN_BUDGET, build_plan, format_plan_table, owner_cost,
-                                     parse_bytes, plan_report, transfer_cost, vllm_whole_layer_steps)
+                                     parse_bytes, plan_report, transfer_cost, vllm_whole_layer_steps,
+                                     exchange_reserve)
 
     if args.context_tokens is None:
         given = [f"--{name.replace('_', '-')}" for name in _STEP_OPTIONS if getattr(args, name) is not None]
@@ -69,6 +72,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                    pcp=args.pcp, link_gb_per_s=args.link_gbps)
     if whole is not None:
         report["vllm_whole_layer_steps"] = whole
+    elif (shape := _owner_shape(config, plan.group_size)) is not None:  # decode rows go to their owners
+        report["exchange_reserve"] = exchange_reserve(
+            plan, shape, available, max_num_seqs=args.max_num_seqs,
+            speculative_tokens=int(config.get("num_nextn_predict_layers") or 0) if args.mtp else 0,
+            token_budget=token_budget or DEFAULT_TOKEN_BUDGET)
     if args.context_tokens is not None:
         shape = attention_shape_from_hf_config(config, args.query_dtype or "bf16")
         link = LinkModel(bytes_per_s=args.link_gbps * 1e9,
@@ -85,6 +93,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         report["transfer_cost"] = cost
     print(json.dumps(report, indent=2) if args.json else format_plan_table(report))
     return 0
+
+
+def _owner_shape(config, group_size: int):
+    """The model's owner-mode attention shape, or None where owner mode cannot run it (heads unknown, or
+    not split evenly over the group)."""
+    from kvpp_fx.cache.spec import attention_shape_from_hf_config
+
+    try:
+        shape = attention_shape_from_hf_config(config, "bf16")
+        shape.split(group_size)
+    except ValueError:
+        return None
+    return shape
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:
@@ -126,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "(compact scratch) instead of whole layers")
     plan.add_argument("--max-batched-tokens", type=positive_int, default=None,
                       help="the token budget of one step, with --max-model-len (default 8192)")
+    plan.add_argument("--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS,
+                      help="requests one step may hold: bounds the decode rows owner mode exchanges, whose peak "
+                           f"a GPU engine keeps out of the KV budget (default {DEFAULT_MAX_NUM_SEQS}, vLLM's on "
+                           "H100/H200-class GPUs)")
     plan.add_argument("--scratch-blocks", type=positive_int, default=None,
                       help="blocks per scratch slot, overriding what --max-model-len gives")
     plan.add_argument("--context-tokens", type=non_negative_int, default=None,

@@ -199,6 +199,20 @@ def vllm_whole_layer_steps(plan: KVPPPlan, num_blocks: int, *, sparse: bool, pcp
             "seconds_per_step": per_step / (link_gb_per_s * 1e9)}
 
 
+def exchange_reserve(plan: KVPPPlan, shape: AttentionShape, available_bytes: int, *, max_num_seqs: int,
+                     speculative_tokens: int, token_budget: int) -> dict[str, Any]:
+    """What a vLLM engine on a GPU keeps out of KVPP's KV budget for owner-mode exchanges: one owner call's
+    peak (`AttentionShape.owner_exchange_peak_bytes`) for the most decode rows a step has, and the
+    capacity ratio after it. KVPP's communicators are made and used once before vLLM measures the memory
+    left for the KV cache, so vLLM's measurement holds their buffers and nothing is kept for them here."""
+    rows = min(max_num_seqs * (1 + speculative_tokens), token_budget)
+    peak = shape.owner_exchange_peak_bytes(rows, plan.group_size)
+    replicated = plan.replicated_num_blocks(available_bytes)
+    blocks = plan.num_blocks(max(available_bytes - peak, 0))
+    return {"decode_rows": rows, "max_num_seqs": max_num_seqs, "speculative_tokens": speculative_tokens,
+            "bytes": peak, "engine_blocks": blocks, "capacity_ratio": blocks / replicated if replicated else None}
+
+
 def transfer_cost(plan: KVPPPlan, num_blocks: int, context_tokens: int, link_gb_per_s: float) -> dict[str, Any]:
     """Bytes and link time per layer and per forward for a step that reads `context_tokens` tokens.
 
@@ -291,6 +305,14 @@ def format_plan_table(report: dict[str, Any]) -> str:
             lines += _format_mode_choice(cost)
         if "owner_mode_unavailable" in cost:
             lines.append(f"owner mode: not available ({cost['owner_mode_unavailable']})")
+    reserve = report.get("exchange_reserve")
+    if reserve is not None:
+        lines += ["", f"owner-mode exchanges keep {format_bytes(reserve['bytes'])} out of the KV budget on a GPU "
+                      f"({reserve['decode_rows']:,} decode rows: {reserve['max_num_seqs']:,} requests x "
+                      f"{1 + reserve['speculative_tokens']} tokens); capacity ratio with it: "
+                      f"{reserve['capacity_ratio']:.3f}x",
+                  "  KVPP's communicators run their first collectives before vLLM measures memory: vLLM counts "
+                  "their buffers"]
     whole = report.get("vllm_whole_layer_steps")
     if whole is not None:
         lines += ["", f"in vLLM every step broadcasts whole layers, decode steps included: "
@@ -310,6 +332,8 @@ def format_plan_table(report: dict[str, Any]) -> str:
                 continue
             lines.append(f"  {name:<15} [{b['vllm_block_size']:>3}] {b['slots']:>11} slots {b['capacity_ratio']:7.3f}x"
                          f"  {'owner rows: ' if b['owner_rows'] else 'no owner rows: '}{b['why']}")
+        lines.append("  a block size the backend reads as smaller kernel blocks (vLLM's virtual block splitting) is "
+                     "refused by KVPP: plan at the size in brackets")
         lines.append("  and only where no prefill row reads history: vLLM's CUDA defaults (chunked prefill, prefix "
                      "caching on) keep whole-layer slots; set enable_chunked_prefill=False, "
                      "enable_prefix_caching=False, and no speculative decoding, for compact ones")

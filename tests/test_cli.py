@@ -333,3 +333,20 @@ def test_plan_says_where_vllm_broadcasts_whole_layers_on_every_step(capsys, mode
     assert main(["plan", *args]) == 0
     text = capsys.readouterr().out
     assert ("in vLLM every step broadcasts whole layers, decode steps included" in text) == (reason is not None)
+
+
+def test_plan_reports_the_owner_exchange_reserve_of_a_gpu_engine(capsys):
+    base = ["--model", "deepseek-v3", "--tp", "8", "--kv-memory", "64GiB"]
+    report = plan_report_json(capsys, *base)
+    reserve = report["exchange_reserve"]
+    # 1,024 decode rows (vLLM's max_num_seqs on H200-class GPUs) of 16 heads per rank over 8 ranks, bf16:
+    # AttentionShape.owner_exchange_peak_bytes, by hand in tests/cache/test_cost.py.
+    assert (reserve["decode_rows"], reserve["bytes"]) == (1024, 606_076_946)
+    assert reserve["capacity_ratio"] < report["capacity_ratio"]
+    assert reserve["engine_blocks"] < report["engine_blocks"]
+    with_mtp = plan_report_json(capsys, *base, "--mtp", "--max-num-seqs", "256")["exchange_reserve"]
+    assert (with_mtp["decode_rows"], with_mtp["speculative_tokens"]) == (512, 1)
+    assert main(["plan", *base]) == 0
+    assert "owner-mode exchanges keep 578.00 MiB out of the KV budget on a GPU" in capsys.readouterr().out
+    # No owner rows for SFA: nothing is kept.
+    assert "exchange_reserve" not in plan_report_json(capsys, "--model", "deepseek-v3.2-exp", "--tp", "8")

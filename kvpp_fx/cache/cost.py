@@ -53,6 +53,15 @@ class AttentionShape:
             raise ValueError(f"{self.num_heads} heads do not split over a group of {group_size}.")
         return self.num_heads // group_size
 
+    def owner_exchange_peak_bytes(self, query_tokens: int, group_size: int) -> int:
+        """Device memory one layer's owner call holds at its peak on the owner, outside any budget vLLM
+        measures: its own packed queries, every rank's gathered and then concatenated, the output over all
+        heads and its per-rank parts (each with a status value), and the part it receives back."""
+        _check_count("query_tokens", query_tokens, minimum=0)
+        per_rank = query_tokens * self.split(group_size)
+        values = per_rank * (self.q_width + self.out_width) * (1 + 2 * group_size) + group_size + 1
+        return values * self.itemsize
+
     def owner_bytes_per_layer(self, query_tokens: int, group_size: int) -> int:
         """Bytes the owner's link carries for one layer: the other ranks' queries in, their outputs out."""
         _check_count("query_tokens", query_tokens, minimum=0)

@@ -17,6 +17,19 @@ V3_BYTES_PER_BLOCK = 576 * 2 * 128          # one layer's bf16 latent cache, 128
 DEVICE = LinkModel(bytes_per_s=400e9, latency_s=20e-6, attention_flops_per_s=400e12)
 
 
+def test_owner_exchange_peak_by_hand():
+    # DeepSeek-V3 at TP 8, 1024 decode rows, bf16: the owner's packed queries (16 heads), every rank's
+    # gathered and concatenated (2 x 128 heads), the output over 128 heads and its parts, the part back,
+    # each part with a status value.
+    rows, heads = 1024, 16
+    queries = rows * heads * 576 * (1 + 2 * 8)
+    outputs = rows * heads * 512 * (1 + 2 * 8) + 8 + 1
+    assert V3.owner_exchange_peak_bytes(rows, 8) == (queries + outputs) * 2 == 606_076_946
+    assert V3.owner_exchange_peak_bytes(0, 8) == 18  # the status values alone
+    with pytest.raises(ValueError, match="query_tokens"):
+        V3.owner_exchange_peak_bytes(-1, 8)
+
+
 def test_owner_bytes_per_layer_by_hand():
     # 8 ranks, 16 heads each: 7 ranks send 16 x 576 values per token and get 16 x 512 back, 2 B each.
     assert V3.owner_bytes_per_layer(query_tokens=1, group_size=8) == 7 * 16 * (576 + 512) * 2 == 243_712

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import tests.integrations.triton_interpreter  # noqa: F401, I001  (before vLLM: V2's Triton kernels, interpreted)
 
+import contextlib
 import types
 
 import numpy as np
@@ -415,6 +416,66 @@ def test_a_hook_that_cannot_be_applied_names_vllm_version_and_hook():
     assert f"vLLM {vllm.__version__}" in str(err.value) and "NoBudget.determine_available_memory" in str(err.value)
     with pytest.raises(worker.KVPPHookError, match="V1 and V2 GPUModelRunner"):
         worker.kvpp_runner_class(NoBudget)
+
+
+def _engine_config(max_num_seqs=1024, budget=16384, speculative_tokens=None):
+    """What `layout.exchange_reserve` reads of a VllmConfig: DeepSeek-V3's attention, bf16."""
+    hf = types.SimpleNamespace(num_attention_heads=128, kv_lora_rank=512, qk_rope_head_dim=64)
+    speculative = None if speculative_tokens is None else types.SimpleNamespace(
+        num_speculative_tokens=speculative_tokens)
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_text_config=hf, dtype=torch.bfloat16),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
+        speculative_config=speculative)
+
+
+def test_a_gpu_budget_keeps_the_owner_exchanges_peak_for_the_most_decode_rows_a_step_has():
+    """vLLM's profile run does not exchange owner rows, so the memory it measures as left for the KV cache
+    never held them: on a device KVPP keeps the owner call's peak for max_num_seqs requests (each with its
+    speculative tokens, within the token budget) out of the KV budget."""
+    from kvpp_fx.cache.cost import AttentionShape
+    from kvpp_fx.integrations.vllm.layout import budget, exchange_reserve
+    from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError
+
+    shape = AttentionShape(128, 576, 512, 2)
+    state = EngineState(KVPPConfig(enable_kvpp=True, tp=8), None)
+    assert exchange_reserve(_engine_config(), state, "cuda") == shape.owner_exchange_peak_bytes(1024, 8)
+    assert exchange_reserve(_engine_config(speculative_tokens=1), state, "cuda") == \
+        shape.owner_exchange_peak_bytes(2048, 8)
+    assert exchange_reserve(_engine_config(budget=1500, speculative_tokens=1), state, "cuda") == \
+        shape.owner_exchange_peak_bytes(1500, 8)
+    assert exchange_reserve(_engine_config(), state, "cpu") == 0  # vLLM CPU's KV space is a fixed size
+    blocked = EngineState(KVPPConfig(enable_kvpp=True, tp=8), None, owner_blocker="AMX_MLA")
+    assert exchange_reserve(_engine_config(), blocked, "cuda") == 0
+    runner = types.SimpleNamespace(vllm_config=_engine_config(), device=torch.device("cpu"))
+    runner.device = "cuda"
+    with pytest.raises(KVPPAllocationError, match="owner-mode exchanges need up to 606076946 bytes"):
+        budget(runner, state, 600_000_000)
+
+
+def test_kvpp_workers_make_their_groups_before_vllm_measures_memory(monkeypatch):
+    """NCCL allocates a communicator's buffers at its first collectives: KVPP's groups exist and have run
+    them before vLLM's worker measures the memory left for the KV cache, so the measurement holds them."""
+    from kvpp_fx.integrations.vllm import allocation, layout, worker
+
+    order = []
+    state = types.SimpleNamespace(active=contextlib.nullcontext)
+
+    class Worker:
+        def init_device(self): ...
+        def load_model(self): ...
+        def compile_or_warm_up_model(self): ...
+
+        def determine_available_memory(self):
+            order.append("vLLM measures")
+            return 1 << 30
+
+    monkeypatch.setattr(allocation, "connect", lambda engine, device: order.append(("connect", engine, device)))
+    monkeypatch.setattr(layout, "budget", lambda runner, engine, available: available)
+    hooked = worker.kvpp_worker_class(Worker)()
+    hooked.model_runner = types.SimpleNamespace(_kvpp=state, device="cuda:3")
+    assert hooked.determine_available_memory() == 1 << 30
+    assert order == [("connect", state, "cuda:3"), "vLLM measures"]
 
 
 @pytest.mark.parametrize("block_size,kernel", [(128, 64), (64, 64)])

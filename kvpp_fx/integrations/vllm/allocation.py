@@ -107,8 +107,7 @@ def allocate(runner: Any, state: EngineState, kv_cache_config: Any, device: Any)
         raise KVPPAllocationError(f"vLLM's KV cache config {vplan.plan.spec} differs from the model's cache "
                                   f"specs {state.vplan.plan.spec}.")
     state.vplan = vplan
-    if state.group is None:
-        state.group, state.agreement_group, state.group_ranks = kvpp_group(state.config)
+    connect(state, device)
     check_layout(state, kv_cache_config.num_blocks)
     rank = torch.distributed.get_rank(state.group)
     if state.runtime is not None:
@@ -195,6 +194,27 @@ def self_check(runner: Any, state: EngineState, kv_cache_config: Any) -> None:
             bound = bound[0] if bound else None
         if not isinstance(bound, torch.Tensor) or bound.data_ptr() != view.data_ptr() or bound.numel() != view.numel():
             raise KVPPAllocationError(f"cache layer {name!r} is not bound to its KVPP view of layer {index}.")
+
+
+def connect(state: EngineState, device: Any) -> None:
+    """This rank's KVPP groups, made once per engine, before vLLM measures the memory its KV cache may take
+    (the worker's ``determine_available_memory``). A communicator allocates its buffers at its first
+    collective (NCCL: per channel and peer; P2P connections per pair at the first send between them), so
+    each kind the runtime issues runs once here: a broadcast, and with owner rows a gather to and a
+    scatter from every rank. vLLM's measurement then holds those buffers."""
+    if state.group is not None:
+        return
+    import torch.distributed as dist
+
+    state.group, state.agreement_group, state.group_ranks = kvpp_group(state.config)
+    group, one = state.group, torch.zeros(1, device=device)
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    dist.broadcast(one, src=dist.get_global_rank(group, 0), group=group)
+    if state.owner_blocker is None:
+        for owner in range(size):
+            parts = [torch.zeros_like(one) for _ in range(size)] if owner == me else None
+            dist.gather(one, parts, dst=dist.get_global_rank(group, owner), group=group)
+            dist.scatter(one, parts, src=dist.get_global_rank(group, owner), group=group)
 
 
 def kvpp_group(config: Any):

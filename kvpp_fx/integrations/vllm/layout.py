@@ -16,7 +16,7 @@ import torch
 
 from kvpp_fx.integrations.vllm import scratch
 from kvpp_fx.integrations.vllm.specs import VllmPlan, plan_from_specs
-from kvpp_fx.integrations.vllm.state import EngineState
+from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +38,42 @@ def plan_for(runner: Any, state: EngineState, specs: dict[str, Any], scratch_blo
 
 
 def budget(runner: Any, state: EngineState, available: int) -> int:
-    """The logical KV budget for vLLM's planner, from this worker's `available` bytes; picks the layout."""
+    """The logical KV budget for vLLM's planner, from this worker's `available` bytes less the owner-mode
+    exchange reserve; picks the layout."""
+    reserve = exchange_reserve(runner.vllm_config, state, runner.device)
+    if reserve >= available:
+        raise KVPPAllocationError(
+            f"KVPP's owner-mode exchanges need up to {reserve} bytes per rank at their peak (decode rows of "
+            f"max_num_seqs requests, every rank's heads on the owner), more than the {available} bytes vLLM "
+            "left for the KV cache. Lower max_num_seqs, raise gpu_memory_utilization, or set "
+            "additional_config.kvpp_mode='broadcast'.")
+    available -= reserve
     vplan = choose_layout(runner, state, available)
     blocks = vplan.plan.num_blocks(available)
     state.budget_blocks = blocks
     logical = blocks * vplan.logical_bytes_per_block
-    logger.warning("KVPP: %d blocks per rank in %d bytes (without KVPP: %d; %s); logical budget %d bytes.",
-                   blocks, available, available // vplan.logical_bytes_per_block, state.scratch_choice, logical)
+    logger.warning("KVPP: %d blocks per rank in %d bytes (without KVPP: %d; %s; %d bytes kept for owner-mode "
+                   "exchanges); logical budget %d bytes.", blocks, available,
+                   (available + reserve) // vplan.logical_bytes_per_block, state.scratch_choice, reserve, logical)
     return logical
+
+
+def exchange_reserve(vllm_config: Any, state: EngineState, device: Any) -> int:
+    """The device memory one layer's owner-mode exchange holds at its peak on the owner
+    (`AttentionShape.owner_exchange_peak_bytes`) for the most decode rows a step can have (``max_num_seqs``
+    requests, each with its speculative tokens, within the token budget); vLLM's profile run does not
+    exchange, so its measurement of the memory left never saw these bytes. 0 where decode rows never go to
+    the owner, and on CPU, where vLLM's KV budget is a fixed space (``VLLM_CPU_KVCACHE_SPACE``) that the
+    exchanges do not draw from."""
+    if state.config.size == 1 or state.owner_blocker is not None or torch.device(device).type == "cpu":
+        return 0
+    from kvpp_fx.integrations.vllm.owner_rows import attention_shape
+
+    scheduler = vllm_config.scheduler_config
+    speculative = getattr(vllm_config, "speculative_config", None)
+    per_request = 1 + int(getattr(speculative, "num_speculative_tokens", 0) or 0)
+    rows = min(int(scheduler.max_num_seqs) * per_request, int(scheduler.max_num_batched_tokens))
+    return attention_shape(vllm_config.model_config).owner_exchange_peak_bytes(rows, state.config.size)
 
 
 def choose_layout(runner: Any, state: EngineState, available: int) -> VllmPlan:

@@ -8,7 +8,9 @@ subclass of the platform's worker, and after ``init_device`` turns the worker's 
 subclass of its own class: `runner_v2` for vLLM's V2 runner (its default wherever Triton runs),
 `runner_v1` for V1. Both apply the same runner-agnostic parts:
 
-- `layout`: ``determine_available_memory`` returns the logical budget of the chosen scratch layout;
+- `layout`: ``determine_available_memory`` returns the logical budget of the chosen scratch layout, less
+  what owner-mode exchanges hold at their peak; KVPP's communicators are made and used once before vLLM
+  measures the memory (`allocation.connect`), so their buffers are inside vLLM's measurement;
 - `allocation`: KVPP's allocator in place of vLLM's, and the post-allocation self-check;
 - `step`: the runtime's forward around each target-model step;
 - `attention`: eager waits and owner rows on the loaded model;
@@ -90,6 +92,7 @@ def kvpp_worker_class(base: type) -> type:
 
         def determine_available_memory(self) -> int:
             state: EngineState = self.model_runner._kvpp
+            allocation.connect(state, self.model_runner.device)  # its buffers inside vLLM's measurement
             with state.active(), passthrough():
                 available = super().determine_available_memory()
             return layout.budget(self.model_runner, state, available)
