@@ -148,10 +148,12 @@ def test_race_random_skews_never_read_a_view_early(fault):
 
 # --- failures -----------------------------------------------------------------------------------------------
 
-def dying_ranks(rank: int, world: int, victim: int, how: str, timeout_s: float):
+def dying_ranks(rank: int, world: int, victim: int, how: str, timeout_s: float, device_path: bool = False):
     """`victim` dies (``how="kill"``) or stalls alive (``"stall"``) in the middle of a forward."""
     # "kill" passes the runtime a timeout; "stall" leaves it to the process group's own
     kwargs = {"pg_timeout_s": 60.0, "timeout": timeout_s} if how == "kill" else {"pg_timeout_s": timeout_s}
+    if device_path:  # the transfer stream, its events and the compute stream's waits, recorded
+        kwargs["device_api"] = RecordingDeviceAPI()
     rt = stage_runtime(world, world, 1, 8, **kwargs)
     with rt.forward(has_history=True):
         run_layers(rt)
@@ -191,6 +193,20 @@ def test_a_dead_or_stalled_peer_becomes_an_error_within_the_timeout(how):
         assert res["later"] == "RuntimeBrokenError", res
     if how == "stall":  # alive but silent: only the timeout can tell
         assert {results[r]["error"] for r in (0, 2)} == {"TransferTimeoutError"}
+
+
+def test_a_dead_peer_on_the_device_path_becomes_an_error_within_the_timeout():
+    """The device path (transfer stream, events, the compute stream's waits) with a peer that dies in the
+    middle of a forward: every other rank raises a named error within the runtime's timeout, and stays
+    broken. On NCCL the host does not wait for a layer's broadcast: there the bound is the communicator's
+    watchdog, at the KVPP group's timeout (docs/vllm.md)."""
+    timeout = 3.0
+    results = launch(dying_ranks, 3, 1, "kill", timeout, True, timeout_s=90, may_die={1})
+    for rank in (0, 2):
+        res = results[rank]
+        assert res["error"] in ("TransferFailedError", "TransferTimeoutError"), res
+        assert res["elapsed"] < timeout + 5.0, res
+        assert res["later"] == "RuntimeBrokenError", res
 
 
 def failing_transfer_ranks(rank: int, world: int):
