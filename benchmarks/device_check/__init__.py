@@ -23,6 +23,10 @@ they do not):
 - ``overlap``: the fraction of the transfer hidden behind real GPU compute (matmuls).
 - ``host_time``: the runtime's host time per layer with CUDA streams (the CPU benchmark's no-op
   transport), beside the CPU figure, and the CUDA synchronisations the runtime makes per layer.
+- ``owner_kernels``: owner calls on vLLM's TRITON_MLA and FlashMLA kernels, where vLLM is installed.
+- ``breakable_capture``: a breakable CUDA-graph capture (real graph segments) of a layer whose MLA cache
+  write KVPP records as an eager break: replayed steps write through their own slot mappings; the
+  control, the write inside the graph, replays the capture's (`capture`).
 
 Every check prints one line, ``device-check <name>: PASS|FAIL|SKIP <figure or reason>``, and the JSON
 goes to ``benchmarks/results/device_check.json`` on a GPU, or to a temporary file on the CPU smoke pass
@@ -56,7 +60,7 @@ if str(HERE) not in sys.path:  # the other benchmarks' modules (runtime_overhead
 GPU_RESULT = HERE / "results" / "device_check.json"
 SMOKE_RESULT = Path(tempfile.gettempdir()) / "kvpp-device-check-smoke.json"
 CPU_OVERHEAD = HERE / "results" / "runtime_overhead.json"
-CHECKS = ("ordering", "overlap", "host_time", "end_to_end", "owner_kernels")
+CHECKS = ("ordering", "overlap", "host_time", "end_to_end", "owner_kernels", "breakable_capture")
 WORLD = 2
 STALL_MS = 5.0  # far above a small gloo transfer (~0.1-0.3 ms), so an unordered access shows every time
 LATE_MS = 20.0  # how late a slow link's bytes land: far above a compute step that does not wait for them

@@ -17,6 +17,7 @@ import torch
 import benchmarks.device_check as package
 from benchmarks.device_check import (CHECKS, CPU_OVERHEAD, GPU_RESULT, LATE_MS, OVERLAP_GOAL, ROOT, SMOKE_RESULT,
                                      STALL_MS, WORLD)
+from benchmarks.device_check.capture import capture_worker
 from benchmarks.device_check.checks import (ORDER_SCENARIOS, end_to_end_worker, ordering_worker, overlap_worker,
                                             owner_kernels_worker)
 from benchmarks.device_check.preflight import preflight, use_wheels
@@ -186,6 +187,21 @@ def _cpu_overhead() -> str:
         return "unavailable (benchmarks/results/runtime_overhead.json unreadable)"
 
 
+def judge_breakable_capture(results: list[dict[str, Any]], cuda: bool) -> Check:
+    """KVPP's recorded cache write puts each replayed step's rows at that step's positions; the control (the
+    write inside the graph) does not."""
+    res = results[0]
+    if "skipped" in res:
+        return Check("breakable_capture", "SKIP", res["skipped"], res)
+    kvpp, control = res["kvpp"], res["control"]
+    ok = kvpp["ok"] and kvpp["eager_breaks"] == 1 and not control["ok"] and control["eager_breaks"] == 0
+    steps = len(kvpp["steps"])
+    line = (f"{res['capture']}: KVPP's eager cache write put {sum(s['values_ok'] for s in kvpp['steps'])}/{steps} "
+            f"replayed steps' rows at their own slots; control (write inside the graph) caught: "
+            f"{'yes' if not control['ok'] else 'no'} (wrote rows {control['steps'][0]['written']})")
+    return Check("breakable_capture", "PASS" if ok else "FAIL", line, res)
+
+
 def judge_owner_kernels(results: list[dict[str, Any]], cuda: bool) -> Check:
     """Owner calls on vLLM's GPU MLA kernels: each backend's owner call equals the ranks' own calls (bf16, each
     kernel's rounding), and FLASHMLA's shared metadata, the control, fails."""
@@ -217,6 +233,7 @@ COULD_NOT_RUN = (
     "inductor on CUDA (the smoke pass compiles the pieces with aot_eager on CPU)",
     "overlap behind real GPU compute",
     "host time with CUDA streams and the count of CUDA synchronisations",
+    "breakable CUDA-graph capture and replay with KVPP's eager cache write",
     "owner calls on vLLM's GPU MLA kernels (TRITON_MLA's runs interpreted in make test)",
 )
 
@@ -290,6 +307,9 @@ def run_checks(wanted: list[str], device_type: str, cuda: bool, inner: str, dead
             if overlap_results is None:  # one launch measures both
                 overlap_results = _run(overlap_worker, device_type, not cuda, timeout_s=min(left, limits[name]))
             check = _judged(name, overlap_results, judge_overlap if name == "overlap" else judge_host_time, cuda)
+        elif name == "breakable_capture":
+            check = _judged(name, _run(capture_worker, device_type, timeout_s=min(left, 120.0)),
+                            judge_breakable_capture, cuda)
         elif name == "owner_kernels":
             check = _judged(name, _run(owner_kernels_worker, device_type, timeout_s=min(left, 150.0)),
                             judge_owner_kernels, cuda)
