@@ -10,6 +10,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import random
 import signal
 import re
 import socket
@@ -784,12 +785,23 @@ def test_nixl_decode_refuses_a_prefill_rank_that_exposes_a_layer_it_does_not_own
 
 
 def _free_ports(n: int) -> list[int]:
-    """`n` distinct free ports (held open together, so the kernel cannot hand one out twice)."""
+    """`n` distinct free ports below the kernel's ephemeral range, for listeners that bind them a minute
+    later (NIXL's side channels bind once their engine has started): an ephemeral port can be handed to
+    any outgoing connection in the meantime (gloo's, vLLM's own), and the listener then fails to bind."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    candidates = random.Random().sample(range(max(1024, low - 8000), low), 64)
     with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
+        ports = []
+        for port in candidates:
+            s = stack.enter_context(socket.socket())
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise RuntimeError(f"no {n} free ports below {low}")
 
 
 def _free_port() -> int:
