@@ -11,7 +11,7 @@ runs with the kvpp ops, or the config was refused with a `ValueError` that says 
 - modes 1 and 2 (vLLM's CPU default is mode 2 with inductor): ``compilation_config.backend`` becomes
   the kvpp backend, and the backend the user or the platform had chosen compiles the pieces between
   the kvpp and MLA ops (``additional_config.kvpp_fx.inner_backend``). vLLM captures no piecewise graphs
-  there (it lowers FULL_AND_PIECEWISE to FULL), so a FULL mode is refused, saying to set NONE;
+  there (it lowers FULL_AND_PIECEWISE to FULL_DECODE_ONLY), so a FULL mode is refused, saying to set NONE;
 - mode 3 (``VLLM_COMPILE``, the CUDA default): KVPP workers build vLLM's ``VllmBackend`` as a subclass
   that runs the insert pass on the whole Dynamo graph before vLLM's split (`compilation`), and
   ``splitting_ops`` gains ``kvpp::prefetch`` and ``kvpp::wait``, so they run eagerly between the
