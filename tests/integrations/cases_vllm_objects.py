@@ -624,6 +624,9 @@ def breakable_env():
     default to breakable graphs; the test's process gets it back as it was."""
     import os
 
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()  # vLLM reads the variable where the test sets it, not a cached value
     before = os.environ.pop("VLLM_USE_BREAKABLE_CUDAGRAPH", None)
     yield
     os.environ.pop("VLLM_USE_BREAKABLE_CUDAGRAPH", None)
@@ -631,9 +634,8 @@ def breakable_env():
         os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] = before
 
 
-@pytest.mark.parametrize("architecture", ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
-                                          "KimiK3ForConditionalGeneration"])
-def test_models_that_default_to_breakable_graphs_start_on_vllms_defaults(architecture, breakable_env, caplog):
+@pytest.mark.parametrize("architecture", ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"])
+def test_models_that_default_to_breakable_graphs_resolve_to_piecewise_on_vllms_defaults(architecture, breakable_env, caplog):
     from vllm.config import CUDAGraphMode
 
     from kvpp_fx.integrations.vllm.compile_modes import MSG_LOWERED, Requested, configure_compilation
@@ -874,59 +876,88 @@ def test_under_breakable_cuda_graphs_the_waits_rerun_on_every_replay():
 
 
 def test_under_breakable_cuda_graphs_the_mla_cache_write_reads_each_replayed_steps_slot_mapping():
-    """vLLM records MLA attention as an eager segment but captures the MLA cache write with the capture's
-    slot mapping, so a replayed packed step would write at pool positions while attention reads packed
-    ones. KVPP records the write as a segment of its own that reads the step's forward context."""
+    """vLLM records MLA attention as an eager segment but captures the MLA cache write (its unified op) with
+    the capture's slot mapping, so a replayed packed step would write at pool positions while attention
+    reads packed ones. Through vLLM's own cache-write op: KVPP records the wait, then the write, then
+    vLLM's attention break, and the write reads each replayed step's forward context."""
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
     from vllm.forward_context import ForwardContext, override_forward_context
+    from vllm.model_executor.layers.attention import mla_attention  # noqa: F401  (registers vLLM's MLA ops)
+    from vllm.utils.torch_utils import _encode_layer_name
 
     from kvpp_fx.integrations.vllm import attention
     from kvpp_fx.integrations.vllm.state import EngineState
     from kvpp_fx.runtime.graph_ops import passthrough
 
     name = "model.layers.0.self_attn.attn"
+    cache = torch.zeros(4, 2, 3)  # 4 blocks of 2 tokens; a record of 2 + 1 values
+    kv_c, k_pe = torch.ones(2, 2), torch.full((2, 1), 2.0)  # the capture's static buffers
 
-    class MLA(torch.nn.Module):  # vLLM's MLAAttention.update_kv_cache, less the backends' kernels
+    class MLA(torch.nn.Module):  # vLLM's MLAAttention, less the backends' kernels
         layer_name = name
+
+        def prepare_kv_cache_update(self, attn_metadata):
+            pass
 
         def update_kv_cache(self, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata, kv_cache_dtype, k_scale):
             kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = torch.cat([kv_c_normed, k_pe], -1)
 
-    def captured(layer, capture_slots):
-        """The layer's cache write at capture (a dummy run, in passthrough); returns the recording."""
+        def forward(self):  # MLAAttention.forward where the attention op is opaque (CUDA, CPU)
+            torch.ops.vllm.unified_mla_kv_cache_update(kv_c, k_pe, _encode_layer_name(name), "auto", torch.ones(()))
+            BreakableCUDAGraphCapture.current().add_eager(lambda: None)  # vLLM's break at its attention op
+
+    def context(slots, layer):
+        return ForwardContext(no_compile_layers={name: layer}, attn_metadata={name: None}, slot_mapping={name: slots})
+
+    def captured(layer):
+        """The layer's step at capture (a dummy run, in passthrough, on the capture's slot mapping)."""
         capture = StandInCapture()
         BreakableCUDAGraphCapture._tls.active = capture
         try:
-            with passthrough(), override_forward_context(context(capture_slots)):
-                layer.update_kv_cache(kv_c, k_pe, cache, capture_slots, None, "auto", None)
+            with passthrough(), override_forward_context(context(torch.tensor([0, 1]), layer)):
+                layer()
         finally:
             BreakableCUDAGraphCapture._tls.active = None
         return capture
 
-    def context(slots):
-        return ForwardContext(no_compile_layers={name: layer}, attn_metadata={name: None}, slot_mapping={name: slots})
-
-    cache = torch.zeros(4, 2, 3)  # 4 blocks of 2 tokens; a record of 2 + 1 values
-    kv_c, k_pe = torch.ones(2, 2), torch.full((2, 1), 2.0)
     layer = MLA()
     layer._kvpp_engine, layer._kvpp_layer = EngineState(ON, None), 0
     layer.kv_cache = cache
     layer.__class__ = attention.waiting_class(MLA, True)
-    capture = captured(layer, torch.tensor([0, 1]))
-    assert len(capture.segments) == 1 and cache.view(-1, 3)[:2].eq(torch.tensor([1.0, 1.0, 2.0])).all()
+    capture = captured(layer)
+    assert [getattr(s, "func", None) for s in capture.segments] == [attention.await_layer,
+                                                                    attention.replayed_cache_write, None]
+    assert cache.view(-1, 3)[:2].eq(torch.tensor([1.0, 1.0, 2.0])).all()
     for step, slots in enumerate(([4, 5], [6, 2])):  # each replayed step writes where its own mapping says
         cache.zero_()
-        kv_c.fill_(step + 3)  # the captured graph's static input buffer, refilled by the step
-        with override_forward_context(context(torch.tensor(slots))):
+        kv_c.fill_(step + 3)  # the static input buffer, refilled by the step's graph segment
+        with passthrough(), override_forward_context(context(torch.tensor(slots), layer)):
             capture.replay()
         written = cache.view(-1, 3).abs().sum(-1).nonzero().flatten().tolist()
         assert written == sorted(slots) and cache.view(-1, 3)[slots[0], 0] == step + 3
-    # The control: vLLM's class writes in plain Python at capture and records nothing; a replayed step's
-    # write is then the captured one, at the capture's positions, whatever the step's mapping says.
+    # The control: vLLM's class writes in plain Python at capture and records only its attention break;
+    # on a GPU its write stays inside the graph and replays the capture's positions.
     plain = MLA()
     plain.kv_cache = cache
-    layer = plain
-    assert captured(plain, torch.tensor([0, 1])).segments == []
+    assert [getattr(s, "func", None) for s in captured(plain).segments] == [None]
+
+
+def test_under_breakable_cuda_graphs_mla_layers_that_write_their_own_cache_keep_rows_off_the_owners():
+    """vLLM's DeepSeek-V3.2 and GLM-5 attention (a subclass of MLAAttention with a forward of its own)
+    writes its cache in a fused kernel of a captured segment, with vLLM's slot mapping: under breakable
+    graphs such models keep decode rows on broadcast and whole-layer slots, where that mapping is right."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    from kvpp_fx.integrations.vllm.attention import own_cache_writes_under_capture
+
+    class FusedWriteAttention(MLAAttention):  # as DeepseekV32Attention (vLLM's CUDA build only)
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    assert own_cache_writes_under_capture({MLAAttention}, breakable=True) is None
+    assert own_cache_writes_under_capture({FusedWriteAttention}, breakable=False) is None
+    why = own_cache_writes_under_capture({MLAAttention, FusedWriteAttention}, breakable=True)
+    assert "FusedWriteAttention" in why and "breakable CUDA graphs" in why
 
 
 def test_a_device_api_that_does_not_load_leaves_the_engine_its_runtime():

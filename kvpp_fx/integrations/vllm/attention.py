@@ -138,6 +138,24 @@ def replay_ref(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def own_cache_writes_under_capture(classes: set[type], breakable: bool) -> str | None:
+    """Why decode rows cannot go to their owners (and so slots stay whole layers) under breakable CUDA
+    graphs, or None. KVPP's eager cache write (`replayed_cache_write`) serves vLLM's ``MLAAttention.forward``,
+    which writes through the unified MLA cache-write op. A subclass with a forward of its own may write its
+    cache inside a fused kernel of a captured segment (vLLM's DeepSeek-V3.2 and GLM-5 attention does, in
+    ``fused_norm_rope``), which replays the capture's slot mapping: right for whole-layer slots, which hold
+    every block at its pool id, wrong for a remapped mapping or an owner-mode write skip."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    if not breakable:
+        return None
+    own = sorted(cls.__qualname__ for cls in classes if cls.forward is not MLAAttention.forward)
+    if not own:
+        return None
+    return (f"under breakable CUDA graphs, {own} write their MLA cache in their own forward, which a captured "
+            "segment replays with vLLM's slot mapping")
+
+
 def hook_attention(runner: Any, state: EngineState) -> int:
     """Make the modules that read a target layer's cache wait for it: the MLA attention layer and,
     for SFA, the indexer that owns ``<...>.indexer.k_cache`` (it runs first)."""
@@ -156,6 +174,10 @@ def hook_attention(runner: Any, state: EngineState) -> int:
     config = state.config
     state.owner_blocker = owner_rows.why_not_owner_capable(
         backends, model_kind_of(runner.model_config), config.pcp, quantized) if config.size > 1 else "KVPP is off"
+    if state.owner_blocker is None:
+        from kvpp_fx.integrations.vllm.plugin import breakable_cudagraphs
+
+        state.owner_blocker = own_cache_writes_under_capture({type(layer) for layer in mla}, breakable_cudagraphs())
     if state.mode == Mode.OWNER and state.owner_blocker is not None:
         raise owner_rows.OwnerRowsUnsupportedError(owner_refusal(state.owner_blocker))
     hooked = 0

@@ -4,8 +4,8 @@ Invariant: once `configure_compilation` has run on a resolved config, every targ
 runs with the kvpp ops, or the config was refused with a `ValueError` that says what to set:
 
 - mode 0 (``enforce_eager``): the eager hooks of `worker`. Under breakable CUDA graphs (vLLM's default
-  for DeepSeek-V3.2, GLM-5 and Kimi-K3 class models, which forces mode 0) the hooks record the wait and
-  the MLA cache write as eager segments of the capture (`attention`), and vLLM breaks at MLA attention:
+  for DeepSeek-V3.2 and GLM-5 class models, which forces mode 0) the hooks record the wait and the MLA
+  cache write as eager segments of the capture (`attention`), and vLLM breaks at MLA attention:
   an unchosen FULL_AND_PIECEWISE is lowered to PIECEWISE, since a FULL decode graph would capture
   attention whole;
 - modes 1 and 2 (vLLM's CPU default is mode 2 with inductor): ``compilation_config.backend`` becomes

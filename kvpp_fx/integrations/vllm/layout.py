@@ -45,8 +45,7 @@ def budget(runner: Any, state: EngineState, available: int) -> int:
         raise KVPPAllocationError(
             f"KVPP's owner-mode exchanges need up to {reserve} bytes per rank at their peak (decode rows of "
             f"max_num_seqs requests, every rank's heads on the owner), more than the {available} bytes vLLM "
-            "left for the KV cache. Lower max_num_seqs, raise gpu_memory_utilization, or set "
-            "additional_config.kvpp_mode='broadcast'.")
+            "left for the KV cache. Lower max_num_seqs or raise gpu_memory_utilization.")
     available -= reserve
     vplan = choose_layout(runner, state, available)
     blocks = vplan.plan.num_blocks(available)
