@@ -42,9 +42,8 @@ _STEP_OPTIONS = ("batch_tokens", "requests", "link_latency_us", "attention_tflop
 def _cmd_plan(args: argparse.Namespace) -> int:
     from kvpp_fx.cache.cost import LinkModel
     from kvpp_fx.cache.spec import attention_shape_from_hf_config, load_hf_config
-    from kvpp_fx.plan_report import (DEFAULT_TOKEN_BUDGET, build_plan, format_plan_table, owner_cost,
-                                     parse_bytes, plan_report, transfer_cost, vllm_whole_layer_steps,
-                                     exchange_reserve)
+    from kvpp_fx.plan_report import (DEFAULT_TOKEN_BUDGET, build_plan, exchange_reserve, format_plan_table,
+                                     owner_cost, parse_bytes, plan_report, transfer_cost, vllm_whole_layer_steps)
 
     if args.context_tokens is None:
         given = [f"--{name.replace('_', '-')}" for name in _STEP_OPTIONS if getattr(args, name) is not None]
@@ -98,7 +97,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _owner_shape(config, group_size: int):
     """The model's owner-mode attention shape, or None where owner mode cannot run it (heads unknown, or
     not split evenly over the group)."""
-    from kvpp_fx.cache.spec import attention_shape_from_hf_config
+    from kvpp_fx.cache.spec import attention_shape_from_hf_config  # as `_cmd_plan`: the CLI imports lazily
 
     try:
         shape = attention_shape_from_hf_config(config, "bf16")

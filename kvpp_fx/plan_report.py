@@ -10,7 +10,7 @@ import dataclasses
 import re
 from typing import Any
 
-from kvpp_fx.cache.cost import OWNER, AttentionShape, LinkModel, StepLoad, choose_mode
+from kvpp_fx.cache.cost import OWNER, AttentionShape, LinkModel, StepLoad, choose_mode, max_decode_rows
 from kvpp_fx.cache.placement import UNBOUNDED_BLOCKS, KVPPPlan
 from kvpp_fx.cache.spec import ModelCacheSpec, load_hf_config
 
@@ -205,7 +205,7 @@ def exchange_reserve(plan: KVPPPlan, shape: AttentionShape, available_bytes: int
     peak (`AttentionShape.owner_exchange_peak_bytes`) for the most decode rows a step has, and the
     capacity ratio after it. KVPP's communicators are made and used once before vLLM measures the memory
     left for the KV cache, so vLLM's measurement holds their buffers and nothing is kept for them here."""
-    rows = min(max_num_seqs * (1 + speculative_tokens), token_budget)
+    rows = max_decode_rows(max_num_seqs, speculative_tokens, token_budget)
     peak = shape.owner_exchange_peak_bytes(rows, plan.group_size)
     replicated = plan.replicated_num_blocks(available_bytes)
     blocks = plan.num_blocks(max(available_bytes - peak, 0))

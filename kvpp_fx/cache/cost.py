@@ -27,6 +27,12 @@ def _check_count(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}.")
 
 
+def max_decode_rows(max_num_seqs: int, speculative_tokens: int, token_budget: int) -> int:
+    """The most decode rows one step can hold: every request with its speculative tokens, within the
+    step's token budget."""
+    return min(max_num_seqs * (1 + speculative_tokens), token_budget)
+
+
 @dataclass(frozen=True)
 class AttentionShape:
     """What owner mode ships per query token and head, for every target layer.

@@ -77,10 +77,16 @@ def breakable_capture() -> Any:
     done in plain Python would be skipped on every replayed step. Recorded as an eager segment, it
     reruns on each replay, in capture order, reading the step's runtime when it runs.
     """
+    capture = _capture_class().current()
+    return capture if capture is not None and capture._capturing else None
+
+
+@functools.cache
+def _capture_class() -> type:
+    # Looked up once: `breakable_capture` runs at every target layer's attention and cache write, each step.
     from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture
 
-    capture = BreakableCUDAGraphCapture.current()
-    return capture if capture is not None and capture._capturing else None
+    return BreakableCUDAGraphCapture
 
 
 @functools.cache

@@ -66,12 +66,13 @@ def exchange_reserve(vllm_config: Any, state: EngineState, device: Any) -> int:
     exchanges do not draw from."""
     if state.config.size == 1 or state.owner_blocker is not None or torch.device(device).type == "cpu":
         return 0
+    from kvpp_fx.cache.cost import max_decode_rows
     from kvpp_fx.integrations.vllm.owner_rows import attention_shape
 
     scheduler = vllm_config.scheduler_config
     speculative = getattr(vllm_config, "speculative_config", None)
-    per_request = 1 + int(getattr(speculative, "num_speculative_tokens", 0) or 0)
-    rows = min(int(scheduler.max_num_seqs) * per_request, int(scheduler.max_num_batched_tokens))
+    rows = max_decode_rows(int(scheduler.max_num_seqs), int(getattr(speculative, "num_speculative_tokens", 0) or 0),
+                           int(scheduler.max_num_batched_tokens))
     return attention_shape(vllm_config.model_config).owner_exchange_peak_bytes(rows, state.config.size)
 
 
