@@ -1,4 +1,4 @@
-"""Per-step cost model that picks broadcast mode or owner mode (plain Python, no torch).
+"""Per-step cost model that picks broadcast mode or owner mode (Python and numpy, no torch).
 
 Broadcast mode moves, per layer, the blocks the step reads (or the whole layer) from the owner to the
 other ranks; that is what `KVPPPlan.active_broadcast_bytes` counts. Owner mode moves the queries of
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kvpp_fx.cache.block_ids import EMPTY, BlockIds, difference, union
 from kvpp_fx.config import KVPP_MODES, Mode
 
 BROADCAST, OWNER, AUTO, HYBRID = Mode.BROADCAST, Mode.OWNER, Mode.AUTO, Mode.HYBRID
@@ -154,25 +155,28 @@ class RequestRows:
     ``blocks``: the ids of the blocks with history the rows read (what broadcast mode would move for
     them); ``written``: the blocks they write that hold no history (a position in a non-owner's packed
     slot, no bytes); ``owner_capable``: whether their attention can run on the layer's owner (vLLM: its
-    decode rows, not its prefill rows).
+    decode rows, not its prefill rows). Both sets are held as `BlockIds` (any iterable of ints is taken),
+    so a set that no broadcast needs is never built (`BlockIds.lazy`).
     """
 
     query_tokens: int
     attention_pairs: int
-    blocks: tuple[int, ...] = ()
+    blocks: BlockIds = EMPTY
     owner_capable: bool = True
-    written: tuple[int, ...] = ()
+    written: BlockIds = EMPTY
 
     def __post_init__(self) -> None:
         StepLoad(self.query_tokens, self.attention_pairs)  # the same checks
         for name in ("blocks", "written"):
-            if not all(isinstance(b, int) and not isinstance(b, bool) for b in getattr(self, name)):
-                raise ValueError(f"RequestRows.{name} must be int block ids, got {getattr(self, name)!r}.")
+            try:
+                object.__setattr__(self, name, BlockIds.of(getattr(self, name)))
+            except (TypeError, ValueError):
+                raise ValueError(f"RequestRows.{name} must be int block ids, got {getattr(self, name)!r}.") from None
 
     @property
-    def footprint(self) -> frozenset[int]:
+    def footprint(self) -> BlockIds:
         """Every block the rows touch: what they take of a packed slot."""
-        return frozenset(self.blocks) | frozenset(self.written)
+        return union((self.blocks, self.written))
 
 
 @dataclass(frozen=True)
@@ -182,11 +186,11 @@ class RowChoice:
     modes: tuple[str, ...]  # per request, BROADCAST or OWNER
     owner_tokens: int  # query tokens gathered to each layer's owner
     owner_pairs: int
-    broadcast_blocks: tuple[int, ...]  # sorted union of the broadcast requests' blocks
+    broadcast_blocks: BlockIds  # sorted union of the broadcast requests' blocks
     broadcast_bytes: int  # per layer
     owner_bytes: int  # per layer, on the owner's link
     why: str = ""
-    broadcast_written: tuple[int, ...] = ()  # sorted union of the broadcast requests' written blocks
+    broadcast_written: BlockIds = EMPTY  # sorted union of the broadcast requests' written blocks
 
     @property
     def hybrid(self) -> bool:
@@ -238,7 +242,7 @@ def choose_rows(shape: AttentionShape, requests: tuple[RequestRows, ...], mode: 
         modes = tuple(OWNER if r.owner_capable else BROADCAST for r in requests)
     else:
         modes = tuple(OWNER if r.owner_capable and r.query_tokens and
-                      owner_s(r) < broadcast.bytes(len(set(r.blocks))) / link.bytes_per_s else BROADCAST
+                      owner_s(r) < broadcast.bytes(len(r.blocks)) / link.bytes_per_s else BROADCAST
                       for r in requests)
     fitted = fit_rows(requests, modes, broadcast.slot_blocks)
     if fitted != modes:
@@ -265,7 +269,7 @@ def fit_rows(requests: tuple[RequestRows, ...], modes: tuple[str, ...], slot_blo
     modes = list(modes)
 
     def touched() -> int:
-        return len(frozenset().union(*(r.footprint for r, m in zip(requests, modes) if m == BROADCAST)))
+        return len(union(r.footprint for r, m in zip(requests, modes) if m == BROADCAST))
 
     movable = sorted((k for k, r in enumerate(requests) if modes[k] == BROADCAST and r.owner_capable),
                      key=lambda k: (-len(requests[k].footprint), k))
@@ -279,9 +283,8 @@ def fit_rows(requests: tuple[RequestRows, ...], modes: tuple[str, ...], slot_blo
 def _row_choice(shape: AttentionShape, requests: tuple[RequestRows, ...], modes: tuple[str, ...],
                 broadcast: BroadcastCost, group_size: int) -> RowChoice:
     owners = [r for r, m in zip(requests, modes) if m == OWNER]
-    blocks = tuple(sorted({b for r, m in zip(requests, modes) if m == BROADCAST for b in r.blocks}))
-    written = tuple(sorted({b for r, m in zip(requests, modes) if m == BROADCAST for b in r.written}
-                           - set(blocks)))
+    blocks = union(r.blocks for r, m in zip(requests, modes) if m == BROADCAST)
+    written = difference(union(r.written for r, m in zip(requests, modes) if m == BROADCAST), blocks)
     owner_tokens = sum(r.query_tokens for r in owners)
     return RowChoice(modes, owner_tokens, sum(r.attention_pairs for r in owners), blocks,
                      broadcast.bytes(len(blocks)), shape.owner_bytes_per_layer(owner_tokens, group_size),

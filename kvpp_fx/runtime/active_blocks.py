@@ -5,14 +5,15 @@ scratch slot, and the remapped tables attention reads them through.
 tokens computed before it (``blocks``, which travel) and the blocks it writes that hold none
 (``written``, which only take a position). Per forward, once (`PackedBlocks.prepare`): the ids are
 validated (`InvalidBlocksError`), sorted, checked against the slot's S blocks (`ScratchOverflowError`),
-digested for the agreement, and turned into one device lookup ``positions[block id]``: the history
+digested for the agreement (over the int64 bytes), uploaded without the host waiting (`DeviceAPI.upload`)
+and turned into one device lookup ``positions[block id]``: the history
 blocks take positions ``0..n-1``, the written ones ``n..m-1``, every other id the out-of-range value S.
 Per layer, on the transfer stream: the owner gathers the history blocks of every component out of its
 persistent cache into the front of its own slot for the layer, the ids at the end of the slot's ids
 region (`pack`); one broadcast per component carries them, the ids with the first; every receiver
 receives into the same place of its own slot and compares the ids with its own (`arrived`); nothing is
 scattered. The comparison catches a broadcast that paired with another forward's: on CPU after each
-layer (`layer_arrived`), on a device once, when the forward ends (`all_arrived`).
+layer (`layer_arrived`), on a device in one flag per forward (`arrived`), read later (`PendingChecks`).
 
 Attention on a non-owner reads the slot through remapped tables (`remap`): a block table's entries
 become positions (negative entries stay, an unlisted block becomes S, which no slot holds, so a read of
@@ -27,9 +28,11 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvpp_fx.cache.allocate import CacheStorage
+from kvpp_fx.cache.block_ids import BlockIds, difference
 from kvpp_fx.runtime.device import DeviceAPI
 from kvpp_fx.runtime.errors import InvalidBlocksError, ScratchOverflowError
 
@@ -38,15 +41,27 @@ BLOCK_TABLE, SLOT_MAPPING = "block_table", "slot_mapping"
 TABLE_KINDS = (BLOCK_TABLE, SLOT_MAPPING)
 
 
-def block_ids(blocks: Any, what: str, num_blocks: int) -> list[int]:
+def block_ids(blocks: Any, what: str, num_blocks: int) -> BlockIds:
+    """`blocks` (a `BlockIds`, an array, a host tensor or any iterable of ints) as a checked `BlockIds`."""
     try:
-        ids = sorted({int(b) for b in (blocks.tolist() if isinstance(blocks, torch.Tensor) else blocks)})
+        if isinstance(blocks, torch.Tensor):
+            blocks = blocks.numpy(force=True)
+        ids = BlockIds.of(blocks)
     except (TypeError, ValueError):
         raise InvalidBlocksError(f"{what} must be an iterable of block ids, got {blocks!r}.") from None
     if ids and (ids[0] < 0 or ids[-1] >= num_blocks):
         bad = ids[0] if ids[0] < 0 else ids[-1]
         raise InvalidBlocksError(f"{what}: block id {bad} is outside the pool of {num_blocks} blocks.")
     return ids
+
+
+def digest(history: BlockIds, fresh: BlockIds) -> int:
+    """One int64 (62 bits) over both sorted lists' bytes, for the forward's agreement."""
+    hasher = hashlib.blake2b(digest_size=8)
+    hasher.update(len(history).to_bytes(8, "little"))
+    hasher.update(history.array.tobytes())
+    hasher.update(fresh.array.tobytes())
+    return int.from_bytes(hasher.digest(), "little") >> 2
 
 
 @dataclass
@@ -69,22 +84,19 @@ class PackedBlocks:
         """Validate both lists and build the forward's lookup; raises before anything moves."""
         num_blocks, slot_blocks = storage.num_blocks, storage.slot_blocks
         history = block_ids(blocks if blocks is not None else (), "blocks", num_blocks)
-        listed = set(history)
-        fresh = [b for b in block_ids(written if written is not None else (), "written", num_blocks)
-                 if b not in listed]
+        fresh = difference(block_ids(written if written is not None else (), "written", num_blocks), history)
         if len(history) + len(fresh) > slot_blocks:
             raise ScratchOverflowError(
                 f"the step's broadcast rows touch {len(history) + len(fresh)} blocks ({len(history)} with history, "
                 f"{len(fresh)} written), more than a scratch slot's {slot_blocks}; route rows to their owners "
                 "(forward(requests=...)) or give the slots more blocks (max_model_len, scratch_blocks).")
-        digest = int.from_bytes(hashlib.blake2b(repr((history, fresh)).encode(), digest_size=8).digest(),
-                                "little") >> 2
         device = storage.device
-        listed = torch.tensor(history + fresh, dtype=torch.int64, device=device)
+        listed = api.upload(np.concatenate((history.array, fresh.array)))
         positions = torch.full((num_blocks,), slot_blocks, dtype=torch.int64, device=device)
-        positions[listed] = torch.arange(len(listed), dtype=torch.int64, device=device)
+        positions[listed] = torch.arange(listed.shape[0], dtype=torch.int64, device=device)
         count = len(history)
-        return cls(listed[:count], count, len(fresh), digest, positions, slot_blocks, storage.plan.spec.block_size,
+        return cls(listed[:count], count, len(fresh), digest(history, fresh), positions, slot_blocks,
+                   storage.plan.spec.block_size,
                    torch.ones((), dtype=torch.bool, device=device), torch.empty(count, dtype=torch.bool, device=device),
                    torch.empty((), dtype=torch.bool, device=device))
 
@@ -114,10 +126,6 @@ class PackedBlocks:
     def layer_arrived(self) -> bool:
         """Whether the last received layer's ids were this forward's (reads the device: CPU only)."""
         return bool(self._layer_arrived)
-
-    def all_arrived(self) -> bool:
-        """Whether every received layer's ids were this forward's (one host read, at forward end)."""
-        return bool(self.arrived.item())
 
     # --- the tables attention reads ----------------------------------------------------------------
 

@@ -3,10 +3,17 @@
 Ranks that pass different has_history, blocks, mode or load to ``runtime.forward`` would pair
 collectives of different sizes or ids: gloo then accepts a short send silently or aborts the process.
 So every forward of an enabled group starts with one all-reduce of its `AgreementKey`, bounded by the
-timeout, before any byte moves. The key travels as one fixed tensor of ``2 * len(key)`` int64 values,
+timeout, issued when the forward begins (`Agreement.issue`) and checked (`PendingAgreement.check`) later:
+- on CPU (gloo), just before the forward's first collective, since gloo aborts the process on a
+  collective of another size: nothing moves before the ranks agreed;
+- on a device, when the forward ends, before its results are used: the all-reduce runs on its host
+  group while the device works, and the host never waits for it in between. Ranks that disagreed may
+  have issued collectives that do not pair; they raise `BlockSetMismatchError` at the end, which then
+  breaks the runtime (and a collective that never completes is the communicator's watchdog's). The key travels as one fixed tensor of ``2 * len(key)`` int64 values,
 ``[key, -key]`` under MAX: afterwards the first half is the group's maximum and the negated second half
 its minimum, which are equal exactly when every rank has the same key. Ranks that disagree all raise
-`BlockSetMismatchError`, and the runtime stays usable: the agreement itself kept the group in step.
+`BlockSetMismatchError`, and where nothing was issued before the check (always on CPU) the runtime stays
+usable: the agreement itself kept the group in step.
 
 The tensor is allocated once per runtime and its host side is an `array` the tensor shares memory
 with, so a forward fills and reads it without building tensors.
@@ -17,6 +24,7 @@ from __future__ import annotations
 import array
 import enum
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,10 +105,15 @@ class Agreement:
         self._host = array.array("q", bytes(8 * 2 * _WIDTH))
         self._tensor = torch.frombuffer(self._host, dtype=torch.int64)
         self._device_copy = None if host_group or device.type == "cpu" else self._tensor.to(device)
+        self.last_wait_s = 0.0  # how long the host waited for the last check (the cost on the critical path)
 
     def agree(self, key: AgreementKey) -> None:
-        """Raises `BlockSetMismatchError` on every rank when the ranks' keys differ, or
-        `TransferFailedError` when the all-reduce fails or times out (which breaks the runtime)."""
+        """Issue and check at once (`issue`, `PendingAgreement.check`)."""
+        self.issue(key).check()
+
+    def issue(self, key: AgreementKey) -> PendingAgreement:
+        """Start the all-reduce of this rank's key; the caller checks it before it issues any other
+        collective. Raises `TransferFailedError` when it cannot be issued (which breaks the runtime)."""
         mine = key.values()
         host = self._host
         host[:_WIDTH] = array.array("q", mine)
@@ -110,9 +123,30 @@ class Agreement:
             work = self.api.all_reduce_max(tensor, self.group)
         except Exception as exc:
             raise self.collectives.not_issued(exc, "the forward's agreement") from exc
-        self.collectives.complete_on_host(work, "the forward's agreement")
-        if self._device_copy is not None:
-            self._tensor.copy_(self._device_copy)
+        return PendingAgreement(self, key, work)
+
+
+class PendingAgreement:
+    """An agreement in flight: the forward's host work goes on while the all-reduce runs."""
+
+    __slots__ = ("agreement", "key", "work")
+
+    def __init__(self, agreement: Agreement, key: AgreementKey, work: Any) -> None:
+        self.agreement, self.key, self.work = agreement, key, work
+
+    def check(self) -> None:
+        """Complete the all-reduce within the timeout; raises `BlockSetMismatchError` on every rank when
+        the ranks' keys differ, or `TransferFailedError` when it fails or times out (which breaks the
+        runtime)."""
+        agreement, key = self.agreement, self.key
+        start = time.perf_counter()
+        try:
+            agreement.collectives.complete_on_host(self.work, "the forward's agreement")
+        finally:
+            agreement.last_wait_s = time.perf_counter() - start
+        if agreement._device_copy is not None:
+            agreement._tensor.copy_(agreement._device_copy)
+        host = agreement._host
         high, low = host[:_WIDTH].tolist(), host[_WIDTH:].tolist()
         differing = [name for name, h, l in zip(_FIELD_NAMES, high, low) if h != -l]
         if differing:

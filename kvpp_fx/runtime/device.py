@@ -18,6 +18,7 @@ import logging
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -94,6 +95,27 @@ class DeviceAPI:
     def stream(self, stream: Any) -> Any:
         return self.module.stream(stream)
 
+    # --- host and device values, without the host waiting ----------------------------------------
+
+    def upload(self, ids: np.ndarray) -> torch.Tensor:
+        """Host int64 ids on the device, without the host waiting for the device: on CPU the array
+        itself; elsewhere a pinned copy, moved by a non-blocking copy on the current stream (torch's
+        pinned-memory allocator keeps the copy's buffer until that copy completed)."""
+        host = torch.from_numpy(ids)
+        if self.is_cpu:
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def read_later(self, value: torch.Tensor) -> DeferredRead:
+        """A device scalar, read on the host once the current stream reached this point: a non-blocking
+        copy into pinned memory and an event behind it; the host waits only when it asks for the value
+        before the event completed (`DeferredRead.value`)."""
+        host = torch.empty((), dtype=value.dtype, pin_memory=True)
+        host.copy_(value, non_blocking=True)
+        event = self.new_event()
+        event.record(self.current_stream())
+        return DeferredRead(host, event)
+
     # --- packed blocks ----------------------------------------------------------------------------
 
     def gather_blocks(self, source: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
@@ -140,8 +162,8 @@ class DeviceAPI:
 
         On CPU the host itself waits, bounded by `timeout` (gloo raises on expiry). On a device the
         current stream waits and the host does not: a timeout given to ``Work.wait`` would block the
-        host, so the bound there comes from the communicator's watchdog and the runtime's per-forward
-        check (`host_wait_work`).
+        host (NCCL's does), so the bound there is the communicator's watchdog, which aborts a
+        collective that does not complete within the group's timeout.
         """
         if self.device.type == "cpu":
             work.wait(timeout)
@@ -151,6 +173,26 @@ class DeviceAPI:
     def host_wait_work(self, work: Any, timeout: timedelta) -> None:
         """Block the host until `work` completes or `timeout` expires (raises on expiry)."""
         work.wait(timeout)
+
+
+class DeferredRead:
+    """A device value copied toward the host behind an event (`DeviceAPI.read_later`)."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, host: torch.Tensor, event: Any) -> None:
+        self.host = host
+        self.event = event
+
+    def ready(self) -> bool:
+        """Whether the value is on the host (never waits)."""
+        return bool(self.event.query())
+
+    def value(self) -> int:
+        """The value; waits for the event when it has not completed (where the caller already waited
+        for the stream, for vLLM's own output, this costs nothing)."""
+        self.event.synchronize()
+        return int(self.host)
 
 
 def resolve_device_api(factory: str, device: torch.device | str) -> DeviceAPI:

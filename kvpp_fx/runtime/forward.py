@@ -43,7 +43,7 @@ import torch
 from kvpp_fx.cache.cost import BROADCAST, OWNER, RowChoice, StepLoad
 from kvpp_fx.config import Mode
 from kvpp_fx.runtime.active_blocks import PackedBlocks
-from kvpp_fx.runtime.agreement import AgreementKey
+from kvpp_fx.runtime.agreement import AgreementKey, PendingAgreement
 from kvpp_fx.runtime.errors import (
     BlockSetMismatchError,
     OwnerModeUnsupportedError,
@@ -54,13 +54,15 @@ from kvpp_fx.runtime.errors import (
 from kvpp_fx.runtime.owner_exchange import HeadRule, OwnerExchange
 from kvpp_fx.runtime.parts import ForwardParts, LayerRoute
 from kvpp_fx.runtime.path import ChosenPath, PathFacts, Step, choose_path
+from kvpp_fx.runtime.pending import OWNER_FAILED
 from kvpp_fx.runtime.protocol import ProtocolState, locate, refuse
 from kvpp_fx.schedule import WAIT
 
 
 class Forward:
-    def __init__(self, parts: ForwardParts, step: Step, facts: PathFacts) -> None:
+    def __init__(self, parts: ForwardParts, step: Step, facts: PathFacts, number: int = 0) -> None:
         self.parts = parts
+        self.number = number  # the runtime's count of forwards, this one included
         self.schedule = parts.schedule
         self.routes = parts.routes
         self.transport = parts.transport
@@ -75,6 +77,10 @@ class Forward:
         self.path: ChosenPath | None = None
         self.active: PackedBlocks | None = None
         self.exchange: OwnerExchange | None = None
+        # the agreement, issued in begin: checked before the first collective where a collective of another
+        # size would abort the process (gloo), else when the forward ends (a device: no host wait in between)
+        self._agreement: PendingAgreement | None = None
+        self._late_agreement: PendingAgreement | None = None
         self.issued = 0  # broadcasts started
         # the broadcast in flight (at most one): its layer, work handles, bytes, ids check, issue time
         self._route: LayerRoute | None = None
@@ -112,13 +118,18 @@ class Forward:
         parts = self.parts
         if path.exchanges:
             local_heads = parts.attention.split(parts.group_size) if parts.attention is not None else None
-            self.exchange = OwnerExchange(parts.api, self.transport.collectives, parts.group, parts.group_size,
-                                          local_heads, path.load.query_tokens, self.stats, self.timeline)
+            self.exchange = OwnerExchange(parts.api, self.transport.collectives, parts.exchange_group,
+                                          parts.group_size, local_heads, path.load.query_tokens, self.stats,
+                                          self.timeline)
         if path.pack:
             self.active = PackedBlocks.prepare(path.blocks if path.has_history else (), path.written, parts.storage,
                                                parts.api)
         if parts.agreement is not None:
-            parts.agreement.agree(AgreementKey.of(path, self.active))
+            pending = parts.agreement.issue(AgreementKey.of(path, self.active))
+            if self.immediate_checks:
+                self._agreement = pending
+            else:
+                self._late_agreement = pending
         rows = None
         if path.rows is not None:
             rows = {mode: path.rows.rows(mode, self.step.requests) for mode in (BROADCAST, OWNER)}
@@ -129,6 +140,8 @@ class Forward:
     def prefetch(self, layer: int, slot: int) -> None:
         timeline = self.timeline
         start = time.perf_counter_ns() if timeline is not None else 0
+        if self._agreement is not None:
+            self._agreed()
         position = self.protocol.prefetch(layer, slot)
         if self.path.broadcasts:
             self.issued += 1  # counted first: a failure while issuing may have left a peer's half pending
@@ -213,7 +226,13 @@ class Forward:
             self.timeline.add(f"broadcast L{route.layer}", "broadcast", self._issued_ns, time.perf_counter_ns(),
                               track="kvpp transfer stream", layer=route.layer, bytes=self._nbytes, src=route.src)
 
-    # --- tables, inside a layer's turn -----------------------------------------------------------------
+    def _agreed(self) -> None:
+        """The agreement issued in `begin` completed and every rank's key is this rank's."""
+        pending = self._agreement or self._late_agreement
+        self._agreement = self._late_agreement = None
+        pending.check()
+
+        # --- tables, inside a layer's turn -----------------------------------------------------------------
 
     def tables(self, layer: int, tables: list[torch.Tensor], kinds: list[str],
                request_rows: bool = True, unlisted_in_range: bool = False) -> list[torch.Tensor]:
@@ -240,6 +259,8 @@ class Forward:
                       compute: Callable[[list[torch.Tensor]], torch.Tensor],
                       output_like: torch.Tensor | None = None) -> torch.Tensor:
         route = self._owner_turn(layer)
+        if self._agreement is not None:
+            self._agreed()
         if self.exchange is None:
             raise OwnerRoutingError(f"a head-separable op of layer {layer} asked for owner mode's exchange in a "
                                     f"{self.mode}-mode forward.")
@@ -268,23 +289,24 @@ class Forward:
         """Complete what is in flight, then check, in order, what only the end of the forward can tell.
 
         `error` is what the forward raised, if anything: it propagates unmasked, and breaks the runtime
-        when this rank issued any collective before it."""
+        when this rank issued any collective before it. On a device, what the device computed (the ids
+        that arrived, the owners' status) is left to be read later, without the host waiting
+        (`PendingChecks`)."""
         try:
+            if self._agreement is not None or self._late_agreement is not None:
+                try:  # before anything else: a forward whose ranks disagreed raises that, whatever followed
+                    self._agreed()
+                except (BlockSetMismatchError, TransferFailedError) as exc:
+                    if error is None:  # on a device, ranks that disagreed may have issued unpaired collectives
+                        raise self._failed(exc) from None
             self._settle(self._complete_on_host, propagate=error is None)
-            if self.exchange is not None:
-                self._settle(self.exchange.finish, propagate=error is None)
             if error is not None:
                 if self.issued_any:
                     self.health.broken_by(error)
                 return
             self.health.check()  # a failure inside this forward that the caller swallowed
-            if self.exchange is not None and self.exchange.owners_failed():
-                raise self.health.broken_by(OwnerRoutingError(
-                    "an owner failed to compute a layer in this forward; this rank's outputs of that layer are "
-                    "zeros."))
-            if self.active is not None and self.issued and not self.immediate_checks \
-                    and not self.active.all_arrived():
-                raise self._mispaired(None)  # on a device the received ids are checked once, here
+            if not self.immediate_checks:
+                self._leave_device_checks()
             unawaited = self.protocol.unawaited()
             if unawaited:
                 raise self._failed(SkippedLayerError(
@@ -294,6 +316,17 @@ class Forward:
                 self._check_exchanged(self.routes[-1].layer)
         finally:
             self.stats.end_forward()
+
+    def _leave_device_checks(self) -> None:
+        """One flag of what the device checked in this forward, read later (`PendingChecks`)."""
+        flag = None
+        if self.active is not None and self.issued:
+            flag = self.active.arrived.logical_not().to(torch.int32)
+        if self.exchange is not None and self.exchange.failed is not None:
+            failed = self.exchange.failed.reshape(()).ne(0).to(torch.int32) * OWNER_FAILED
+            flag = failed if flag is None else flag + failed
+        if flag is not None:
+            self.parts.checks.leave(self.number, self.parts.api.read_later(flag))
 
     def abandon(self) -> None:
         """The runtime closes inside this forward: its broadcast in flight gets at most the timeout (a

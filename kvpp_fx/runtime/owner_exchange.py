@@ -5,9 +5,10 @@ the owner; the owner concatenates each operand along its head dimension in rank 
 heads r·H/N .. (r+1)·H/N - 1, so this is the full head order), runs the op once, splits the output
 along its head dimension and one scatter gives every rank its part, followed by one status value
 (non-zero: the owner failed, and the part is zeros). Both collectives run on the current stream in
-program order, and the current stream waits for each (the host too, on CPU); on a device the
-forward's last exchange and the status values are read on the host once, when the forward ends
-(`DeviceAPI.immediate_checks`).
+program order, on the runtime's exchange group (its own communicator, so that an exchange never queues
+behind the next layer's broadcast), and the current stream waits for each (the host too, on CPU,
+bounded by the timeout; on a device the communicator's watchdog bounds them). On a device the status
+values are read on the host later, without waiting (`PendingChecks`).
 
 Invariant: before anything is issued, every head operand holds the forward's agreed query tokens on
 its token dimension (and, with an attention shape, the rank's share of the heads), and all have one
@@ -55,7 +56,6 @@ class OwnerExchange:
         self.stats = stats
         self.timeline = timeline
         self.issued = 0  # exchanges started: a failure after the first may have left a peer's half pending
-        self.last_work: Any = None  # one communicator completes in order: the last one covers all
         self.failed: torch.Tensor | None = None  # on a device: the maximum of the owners' status values
         self.exchanged: set[int] = set()  # layers whose owner rows were exchanged in this forward
 
@@ -103,16 +103,6 @@ class OwnerExchange:
         # the op's output has the strides of its head operand (its fake says so); inductor checks them
         return torch.empty_like(like).copy_(part)
 
-    def finish(self) -> None:
-        """At forward end: the last exchange completed on the host (on a device the stream alone waited)."""
-        work, self.last_work = self.last_work, None
-        if work is not None:
-            self.collectives.complete_on_host(work, "the forward's last owner-mode exchange")
-
-    def owners_failed(self) -> bool:
-        """On a device, at forward end: whether an owner reported a failure in this forward."""
-        return self.failed is not None and bool(self.failed.item())
-
     # --- steps ------------------------------------------------------------------------------------
 
     def _run(self, issue: Callable[[], Any], what: str, layer: int) -> None:
@@ -122,7 +112,6 @@ class OwnerExchange:
         except Exception as exc:
             raise self.collectives.not_issued(exc, what, layer) from exc
         self.collectives.complete(work, what, layer)
-        self.last_work = work
 
     def _check_heads(self, layer: int, heads: Sequence[torch.Tensor], dims: list[int],
                      token_dims: Sequence[int]) -> None:
@@ -168,5 +157,5 @@ class OwnerExchange:
             if bool(status.item()):
                 raise OwnerRoutingError(f"the owner of layer {layer} failed to compute it (see its error); "
                                         "this rank received no output.")
-        else:  # read on the host once, when the forward ends
+        else:  # read on the host later (`PendingChecks`)
             self.failed = status if self.failed is None else torch.maximum(self.failed, status)

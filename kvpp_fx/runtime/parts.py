@@ -49,6 +49,8 @@ class ForwardParts:
     group: Any
     group_size: int
     attention: Any  # AttentionShape or None
+    exchange_group: Any  # owner mode's gathers and scatters: the same ranks as `group`, its own communicator
+    checks: Any  # PendingChecks: a device's checks of earlier forwards, read later
 
 
 def layer_route(plan: Any, storage: Any, group: Any, rank: int, layer: int, position: int) -> LayerRoute:

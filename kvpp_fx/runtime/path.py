@@ -33,6 +33,7 @@ from kvpp_fx.cache.cost import (
     choose_mode,
     choose_rows,
 )
+from kvpp_fx.cache.block_ids import difference, union
 from kvpp_fx.config import Mode
 from kvpp_fx.runtime.active_blocks import block_ids
 from kvpp_fx.runtime.errors import InvalidBlocksError, OwnerModeUnsupportedError
@@ -120,7 +121,7 @@ def choose_path(step: Step, facts: PathFacts) -> ChosenPath:
     rows = choice = None
     if step.requests is not None:
         rows, choice = _choose_rows(step, facts)
-        blocks, written = list(rows.broadcast_blocks), list(rows.broadcast_written)
+        blocks, written = rows.broadcast_blocks, rows.broadcast_written
         has_history = has_history and bool(rows.broadcast_blocks)
         if OWNER not in rows.modes:
             mode = BROADCAST
@@ -151,9 +152,9 @@ def _choose_rows(step: Step, facts: PathFacts) -> tuple[RowChoice, dict[str, Any
     if mode == AUTO and facts.not_known_routed:
         mode, why = BROADCAST, f"layers {list(facts.not_known_routed)} are not known to be routed"
     if facts.attention is None or not facts.has_layers:
-        blocks = sorted({b for r in requests for b in r.blocks})
-        rows = RowChoice((BROADCAST,) * len(requests), 0, 0, tuple(blocks), 0, 0,
-                         broadcast_written=tuple(sorted({b for r in requests for b in r.written} - set(blocks))))
+        blocks = union(r.blocks for r in requests)
+        rows = RowChoice((BROADCAST,) * len(requests), 0, 0, blocks, 0, 0,
+                         broadcast_written=difference(union(r.written for r in requests), blocks))
     else:
         rows = choose_rows(facts.attention, requests, mode, _broadcast_cost(facts), facts.group_size, facts.link)
     return rows, {"modes": list(rows.modes), "broadcast_bytes": rows.broadcast_bytes,

@@ -52,6 +52,7 @@ from kvpp_fx.runtime.errors import (
 from kvpp_fx.runtime.forward import Forward
 from kvpp_fx.runtime.parts import ForwardParts, Routing, layer_route
 from kvpp_fx.runtime.path import PathFacts, step_of
+from kvpp_fx.runtime.pending import PendingChecks
 from kvpp_fx.runtime.health import Health
 from kvpp_fx.runtime.owner_exchange import HeadRule
 from kvpp_fx.runtime.stats import TransferStats
@@ -67,7 +68,8 @@ class KVPPRuntime:
     def __init__(self, plan: KVPPPlan, storage: CacheStorage, group: Any, rank: int, device_api: DeviceAPI,
                  health: Health, transport: BroadcastTransport | None, timeline: Timeline | None, overlap: bool = True,
                  crossover: float = DEFAULT_CROSSOVER_FRACTION, agreement_group: Any = None,
-                 attention: AttentionShape | None = None, link: LinkModel | None = None) -> None:
+                 attention: AttentionShape | None = None, link: LinkModel | None = None,
+                 exchange_group: Any = None) -> None:
         self.plan = plan
         self.storage = storage
         self.group = group
@@ -89,8 +91,11 @@ class KVPPRuntime:
                                        agreement_group if agreement_group is not None else group,
                                        agreement_group is not None, storage.device)
         self.counters = TransferStats(plan.target_layers)
+        self.checks = PendingChecks(health)
         self.parts = ForwardParts(self.schedule, self.routes, storage, device_api, transport, self.agreement, health,
-                                  self.counters, timeline, overlap, group, plan.group_size, attention)
+                                  self.counters, timeline, overlap, group, plan.group_size, attention,
+                                  exchange_group if exchange_group is not None else group, self.checks)
+        self._forwards = 0
         self._routing = Routing(plan.target_layers)  # what the engine reported for each layer's compiled graph
         self._forward: Forward | None = None
         self._closed = False
@@ -100,7 +105,7 @@ class KVPPRuntime:
                timeline: Timeline | None = None, overlap: bool = True, timeout: timedelta | float | None = None,
                device_api: DeviceAPI | None = None, crossover: float = DEFAULT_CROSSOVER_FRACTION,
                agreement_group: Any = None, attention: AttentionShape | None = None,
-               link: LinkModel | None = None) -> KVPPRuntime:
+               link: LinkModel | None = None, exchange_group: Any = None) -> KVPPRuntime:
         """`group` is this rank's KVPP process group (None only for a group of one).
 
         ``timeout`` bounds every collective (seconds or a timedelta); by default the group's own
@@ -113,6 +118,9 @@ class KVPPRuntime:
         that on a device it needs no host synchronisation (default: `group`, on the cache's device).
         ``attention``: what owner mode ships per query token and head; with ``link``, the cost model
         behind ``forward(mode="auto")`` (which needs it).
+        ``exchange_group``: a second group of the same ranks for owner mode's exchanges (default: `group`).
+        One communicator runs its collectives in issue order, so on one group a layer's exchange queues
+        behind the next layer's broadcast, issued before it; on its own group it does not.
         """
         if not 0.0 <= crossover <= 1.0:
             raise ValueError(f"crossover must be a fraction in [0, 1], got {crossover!r}.")
@@ -143,14 +151,15 @@ class KVPPRuntime:
             if timeout.total_seconds() <= 0:
                 raise ValueError(f"timeout must be positive, got {timeout}.")
             transport = BroadcastTransport(group, api, plan.depth, Collectives(api, timeout, health))
-        if agreement_group is not None and (sorted(dist.get_process_group_ranks(agreement_group))
-                                            != sorted(dist.get_process_group_ranks(group))):
-            raise ValueError(f"the agreement group's ranks {dist.get_process_group_ranks(agreement_group)} "
-                             f"differ from the KVPP group's {dist.get_process_group_ranks(group)}.")
+        for name, other in (("agreement", agreement_group), ("exchange", exchange_group)):
+            if other is not None and (sorted(dist.get_process_group_ranks(other))
+                                      != sorted(dist.get_process_group_ranks(group))):
+                raise ValueError(f"the {name} group's ranks {dist.get_process_group_ranks(other)} differ from the "
+                                 f"KVPP group's {dist.get_process_group_ranks(group)}.")
         if attention is not None and plan.enabled:
             attention.split(plan.group_size)  # owner mode needs the heads to split evenly
         return cls(plan, storage, group, rank, api, health, transport, timeline, overlap, crossover, agreement_group,
-                   attention, link)
+                   attention, link, exchange_group)
 
     # --- views ------------------------------------------------------------------------------------
 
@@ -245,9 +254,13 @@ class KVPPRuntime:
         self.health.check()
         if self._forward is not None:
             raise NestedForwardError("runtime.forward() is already open.")
+        if self.checks:
+            self.checks.read_ready()  # earlier forwards' device checks that completed; never waits
         facts = PathFacts.of(self.plan, self.storage, self.routes, self._routing, alone=self.transport is None,
                              attention=self.attention, link=self.link, crossover=self.crossover)
-        forward = Forward(self.parts, step_of(has_history, blocks, written, mode, load, requests), facts)
+        self._forwards += 1
+        forward = Forward(self.parts, step_of(has_history, blocks, written, mode, load, requests), facts,
+                          self._forwards)
         forward.begin()
         self._forward = forward
         token = CURRENT.set(self)
@@ -312,6 +325,13 @@ class KVPPRuntime:
         dimensions, output dimension and output-like operand); ``heads`` are this rank's head operands;
         ``output_like`` a tensor shaped as this rank's part of the output, when no head operand is."""
         return self._current().owner_compute(layer, rule, heads, compute, output_like)
+
+    def settle(self) -> None:
+        """Read what the device checked in earlier forwards, waiting for it where it has not finished;
+        raises the check's named error (which broke the runtime) if one failed. Call it before using a
+        forward's results, where the host has waited for the device anyway (on CPU nothing is left to
+        read: every check is read where it is computed)."""
+        self.checks.settle()
 
     # --- counters and lifetime ---------------------------------------------------------------------
 

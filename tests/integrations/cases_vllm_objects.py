@@ -253,7 +253,7 @@ def test_v2_step_batch_from_a_real_input_batch():
 
     from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
 
-    from kvpp_fx.integrations.vllm.batch import request_blocks
+    from kvpp_fx.integrations.vllm.batch import history_blocks
     from kvpp_fx.integrations.vllm.runner_v2 import HostBlockTables, step_batch
 
     tables = _v2_block_tables(block_sizes=(16,), widths=(8,))
@@ -266,7 +266,8 @@ def test_v2_step_batch_from_a_real_input_batch():
                                 query_start_loc_np=np.array([0, 1, 31]), prefill_len_np=np.array([40, 30]))
     step = step_batch(runner, batch)
     assert step.num_computed.tolist() == [40, 0] and step.query_lens.tolist() == [1, 30] and step.has_history
-    assert request_blocks(step) == ([[3, 7, 9], []], [[], [2, 5]])
+    assert [history_blocks(step, i, i + 1) for i in range(2)] == [[3, 7, 9], []]
+    assert [written_blocks(step, i, i + 1) for i in range(2)] == [[], [2, 5]]
     assert active_blocks(step) == [3, 7, 9] and written_blocks(step) == [2, 5]
 
 

@@ -98,7 +98,7 @@ def tiny_deepseek(tmp_path_factory):
 def test_against_vllm_objects():
     """Specs, validation and hooks against vLLM's real classes (in a pytest process of its own)."""
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/integrations/cases_vllm_objects.py"], cwd=ROOT, capture_output=True, text=True,
+                          "tests/integrations/cases_vllm_objects.py", "tests/integrations/cases_host_sync.py"], cwd=ROOT, capture_output=True, text=True,
                          timeout=300, env=ENV)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     summary = out.stdout.strip().splitlines()[-1]

@@ -152,7 +152,8 @@ def create_runtime(state: EngineState, storage: Any, device_api_factory: str | N
     link = owner_rows.DEFAULT_LINKS.get(storage.device.type, owner_rows.DEFAULT_LINKS["cuda"])
     attention = owner_rows.attention_shape(state.vllm_config.model_config)
     runtime = KVPPRuntime.create(state.plan, storage, state.group, agreement_group=state.agreement_group,
-                                 device_api=device_api, attention=attention, link=link)
+                                 exchange_group=state.exchange_group, device_api=device_api, attention=attention,
+                                 link=link)
     # The MLA hooks exchange the decode rows of every target layer, whichever graph runs it.
     runtime.note_routing(state.plan.target_layers, state.owner_blocker is None)
     if state.runtime is not None:
@@ -201,26 +202,30 @@ def connect(state: EngineState, device: Any) -> None:
     (the worker's ``determine_available_memory``). A communicator allocates its buffers at its first
     collective (NCCL: per channel and peer; P2P connections per pair at the first send between them), so
     each kind the runtime issues runs once here: a broadcast, and with owner rows a gather to and a
-    scatter from every rank. vLLM's measurement then holds those buffers."""
+    scatter from every rank, on the exchange group. vLLM's measurement then holds those buffers."""
     if state.group is not None:
         return
     import torch.distributed as dist
 
-    state.group, state.agreement_group, state.group_ranks = kvpp_group(state.config)
+    state.group, state.agreement_group, state.exchange_group, state.group_ranks = kvpp_group(
+        state.config, exchanges=state.owner_blocker is None)
     group, one = state.group, torch.zeros(1, device=device)
     size, me = dist.get_world_size(group), dist.get_rank(group)
     dist.broadcast(one, src=dist.get_global_rank(group, 0), group=group)
-    if state.owner_blocker is None:
+    if state.exchange_group is not None:
+        exchange = state.exchange_group
         for owner in range(size):
             parts = [torch.zeros_like(one) for _ in range(size)] if owner == me else None
-            dist.gather(one, parts, dst=dist.get_global_rank(group, owner), group=group)
-            dist.scatter(one, parts, src=dist.get_global_rank(group, owner), group=group)
+            dist.gather(one, parts, dst=dist.get_global_rank(exchange, owner), group=exchange)
+            dist.scatter(one, parts, src=dist.get_global_rank(exchange, owner), group=exchange)
 
 
-def kvpp_group(config: Any):
+def kvpp_group(config: Any, exchanges: bool):
     """This rank's KVPP group: TP x PCP ranks from `kvpp_groups`, as a process group of its own (the
-    world's backend), and a gloo group of the same ranks for the runtime's per-forward agreement, which
-    then needs no device synchronisation."""
+    world's backend); a gloo group of the same ranks for the runtime's per-forward agreement, which then
+    needs no device synchronisation; and, where decode rows can go to their owners, a third group of the
+    same ranks (the world's backend) for the owner exchanges, so that a layer's exchange never queues
+    behind the next layer's broadcast on one communicator."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
 
@@ -231,7 +236,10 @@ def kvpp_group(config: Any):
     mine = group_of(dist.get_rank(), groups)
     if not set(get_tp_group().ranks) <= set(mine):
         raise ValueError(f"vLLM's TP group {list(get_tp_group().ranks)} is not inside the KVPP group {mine}.")
-    return create_kvpp_process_groups(groups), create_kvpp_process_groups(groups, backend="gloo"), mine
+    group = create_kvpp_process_groups(groups)
+    agreement = create_kvpp_process_groups(groups, backend="gloo")
+    exchange = create_kvpp_process_groups(groups) if exchanges else None
+    return group, agreement, exchange, mine
 
 
 def persistent_views(state: EngineState) -> list[torch.Tensor]:

@@ -9,8 +9,9 @@ so nothing here reads a device tensor.
 Invariants:
 - Block ids that hold history are the first ``ceil(num_computed / block_size)`` entries of a row;
   those a step fills beyond them run up to ``ceil((num_computed + query) / block_size)``.
-- Results are sorted and free of duplicates, so every rank of a group derives the same lists from
-  the same scheduler output.
+- Results are `BlockIds`: sorted and free of duplicates, so every rank of a group derives the same
+  lists from the same scheduler output; built on first read, with numpy over the rows (a step's host
+  work grows with its requests, and with their history only where a broadcast needs the ids).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvpp_fx.cache.block_ids import BlockIds, difference
 
 
 @dataclass(frozen=True)
@@ -68,39 +71,37 @@ class StepBatch:
         return int(((self.num_computed > 0) & (self.num_computed < self.num_prompt)).sum())
 
 
-def request_blocks(batch: StepBatch) -> tuple[list[list[int]], list[list[int]]]:
-    """Per request: the ids of its blocks that hold history, and of the blocks the step fills beyond
-    them, over every cache group."""
-    n = batch.num_reqs
-    history: list[set[int]] = [set() for _ in range(n)]
-    written: list[set[int]] = [set() for _ in range(n)]
-    ends = batch.num_computed + batch.query_lens
-    for table in batch.tables:
-        rows = np.asarray(table.rows[:n])
-        counts = -(-batch.num_computed // table.block_size)
-        lasts = -(-ends // table.block_size)
-        for i in range(n):
-            history[i].update(rows[i, : counts[i]].tolist())
-            written[i].update(rows[i, counts[i]: lasts[i]].tolist())
-    return [sorted(ids) for ids in history], [sorted(ids - history[i]) for i, ids in enumerate(written)]
+def history_blocks(batch: StepBatch, first: int = 0, end: int | None = None) -> BlockIds:
+    """The blocks holding history that requests ``first..end-1`` read, over every cache group: built
+    on first read, in numpy (no per-id Python), so a path that never reads it costs nothing."""
+    return BlockIds.lazy(lambda: _entries(batch, first, end, written=False))
 
 
-def active_blocks(batch: StepBatch) -> list[int]:
+def written_blocks(batch: StepBatch, first: int = 0, end: int | None = None) -> BlockIds:
+    """The blocks requests ``first..end-1`` fill beyond their history, less every block holding history
+    that they read (a block holding history is not a written one); built on first read."""
+    history = history_blocks(batch, first, end)
+    return BlockIds.lazy(lambda: difference(BlockIds.of(_entries(batch, first, end, written=True)), history).array)
+
+
+def active_blocks(batch: StepBatch) -> BlockIds:
     """Block ids the step reads that hold tokens computed before it (prefix-cache hits included)."""
-    return _union(batch, batch.num_computed * 0, batch.num_computed)
+    return history_blocks(batch)
 
 
-def written_blocks(batch: StepBatch) -> list[int]:
-    """Block ids the step writes beyond each request's history (a block holding history is not one)."""
-    return _union(batch, batch.num_computed, batch.num_computed + batch.query_lens)
-
-
-def _union(batch: StepBatch, first_token: np.ndarray, end_token: np.ndarray) -> list[int]:
-    ids = []
+def _entries(batch: StepBatch, first: int, end: int | None, written: bool) -> np.ndarray:
+    """The block-table entries of requests ``first..end-1`` that hold history (or, `written`, those the
+    step fills beyond it), concatenated over the cache groups, duplicates kept."""
+    end = batch.num_reqs if end is None else end
+    computed = batch.num_computed[first:end]
+    parts = []
     for table in batch.tables:
-        rows = np.asarray(table.rows[: batch.num_reqs])
+        rows = np.asarray(table.rows[first:end])
+        counts = -(-computed // table.block_size)
         columns = np.arange(rows.shape[1])[None, :]
-        first = -(-first_token // table.block_size)
-        last = -(-end_token // table.block_size)
-        ids.append(rows[(columns >= first[:, None]) & (columns < last[:, None])])
-    return np.unique(np.concatenate(ids)).tolist() if ids else []
+        if written:
+            lasts = -(-(computed + batch.query_lens[first:end]) // table.block_size)
+            parts.append(rows[(columns >= counts[:, None]) & (columns < lasts[:, None])])
+        else:
+            parts.append(rows[columns < counts[:, None]])
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

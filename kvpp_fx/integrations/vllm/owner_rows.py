@@ -37,9 +37,10 @@ from typing import Any
 
 import torch
 
+from kvpp_fx.cache.block_ids import EMPTY
 from kvpp_fx.cache.cost import AttentionShape, LinkModel, RequestRows
 from kvpp_fx.integrations.vllm.backends import before_owner_call, owner_blocker, owner_call
-from kvpp_fx.integrations.vllm.batch import StepBatch, request_blocks
+from kvpp_fx.integrations.vllm.batch import StepBatch, history_blocks, written_blocks
 from kvpp_fx.runtime.errors import OwnerRoutingError
 from kvpp_fx.runtime.owner_exchange import HeadRule
 from kvpp_fx.runtime.runtime import KVPPRuntime, active_runtime
@@ -100,19 +101,18 @@ def step_requests(attn_metadata: Any, layer_name: str, batch: StepBatch,
         return None
     num_decodes = int(metadata.num_decodes)
     computed, query = batch.num_computed, batch.query_lens
-    blocks, written = request_blocks(batch)
     pairs = query * (computed + query)
-    decode = range(num_decodes)
     requests = []
     if num_decodes:
         requests.append(RequestRows(int(query[:num_decodes].sum()), int(pairs[:num_decodes].sum()),
-                                    tuple(sorted({b for i in decode for b in blocks[i]})), owner_capable,
-                                    tuple(sorted({b for i in decode for b in written[i]}))))
+                                    history_blocks(batch, 0, num_decodes), owner_capable,
+                                    written_blocks(batch, 0, num_decodes)))
     # A prefill row without history attends over its own new keys, never the cache: on a rank reading
     # the layer from its scratch slot its blocks need no position there (their writes are dropped; the
     # owner's persistent copy is what later steps receive). So a step of fresh prompts packs nothing.
-    requests += [RequestRows(int(query[i]), int(pairs[i]), tuple(blocks[i]), False,
-                             tuple(written[i]) if computed[i] > 0 else ())
+    resumed = computed > 0
+    requests += [RequestRows(int(query[i]), int(pairs[i]), history_blocks(batch, i, i + 1), False,
+                             written_blocks(batch, i, i + 1) if resumed[i] else EMPTY)
                  for i in range(num_decodes, batch.num_reqs)]
     return tuple(requests), num_decodes
 

@@ -24,7 +24,7 @@ from kvpp_fx.integrations.vllm import allocation
 from kvpp_fx.integrations.vllm.attention import prepare_model
 from kvpp_fx.integrations.vllm.batch import BlockRows, StepBatch
 from kvpp_fx.integrations.vllm.state import EngineState, hook_error, require_methods
-from kvpp_fx.integrations.vllm.step import step_forward
+from kvpp_fx.integrations.vllm.step import settled, step_forward
 from kvpp_fx.runtime.graph_ops import passthrough
 
 KIND = "V1"
@@ -114,7 +114,7 @@ def kvpp_runner_v1_class(base: type) -> type:
 
         def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
             with self._kvpp.active():
-                return super().sample_tokens(*args, **kwargs)
+                return settled(self._kvpp, super().sample_tokens(*args, **kwargs))
 
     KVPPModelRunner.__name__ = KVPPModelRunner.__qualname__ = f"KVPP{base.__name__}"
     return KVPPModelRunner

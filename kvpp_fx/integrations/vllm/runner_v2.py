@@ -40,7 +40,7 @@ from kvpp_fx.integrations.vllm.attention import prepare_model
 from kvpp_fx.integrations.vllm.batch import BlockRows, StepBatch
 from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError, KVPPHookError, hook_error, \
     require_methods
-from kvpp_fx.integrations.vllm.step import step_forward
+from kvpp_fx.integrations.vllm.step import settled, step_forward
 from kvpp_fx.runtime.graph_ops import passthrough
 
 KIND = "V2"
@@ -211,7 +211,7 @@ def kvpp_runner_v2_class(base: type) -> type:
 
         def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
             with self._kvpp.active():
-                return super().sample_tokens(*args, **kwargs)
+                return settled(self._kvpp, super().sample_tokens(*args, **kwargs))
 
         def _init_kv_zero_meta(self) -> None:
             if self._kvpp.compact:

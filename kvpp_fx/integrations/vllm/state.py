@@ -87,6 +87,7 @@ class EngineState:
     runtime: KVPPRuntime | None = None
     group: ProcessGroup | None = None
     agreement_group: ProcessGroup | None = None  # gloo, same ranks: the runtime's per-forward agreement
+    exchange_group: ProcessGroup | None = None  # same ranks, own communicator: owner-mode exchanges
     group_ranks: list[int] = field(default_factory=list)
     compiled_graphs: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     awaited: set[int] = field(default_factory=set)  # eager hooks, per step

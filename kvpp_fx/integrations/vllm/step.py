@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 from kvpp_fx.integrations.vllm import owner_rows, packed_metadata
 from kvpp_fx.integrations.vllm.batch import StepBatch, active_blocks, written_blocks
@@ -71,3 +72,26 @@ def packs(state: EngineState, metadata) -> bool:
     if INDEXER_COMPONENT in {c.name for layer in state.plan.spec.layers for c in layer.components}:
         return False
     return not isinstance(metadata, list)
+
+
+def settled(state: EngineState, output: Any) -> Any:
+    """`output` of the runner's ``sample_tokens``, once the runtime has read what the device checked in the
+    step's forwards (`KVPPRuntime.settle`): a step whose broadcast paired wrongly, or whose owner failed,
+    raises its named error before vLLM hands its tokens on. vLLM waits for the device here anyway (its
+    sampled tokens' copy to the host); an asynchronous output (async scheduling) is settled after its own
+    wait, in ``get_output``. On CPU every check was read in the forward and nothing is left."""
+    runtime = state.runtime
+    if runtime is None or not len(runtime.checks):
+        return output
+    get_output = getattr(output, "get_output", None)
+    if not callable(get_output):
+        runtime.settle()
+        return output
+
+    def get_settled_output() -> Any:
+        result = get_output()
+        runtime.settle()
+        return result
+
+    output.get_output = get_settled_output
+    return output

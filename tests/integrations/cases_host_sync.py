@@ -1,0 +1,96 @@
+"""No host-device synchronisation in a vLLM step of a KVPP engine (`tests.support.host_sync`).
+
+Two gloo ranks each run `step.step_forward` as vLLM's runners do, over a runtime whose cache, block
+tables and metadata live on the ``meta`` device (where a host read of a device value cannot return),
+under `HostSyncDetector`: on every step path (decode rows on the owner, a hybrid step, a packed
+broadcast, whole layers, a step without history) nothing is read on the host, and the agreement is the
+one host wait (on its host group). The control: an upload that reads a device value is caught.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import numpy as np
+import pytest
+
+from kvpp_fx.cache.allocate import allocate_cache
+from kvpp_fx.cache.cost import AttentionShape, LinkModel
+from kvpp_fx.cache.placement import KVPPPlan
+from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
+from kvpp_fx.runtime.runtime import KVPPRuntime
+from tests.support.host_sync import HostSyncDetector, HostSyncError, MetaDeviceAPI, PlantedItemAPI, VllmStep
+from tests.support.launch import kvpp_group, launch
+
+BLOCK = 16
+SHAPE = AttentionShape(num_heads=4, q_width=576, out_width=512, itemsize=2)
+
+
+def _runtime(world: int, api, num_blocks: int, scratch_blocks: int | None):
+    comps = (ComponentSpec("kv", "bfloat16", (576,)),)
+    spec = ModelCacheSpec("meta", BLOCK, tuple(LayerCacheSpec(i, comps) for i in range(4)))
+    plan = KVPPPlan(spec, group_size=world, scratch_blocks=scratch_blocks)
+    group = kvpp_group(world)
+    storage = allocate_cache(plan, group.rank(), num_blocks, device="meta")
+    return KVPPRuntime.create(plan, storage, group, device_api=api, timeout=timedelta(seconds=20),
+                              agreement_group=kvpp_group(world, backend="gloo"), exchange_group=kvpp_group(world),
+                              attention=SHAPE, link=LinkModel())
+
+
+# (name, mode, slots, computed tokens, query tokens, decode rows, the forward's path)
+PATHS = [
+    ("decode rows on the owner", "owner", "compact", [40, 33, 70], [1, 1, 1], 3, "owner"),
+    ("hybrid", "owner", "compact", [40, 33, 16], [1, 1, 20], 2, "hybrid"),
+    ("packed broadcast", "broadcast", "compact", [40, 33, 16], [1, 1, 20], 2, "broadcast"),
+    ("whole layers", "broadcast", "whole", [40, 33, 70], [1, 1, 1], 3, "broadcast"),
+    ("no history", "auto", "compact", [0, 0], [30, 12], 0, "broadcast"),
+]
+
+
+def host_sync_ranks(rank: int, world: int, api_kind: str):
+    results = {}
+    for name, mode, slots, computed, query, decodes, expected in PATHS:
+        api = PlantedItemAPI() if api_kind == "planted" else MetaDeviceAPI()
+        whole = slots == "whole"
+        # whole-layer slots past the crossover send whole layers; compact slots pack
+        runtime = _runtime(world, api, num_blocks=40 if whole else 64, scratch_blocks=None if whole else 24)
+        runtime.note_routing(runtime.plan.target_layers, True)
+        step = VllmStep(runtime, mode)
+        rows = np.arange(len(computed) * 8, dtype=np.int64).reshape(len(computed), 8)
+        detector = HostSyncDetector()
+        try:
+            with detector:
+                out = step.run(lambda: step.batch(computed, query, rows, BLOCK), decodes)
+            results[name] = {"path": out["mode"], "reads": detector.reads, "host_waits": api.host_waits,
+                             "pending": len(runtime.checks), "packed": step.state.packed_layers}
+        except HostSyncError as exc:
+            results[name] = {"error": str(exc), "reads": detector.reads}
+        runtime.close()
+    return results
+
+
+@pytest.mark.multirank
+def test_no_step_path_reads_a_device_value_on_the_host():
+    results = launch(host_sync_ranks, 2, "meta", timeout_s=180)
+    for rank, by_path in enumerate(results):
+        for name, _, slots, _, _, _, expected in PATHS:
+            got = by_path[name]
+            assert "error" not in got, (rank, name, got)
+            assert got["reads"] == [] and got["path"] == expected, (rank, name, got)
+            assert got["host_waits"] == 0, (rank, name, got)
+    # the packed paths did remap the non-owned layers' metadata, and left their device checks to be read later
+    for rank in range(2):
+        assert results[rank]["packed broadcast"]["packed"] > 0 and results[rank]["hybrid"]["packed"] > 0
+        assert results[rank]["whole layers"]["packed"] == 0
+        assert results[rank]["packed broadcast"]["pending"] == 1 and results[rank]["decode rows on the owner"]["pending"] == 1
+
+
+@pytest.mark.multirank
+def test_the_detector_catches_a_planted_host_read():
+    """The negative control: the same steps, with an upload that reads a device value (``.item()``)."""
+    results = launch(host_sync_ranks, 2, "planted", timeout_s=180)
+    for rank in range(2):
+        caught = {name for name, got in results[rank].items() if "error" in got}
+        # every path that uploads a packed list reads it; the owner and whole-layer paths upload nothing
+        assert caught == {"hybrid", "packed broadcast"}, (rank, results[rank])
+        assert results[rank]["hybrid"]["reads"] == ["item"], results[rank]
