@@ -191,7 +191,8 @@ class DeferredRead:
     def value(self) -> int:
         """The value; waits for the event when it has not completed (where the caller already waited
         for the stream, for vLLM's own output, this costs nothing)."""
-        self.event.synchronize()
+        if not self.event.query():
+            self.event.synchronize()
         return int(self.host)
 
 

@@ -17,6 +17,7 @@ import kvpp_fx.reference.ops  # noqa: F401  (defines the kvpp_ref ops)
 from kvpp_fx.cache.cost import AttentionShape, StepLoad
 from kvpp_fx.runtime.graph_ops import RoutedOp
 from kvpp_fx.runtime import errors as E
+from kvpp_fx.runtime.device import DeferredRead, DeviceAPI
 from tests.support.launch import fresh_group, launch
 from tests.support.specs import TOY_WIDTH
 from tests.support.toy_runtime import pattern, run_layers, toy_runtime, write_owned
@@ -292,3 +293,167 @@ def test_owner_mode_failures_are_named_and_prompt():
     assert results[1]["token_mismatch"][0] == "OwnerRoutingError"
     assert "holds 4 query tokens, the forward's load 3" in results[1]["token_mismatch"][1]
     assert results[0]["token_mismatch"][0] == "TransferTimeoutError"
+
+
+# --- a device's checks, read one step later; exchanges on their own group ------------------------------
+
+
+class _Event:
+    """An event that completes when the test says so (`LateChecks.complete`)."""
+
+    def __init__(self, api) -> None:
+        self.api = api
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self.api.completed
+
+    def synchronize(self) -> None:
+        self.api.host_waits += 1
+
+
+class LateChecks(DeviceAPI):
+    """CPU collectives, with a device's checks: status values kept on the device and read later."""
+
+    immediate_checks = False
+
+    def __init__(self, device) -> None:
+        super().__init__(device)
+        self.completed = False
+        self.host_waits = 0
+
+    def read_later(self, value):
+        return DeferredRead(value.clone(), _Event(self))
+
+
+def late_check_ranks(rank: int, world: int, read_at: str):
+    """The last layer's owner fails its op in an owner-mode forward. The owner raises there; a non-owner's
+    status value says so only on the device: it is read when the next forward begins (its event has
+    completed) or at `settle`, and not before."""
+    api = LateChecks("cpu")
+    rt = owner_runtime(world, attention=attention_shape(world), device_api=api)
+    write_owned(rt, 1)
+    table, seq_lens, query_lens = metadata()
+    last = rt.plan.target_layers[-1]
+    owner_of_1 = rt.plan.owners[last] == rank
+
+    def attend(layer, view):
+        q_latent, q_pe = queries(rank, layer)
+        if layer == last and owner_of_1:
+            bad = torch.zeros(1)  # the owner's op raises for this layer (a shape the kernel refuses)
+            return routed_attention(layer)(q_latent, q_pe, bad, table, seq_lens, query_lens, SCALE, layer)
+        return routed_attention(layer)(q_latent, q_pe, rt.typed_views(layer)["kv"], table, seq_lens, query_lens,
+                                       SCALE, layer)
+
+    out = {"owner": owner_of_1}
+    try:
+        owner_forward(rt, attend=attend)
+        out["forward"] = "returned"
+    except E.KVPPRuntimeError as exc:
+        out["forward"] = type(exc).__name__
+    out["pending"] = len(rt.checks)
+    if not owner_of_1:
+        try:
+            if read_at == "settle":
+                rt.settle()
+            else:
+                api.completed = True
+                with rt.forward(False):
+                    pass
+            out["later"] = "nothing"
+        except E.KVPPRuntimeError as exc:
+            out["later"] = type(exc).__name__
+        out["host_waits"] = api.host_waits
+        try:
+            with rt.forward(False):
+                pass
+        except E.KVPPRuntimeError as exc:
+            out["after"] = type(exc).__name__
+    return out
+
+
+@pytest.mark.parametrize("read_at", ["next-forward", "settle"])
+def test_an_owners_failure_on_a_device_is_read_one_step_later(read_at):
+    results = launch(late_check_ranks, 2, read_at, timeout_s=120)
+    owner = next(r for r in results if r["owner"])
+    other = next(r for r in results if not r["owner"])
+    assert owner["forward"] == "OwnerRoutingError", owner
+    # the non-owner's forward returned (zeros for layer 1): its device flag waits, unread
+    assert other["forward"] == "returned" and other["pending"] == 1, other
+    assert other["later"] == "OwnerRoutingError" and other["after"] == "RuntimeBrokenError", other
+    # the next forward read a completed event without waiting; settle waits where it must
+    assert other["host_waits"] == (1 if read_at == "settle" else 0), other
+
+
+class GroupRecording(DeviceAPI):
+    """Logs each collective's kind, layer turn and communicator, in issue order."""
+
+    def __init__(self, device) -> None:
+        super().__init__(device)
+        self.log = []
+
+    def broadcast(self, tensor, src, group):
+        self.log.append(("broadcast", id(group)))
+        return super().broadcast(tensor, src, group)
+
+    def gather(self, tensor, gather_list, dst, group):
+        self.log.append(("gather", id(group)))
+        return super().gather(tensor, gather_list, dst, group)
+
+    def scatter(self, tensor, scatter_list, src, group):
+        self.log.append(("scatter", id(group)))
+        return super().scatter(tensor, scatter_list, src, group)
+
+
+def queued_finish_times(log, slow_broadcast: float = 100.0, fast: float = 1.0):
+    """When each collective finishes if every communicator runs its collectives one at a time in issue order
+    (NCCL's rule): the broadcasts slow, the exchanges fast; issued one time unit apart."""
+    free, finish = {}, []
+    for issued, (kind, group) in enumerate(log):
+        start = max(float(issued), free.get(group, 0.0))
+        free[group] = start + (slow_broadcast if kind == "broadcast" else fast)
+        finish.append(free[group])
+    return finish
+
+
+def hybrid_group_ranks(rank: int, world: int, own_group: bool):
+    from kvpp_fx.cache.cost import RequestRows
+    from kvpp_fx.runtime.owner_exchange import HeadRule
+
+    api = GroupRecording("cpu")
+    exchange = fresh_group(world, 20.0) if own_group else None
+    rt = owner_runtime(world, attention=attention_shape(world), device_api=api, exchange_group=exchange)
+    rt.note_routing(rt.plan.target_layers, True)
+    write_owned(rt, 1)
+    requests = (RequestRows(3, 42, (3, 7, 1), owner_capable=True), RequestRows(2, 20, (5, 2), owner_capable=False))
+
+    rule = HeadRule(heads=((0, 1),), token_dims=(0,), output_dim=1)
+    like = torch.zeros(3, HEADS_PER_RANK, RANK_WIDTH)
+
+    def attend(layer, view):  # the owner request's rows, as vLLM's MLA hook sends them (`owner_rows`)
+        query = torch.cat(queries(rank, layer), dim=-1)
+        rt.owner_compute(layer, rule, [query], lambda full: torch.zeros(3, HEADS_PER_RANK * world, RANK_WIDTH),
+                         output_like=like)
+
+    with rt.forward(True, mode="owner", requests=requests):
+        assert rt.hybrid
+        run_layers(rt, attend, routed=True)
+    return api.log
+
+
+@pytest.mark.parametrize("own_group", [True, False], ids=["exchange-group", "negative-control-one-group"])
+def test_a_layers_exchange_does_not_queue_behind_the_next_layers_broadcast(own_group):
+    """A hybrid forward issues layer L+1's prefetch broadcast before layer L's exchange. On its own group
+    the exchange finishes at once; on the broadcasts' group it waits for that slow broadcast."""
+    log = launch(hybrid_group_ranks, 2, own_group, timeout_s=120)[0]
+    finish = queued_finish_times(log)
+    exchanges = [i for i, (kind, _) in enumerate(log) if kind == "gather"]
+    assert len(exchanges) == 4, log
+    groups = {group for kind, group in log if kind != "broadcast"}, {group for kind, group in log if kind == "broadcast"}
+    queued = [i for i in exchanges if finish[i] - i > 10]  # finished long after it was issued
+    if own_group:
+        assert not groups[0] & groups[1] and queued == [], (log, finish)
+    else:
+        assert groups[0] == groups[1] and queued, (log, finish)
