@@ -24,7 +24,8 @@ BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
 # The README's rows: the start of their "what" column.
 HEADLINES = ("capacity, deepseek-v3 TP 8", "transfer hidden, through the PIECEWISE-compiled model",
              "bytes per decode step, owner / broadcast mode", "vLLM OpenAI server",
-             "vLLM decode step bytes per rank", "vLLM prefill instance of a PD pair")
+             "vLLM decode step bytes per rank", "vLLM prefill instance of a PD pair",
+             "host time KVPP adds to a vLLM decode step, 256 requests x 2000")
 
 
 def _load(name: str) -> dict:
@@ -80,8 +81,21 @@ def rows() -> list[tuple[str, str, str]]:
                 f"(goal <= {ro['goal_us_per_layer_with_history']:g} us), "
                 f"{ro['us_per_layer_without_history']['median']:.1f} us without (median); plus one agreement "
                 f"per forward, {ro['us_agreement_per_forward']['median']:.0f} us (its gloo all-reduce alone "
-                f"{ro['us_agreement_all_reduce']['median']:.0f} us)",
-                "`python benchmarks/runtime_overhead.py`"))
+                f"{ro['us_agreement_all_reduce']['median']:.0f} us), checked before the first collective on CPU; "
+                f"checked at the forward's end as on a device, the host waited "
+                f"{ro['us_agreement_wait_at_forward_end']['median']:.0f} us there"
+                + (f"; {ro['ratio_with_history']:.2f}x / {ro['ratio_without_history']:.2f}x the per-layer cost of "
+                   f"{ro['baseline']['revision']}, side by side (goal <= {ro['goal_ratio']:g})" if "baseline" in ro else ""),
+                "`python benchmarks/runtime_overhead.py --baseline <worktree>`"))
+    sh = _load("step_host_cost")
+    for case, modes in sh["cases"].items():
+        requests, history = case.split("x")
+        out.append((f"host time KVPP adds to a vLLM decode step, {requests} requests x {history} history blocks",
+                    ", ".join(f"{mode} {m['host_ms']:.2f} ms" for mode, m in modes.items())
+                    + f"; host syncs per step: {max(m['syncs_per_step'] for m in modes.values())} "
+                    f"(goals: owner <= {sh['goals']['owner_ms_at_256_requests']:g} ms at 256 requests, auto and "
+                    f"broadcast <= {sh['goals']['auto_and_broadcast_ms_at_256x2000']:g} ms at 256 x 2000)",
+                    "`python benchmarks/step_host_cost.py`"))
     ds = _load("decode_step")
     occ = ds["occupancy"]
     out.append((f"bytes broadcast per decode step, {ds['occupancy_blocks']}-block pool, 10 % / 100 % occupancy",

@@ -64,6 +64,7 @@ class LayerSchedule:
     components: Mapping[int, frozenset[str]] = field(default_factory=dict)
     _position: Mapping[int, int] = field(init=False, repr=False, compare=False)
     _entries: Mapping[int, tuple[ScheduleStep, ...]] = field(init=False, repr=False, compare=False)
+    places: dict[int, tuple[int, int]] = field(init=False, repr=False, compare=False)  # layer -> (position, slot)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layers", tuple(self.target_layers))
@@ -79,6 +80,7 @@ class LayerSchedule:
             raise ValueError(f"scratch depth must be at least {MIN_DEPTH}, got {self.depth!r}.")
         object.__setattr__(self, "_position", MappingProxyType(
             {layer: k for k, layer in enumerate(self.target_layers)}))
+        object.__setattr__(self, "places", {layer: (k, k % self.depth) for k, layer in enumerate(self.target_layers)})
         # What each layer's attention entry runs, computed once: it runs once per layer and forward.
         object.__setattr__(self, "_entries", MappingProxyType(
             {layer: self._entry_steps(k) for k, layer in enumerate(self.target_layers)}))

@@ -56,13 +56,10 @@ class DeviceAPI:
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
+        self.is_cpu = self.device.type == "cpu"
         if self.device.type == "npu":
             try_import_torch_npu()
         self.module = torch.get_device_module(self.device.type)
-
-    @property
-    def is_cpu(self) -> bool:
-        return self.device.type == "cpu"
 
     @property
     def orders_streams(self) -> bool:
@@ -165,7 +162,7 @@ class DeviceAPI:
         host (NCCL's does), so the bound there is the communicator's watchdog, which aborts a
         collective that does not complete within the group's timeout.
         """
-        if self.device.type == "cpu":
+        if self.is_cpu:
             work.wait(timeout)
         else:
             work.wait()

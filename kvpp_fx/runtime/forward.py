@@ -81,6 +81,8 @@ class Forward:
         # size would abort the process (gloo), else when the forward ends (a device: no host wait in between)
         self._agreement: PendingAgreement | None = None
         self._late_agreement: PendingAgreement | None = None
+        self._broadcasts = False  # each prefetch issues a broadcast (`begin`)
+        self._checks_exchanges = False  # each layer's owner rows must have been exchanged (`begin`)
         self.issued = 0  # broadcasts started
         # the broadcast in flight (at most one): its layer, work handles, bytes, ids check, issue time
         self._route: LayerRoute | None = None
@@ -134,6 +136,8 @@ class Forward:
         if path.rows is not None:
             rows = {mode: path.rows.rows(mode, self.step.requests) for mode in (BROADCAST, OWNER)}
         self.stats.begin_forward(path.has_history, path.mode, path.choice, rows)
+        self._broadcasts = path.broadcasts
+        self._checks_exchanges = path.rows is not None and self.exchange is not None
 
     # --- per layer: prefetch, wait ------------------------------------------------------------------
 
@@ -143,7 +147,7 @@ class Forward:
         if self._agreement is not None:
             self._agreed()
         position = self.protocol.prefetch(layer, slot)
-        if self.path.broadcasts:
+        if self._broadcasts:
             self.issued += 1  # counted first: a failure while issuing may have left a peer's half pending
             self._issue(self.routes[position])
             if not self.overlap:
@@ -164,7 +168,7 @@ class Forward:
                 "its attention would read a scratch slot that owner mode does not fill. Use "
                 'mode="broadcast", or declare the ops (HeadSeparable / OwnerLocal) and recompile.'))
         position = self.protocol.wait(layer, slot)
-        if self.rows is not None and self.exchange is not None and position > 0:
+        if self._checks_exchanges and position > 0:
             self._check_exchanged(self.routes[position - 1].layer)
         self._complete()
         if timeline is not None:
@@ -232,7 +236,7 @@ class Forward:
         self._agreement = self._late_agreement = None
         pending.check()
 
-        # --- tables, inside a layer's turn -----------------------------------------------------------------
+    # --- tables, inside a layer's turn -----------------------------------------------------------------
 
     def tables(self, layer: int, tables: list[torch.Tensor], kinds: list[str],
                request_rows: bool = True, unlisted_in_range: bool = False) -> list[torch.Tensor]:

@@ -68,18 +68,23 @@ def layer_route(plan: Any, storage: Any, group: Any, rank: int, layer: int, posi
 
 class Routing:
     """What the engine or runner reported for each target layer's compiled graph: routed for owner mode
-    (True), broadcast only (False), or not yet reported."""
+    (True), broadcast only (False), or not yet reported. Both lists are kept as reports arrive: every
+    forward reads them."""
 
     def __init__(self, targets: tuple[int, ...]) -> None:
         self.targets = targets
         self.reported: dict[int, bool] = {}
+        self._unrouted: tuple[int, ...] = ()
+        self._not_known_routed: tuple[int, ...] = tuple(targets)
 
     def note(self, layers: Any, routed: bool) -> None:
         for layer in layers:
             self.reported[layer] = routed
+        self._unrouted = tuple(layer for layer in self.targets if self.reported.get(layer) is False)
+        self._not_known_routed = tuple(layer for layer in self.targets if not self.reported.get(layer, False))
 
-    def unrouted(self) -> list[int]:
-        return [layer for layer in self.targets if self.reported.get(layer) is False]
+    def unrouted(self) -> tuple[int, ...]:
+        return self._unrouted
 
-    def not_known_routed(self) -> list[int]:
-        return [layer for layer in self.targets if not self.reported.get(layer, False)]
+    def not_known_routed(self) -> tuple[int, ...]:
+        return self._not_known_routed

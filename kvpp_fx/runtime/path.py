@@ -76,8 +76,8 @@ class PathFacts:
         """A runtime's facts now (the routing changes as graphs compile)."""
         first = routes[0] if routes else None
         return cls(alone=alone, group_size=plan.group_size, attention=attention, link=link,
-                   has_layers=first is not None, not_known_routed=tuple(routing.not_known_routed()),
-                   unrouted=tuple(routing.unrouted()), compact=plan.compact, crossover=crossover,
+                   has_layers=first is not None, not_known_routed=routing.not_known_routed(),
+                   unrouted=routing.unrouted(), compact=plan.compact, crossover=crossover,
                    num_blocks=storage.num_blocks, slot_blocks=storage.slot_blocks,
                    block_bytes=plan.active_broadcast_bytes(first.layer, 1) if first is not None else 0,
                    layer_bytes=first.nbytes if first is not None else 0)

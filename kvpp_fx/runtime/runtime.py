@@ -186,7 +186,7 @@ class KVPPRuntime:
 
     def unrouted_layers(self) -> list[int]:
         """Layers whose compiled graph is known not to be routed: owner mode is refused up front."""
-        return self._routing.unrouted()
+        return list(self._routing.unrouted())
 
     # --- the forward --------------------------------------------------------------------------------
 

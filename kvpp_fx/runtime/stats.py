@@ -12,21 +12,24 @@ from typing import Any
 class ForwardRecord:
     """What one forward moved."""
 
-    __slots__ = ("has_history", "mode", "broadcasts", "bytes", "layers", "exchanges", "choice", "rows",
-                 "broadcast_bytes", "exchange_bytes")
+    __slots__ = ("has_history", "mode", "broadcasts", "layers", "exchanges", "choice", "rows", "broadcast_bytes",
+                 "exchange_bytes")
 
     def __init__(self, has_history: bool, mode: str = "broadcast", choice: dict[str, Any] | None = None,
                  rows: dict[str, int] | None = None) -> None:
         self.has_history = has_history
         self.mode = mode  # broadcast, owner, or hybrid (owner rows and broadcast rows in one forward)
         self.broadcasts = 0
-        self.bytes = 0
         self.broadcast_bytes = 0
         self.exchange_bytes = 0
         self.layers: list[int] = []  # broadcast layers, in completion order
         self.exchanges = 0  # owner-mode query/output exchanges
         self.choice = choice  # the "auto" cost comparison, when the mode was chosen
         self.rows = rows  # query tokens by path, when the forward named its requests
+
+    @property
+    def bytes(self) -> int:
+        return self.broadcast_bytes + self.exchange_bytes
 
     def as_dict(self) -> dict[str, Any]:
         return {"has_history": self.has_history, "mode": self.mode, "broadcasts": self.broadcasts,
@@ -41,9 +44,6 @@ class TransferStats:
         self._bytes = [0] * len(layers)
         self._exchanges = [0] * len(layers)
         self.forwards = 0
-        self.broadcasts = 0
-        self.bytes = 0
-        self.exchanges = 0
         self.modes = {"broadcast": 0, "owner": 0, "hybrid": 0}
         self.rows = {"broadcast": 0, "owner": 0}  # query tokens by path, over forwards that named requests
         self.current: ForwardRecord | None = None
@@ -62,16 +62,26 @@ class TransferStats:
                 self.rows[path] += tokens
             self.last, self.current = current, None
 
+    # the totals, summed over the layers when read: the per-layer counts are what each op updates
+    @property
+    def broadcasts(self) -> int:
+        return sum(self._broadcasts)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._bytes)
+
+    @property
+    def exchanges(self) -> int:
+        return sum(self._exchanges)
+
     def record(self, position: int, nbytes: int) -> None:
         """One completed broadcast of the layer at `position`, `nbytes` over this rank's link."""
         self._broadcasts[position] += 1
         self._bytes[position] += nbytes
-        self.broadcasts += 1
-        self.bytes += nbytes
         current = self.current
         if current is not None:
             current.broadcasts += 1
-            current.bytes += nbytes
             current.broadcast_bytes += nbytes
             current.layers.append(self._layers[position])
 
@@ -79,11 +89,8 @@ class TransferStats:
         """One owner-mode exchange (queries in, outputs out) of the layer at `position`."""
         self._bytes[position] += nbytes
         self._exchanges[position] += 1
-        self.bytes += nbytes
-        self.exchanges += 1
         current = self.current
         if current is not None:
-            current.bytes += nbytes
             current.exchange_bytes += nbytes
             current.exchanges += 1
 

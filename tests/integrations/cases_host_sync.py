@@ -94,3 +94,36 @@ def test_the_detector_catches_a_planted_host_read():
         # every path that uploads a packed list reads it; the owner and whole-layer paths upload nothing
         assert caught == {"hybrid", "packed broadcast"}, (rank, results[rank])
         assert results[rank]["hybrid"]["reads"] == ["item"], results[rank]
+
+
+def test_the_runners_read_a_devices_checks_before_vllm_hands_on_the_tokens():
+    """`step.settled`, on what the runners' ``sample_tokens`` returns: a step's output is settled at once;
+    an asynchronous output (async scheduling) when vLLM gets it, after its own wait; with nothing
+    pending (CPU) the output passes untouched. A failed check raises instead of returning tokens."""
+    import types
+
+    from kvpp_fx.integrations.vllm.step import settled
+    from kvpp_fx.runtime.errors import OwnerRoutingError
+
+    class Runtime:
+        def __init__(self, pending: int, fails: bool = False) -> None:
+            self.checks, self.settled, self.fails = [None] * pending, 0, fails
+
+        def settle(self) -> None:
+            self.settled += 1
+            if self.fails:
+                raise OwnerRoutingError("an owner failed")
+
+    output = object()
+    runtime = Runtime(pending=1)
+    assert settled(types.SimpleNamespace(runtime=runtime), output) is output and runtime.settled == 1
+    runtime = Runtime(pending=1)
+    async_output = types.SimpleNamespace(get_output=lambda: "tokens")
+    assert settled(types.SimpleNamespace(runtime=runtime), async_output) is async_output
+    assert runtime.settled == 0  # nothing read before vLLM asks for the tokens
+    assert async_output.get_output() == "tokens" and runtime.settled == 1
+    runtime = Runtime(pending=0)
+    assert settled(types.SimpleNamespace(runtime=runtime), output) is output and runtime.settled == 0
+    failing = Runtime(pending=1, fails=True)
+    with pytest.raises(OwnerRoutingError):
+        settled(types.SimpleNamespace(runtime=failing), output)

@@ -97,6 +97,7 @@ class MetaDeviceAPI(DeviceAPI):
 
     def __init__(self, device: Any = "meta") -> None:
         self.device = torch.device("meta")
+        self.is_cpu = False
         self.module = None
         self.host_waits = 0  # works the host waited for (the agreement's, on its host group, excluded)
 
