@@ -12,12 +12,13 @@ attributes are read when present.
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import pydantic
+
+from kvpp_fx.cache.cost import KVPP_MODES, Mode  # with the cost model that chooses: the runtime imports it
 
 # vllm-ascend's KVPP-aware PD connector: the only one that knows which rank owns a layer.
 SUPPORTED_CONNECTOR = "MooncakeConnectorV2"
@@ -78,28 +79,6 @@ MSG_SPEC_TOKENS = "KVPP currently supports only a fixed number of speculative to
 
 _LAX_BOOL = pydantic.TypeAdapter(bool)
 
-class Mode(str, enum.Enum):
-    """How a forward moves attention's inputs: each layer's cache to the ranks (broadcast), the queries to
-    each layer's owner and the outputs back (owner), per request the cheaper of the two (auto; a forward
-    with requests on both paths is hybrid). Members compare and hash as their strings."""
-
-    BROADCAST = "broadcast"
-    OWNER = "owner"
-    AUTO = "auto"
-    HYBRID = "hybrid"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
-    def __repr__(self) -> str:
-        return repr(self.value)
-
-
-# What a user or a caller of `KVPPRuntime.forward` may ask for; hybrid is an outcome, never asked.
-KVPP_MODES = (Mode.BROADCAST, Mode.OWNER, Mode.AUTO)
 # ``kvpp_fx`` is written by the vLLM plugin itself (the compile digest and the inner backend).
 KNOWN_KEYS = ("enable_kvpp", "kvpp_mode", "kvpp_scratch_blocks", "kvpp_fx")
 USER_KEYS = KNOWN_KEYS[:-1]

@@ -91,3 +91,43 @@ def test_the_plain_layers_import_no_torch():
             assert "torch" not in module_level_imports(MODULES[reached]), (name, reached)
     # The control: a module that does import torch is seen.
     assert "torch" in module_level_imports(MODULES["kvpp_fx.ops"])
+
+
+def _loaded_after(statement: str) -> set[str]:
+    """The modules a fresh interpreter holds after `statement`."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"import json, sys\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_importing_kvpp_fx_loads_no_torch():
+    """The vLLM plugin imports ``kvpp_fx`` in every vLLM process, the engine's included: it stays torch-free
+    until a name is used. The control: using a runtime name does load torch."""
+    assert "torch" not in _loaded_after("import kvpp_fx")
+    assert "torch" in _loaded_after("import kvpp_fx; kvpp_fx.KVPPRuntime")
+
+
+def test_the_runtime_loads_neither_pydantic_nor_an_integration():
+    """The runtime reads its modes from the cost model, which is plain; pydantic is the vLLM configuration's.
+    The control: the configuration module does load pydantic."""
+    loaded = _loaded_after("import kvpp_fx.runtime.runtime")
+    assert "pydantic" not in loaded
+    assert sorted(m for m in loaded if m.startswith("kvpp_fx.integrations")) == []
+    assert "pydantic" in _loaded_after("import kvpp_fx.config")
+
+
+def test_every_public_name_resolves():
+    import kvpp_fx
+
+    assert len(kvpp_fx.__all__) >= 20
+    for name in kvpp_fx.__all__:
+        assert getattr(kvpp_fx, name) is not None, name
+    # The control: a name outside the list does not resolve.
+    import pytest
+
+    with pytest.raises(AttributeError):
+        kvpp_fx.NotAName  # noqa: B018

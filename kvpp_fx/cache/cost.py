@@ -16,9 +16,37 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvpp_fx.cache.block_ids import EMPTY, BlockIds, difference, union
-from kvpp_fx.config import KVPP_MODES, Mode
+import enum
 
+from kvpp_fx.cache.block_ids import EMPTY, BlockIds, difference, union
+
+
+class Mode(str, enum.Enum):
+    """How a forward moves attention's inputs: each layer's cache to the ranks (broadcast), the queries to
+    each layer's owner and the outputs back (owner), per request the cheaper of the two (auto; a forward
+    with requests on both paths is hybrid). Members compare and hash as their strings."""
+
+    BROADCAST = "broadcast"
+    OWNER = "owner"
+    AUTO = "auto"
+    HYBRID = "hybrid"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+# What a user or a caller of `KVPPRuntime.forward` may ask for; hybrid is an outcome, never asked.
+KVPP_MODES = (Mode.BROADCAST, Mode.OWNER, Mode.AUTO)
+
+
+# What a user or a caller of `KVPPRuntime.forward` may ask for; hybrid is an outcome, never asked.
+KVPP_MODES = (Mode.BROADCAST, Mode.OWNER, Mode.AUTO)
 BROADCAST, OWNER, AUTO, HYBRID = Mode.BROADCAST, Mode.OWNER, Mode.AUTO, Mode.HYBRID
 MODES = KVPP_MODES
 

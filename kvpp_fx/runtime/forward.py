@@ -40,8 +40,7 @@ from typing import Any
 
 import torch
 
-from kvpp_fx.cache.cost import BROADCAST, OWNER, RowChoice, StepLoad
-from kvpp_fx.config import Mode
+from kvpp_fx.cache.cost import BROADCAST, OWNER, Mode, RowChoice, StepLoad
 from kvpp_fx.runtime.active_blocks import PackedBlocks
 from kvpp_fx.runtime.agreement import AgreementKey, PendingAgreement
 from kvpp_fx.runtime.errors import (

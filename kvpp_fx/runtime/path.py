@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvpp_fx.cache.block_ids import difference, union
 from kvpp_fx.cache.cost import (
     AUTO,
     BROADCAST,
@@ -27,14 +28,13 @@ from kvpp_fx.cache.cost import (
     AttentionShape,
     BroadcastCost,
     LinkModel,
+    Mode,
     RequestRows,
     RowChoice,
     StepLoad,
     choose_mode,
     choose_rows,
 )
-from kvpp_fx.cache.block_ids import difference, union
-from kvpp_fx.config import Mode
 from kvpp_fx.runtime.active_blocks import block_ids
 from kvpp_fx.runtime.errors import InvalidBlocksError, OwnerModeUnsupportedError
 

@@ -1,6 +1,8 @@
 """`choose_path` alone: a step and what the runtime knows in, the forward's path out (no ranks, no tensors)."""
 
 import dataclasses
+import os
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,9 @@ BLOCK = 16 * 576 * 2 + 8
 FACTS = PathFacts(alone=False, group_size=2, attention=SHAPE, link=LinkModel(attention_flops_per_s=2e12),
                   has_layers=True, not_known_routed=(), unrouted=(), compact=False, crossover=0.25, num_blocks=400,
                   slot_blocks=400, block_bytes=BLOCK, layer_bytes=400 * (BLOCK - 8))
+
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def facts(**changes):
@@ -70,17 +75,34 @@ def test_requests_take_their_own_paths_and_make_a_hybrid_forward():
     assert alone.mode == BROADCAST and not alone.has_history and not alone.pack
 
 
-def test_equal_steps_and_facts_give_equal_paths_on_every_rank():
-    """Each rank builds its own step and facts; equal values choose equal paths (what the per-forward
-    agreement compares). The control: another link makes the decodes broadcast."""
-    def step():
-        return Step(True, mode=AUTO, requests=(RequestRows(3, 3 * 5000, tuple(range(300))),
-                                               RequestRows(50, 2500, (341,), owner_capable=False)))
+def _path_in_a_fresh_process(hash_seed: int, link: str = "LinkModel(attention_flops_per_s=2e12)") -> str:
+    """The path a fresh interpreter chooses for the test's step, as the agreement would compare it."""
+    import subprocess
+    import sys
 
-    first, second = choose_path(step(), FACTS), choose_path(step(), facts())
-    assert first == second and first.mode == HYBRID and first.rows.modes == (OWNER, BROADCAST)
-    slow_owner = choose_path(step(), facts(link=LinkModel(attention_flops_per_s=1e6)))
-    assert slow_owner.rows.modes == (BROADCAST, BROADCAST) and slow_owner != first
+    code = f"""
+from kvpp_fx.cache.cost import AUTO, LinkModel, RequestRows
+from kvpp_fx.runtime.agreement import AgreementKey
+from kvpp_fx.runtime.path import Step, choose_path
+from tests.runtime.test_path import facts
+step = Step(True, mode=AUTO, requests=(RequestRows(3, 3 * 5000, tuple(range(300, 0, -1))),
+                                       RequestRows(50, 2500, (341, 7, 341), owner_capable=False)))
+path = choose_path(step, facts(link={link}))
+print(AgreementKey.of(path, None).values(), path.rows.modes, list(path.blocks), path.mode)
+"""
+    env = {**os.environ, "PYTHONHASHSEED": str(hash_seed)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env,
+                          cwd=ROOT, timeout=120).stdout.strip()
+
+
+def test_equal_steps_and_facts_give_equal_paths_on_every_rank():
+    """Each rank builds its own step and facts in its own process: equal values choose equal paths (what
+    the per-forward agreement compares), whatever the process's hash seed (set iteration order). The
+    control: another link makes the decodes broadcast."""
+    first, second = _path_in_a_fresh_process(1), _path_in_a_fresh_process(2)
+    assert first == second and "hybrid" in first and "('owner', 'broadcast')" in first
+    slow_owner = _path_in_a_fresh_process(1, "LinkModel(attention_flops_per_s=1e6)")
+    assert "('broadcast', 'broadcast')" in slow_owner and slow_owner != first
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -172,9 +172,15 @@ def test_sharded_draft_layers_are_refused_at_creation():
 
 
 def test_a_group_of_one_ignores_the_block_set():
+    """A group of one moves nothing, so ids it would not read (99 is past the pool) are not checked, and
+    every view is the persistent cache. The control: a group of two checks them (`InvalidBlocksError`,
+    tested with real ranks)."""
     with make_runtime(2) as rt:
-        with rt.forward(has_history=True, blocks=[0, 99]):  # a group of one moves nothing: ids unused
+        with rt.forward(has_history=True, blocks=[0, 99]):
             run_all(rt, [0, 1])
+        last = rt.last_forward()
+        assert (last["broadcasts"], last["bytes"], last["exchanges"]) == (0, 0, 0)
+        assert rt.stats()["forwards"] == 1 and rt.broken is None
 
 
 def test_a_device_api_named_by_a_string_is_built_on_the_cache_device():
