@@ -28,11 +28,30 @@ def test_the_readme_is_short_and_links_its_details():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.encode()) <= 15 * 1024, len(readme.encode())
     for doc in ("docs/benchmarks.md", "docs/cli.md", "docs/usage.md", "docs/vllm.md", "docs/design.md",
-                "docs/graph-contract.md"):
+                "docs/graph-contract.md", "docs/design-blocks.md", "docs/design-owner.md", "docs/vllm-pd.md"):
         assert f"]({doc})" in readme and (ROOT / doc).exists(), doc
+
+
+def test_every_doc_is_short_and_every_link_between_them_resolves():
+    """Each page of docs/ fits in 30 KB; every relative link of the README and of docs/ names a file that
+    exists. The control: a link to a missing page is found."""
+    import re
+
+    pages = sorted((ROOT / "docs").glob("*.md"))
+    assert len(pages) >= 10
+    for page in pages:
+        assert len(page.read_bytes()) <= 30 * 1024, (page.name, len(page.read_bytes()))
+
+    def broken(path, text):
+        links = re.findall(r"\]\(([^)#:\s]+\.md)\)", text)
+        return [link for link in links if not (path.parent / link).exists()]
+
+    for path in (ROOT / "README.md", *pages):
+        assert broken(path, path.read_text()) == [], path.name
+    assert broken(ROOT / "docs" / "vllm.md", "[x](vllm-nowhere.md)") == ["vllm-nowhere.md"]
 
 
 def test_every_result_file_is_in_the_table():
     used = {"capacity", "overlap", "overlap_model", "runtime_overhead", "decode_step", "active_blocks", "pass_time",
-            "owner_mode", "vllm_serving", "vllm_owner_mode", "hybrid_steps", "pd_prefill"}
+            "owner_mode", "vllm_serving", "vllm_owner_mode", "hybrid_steps", "pd_prefill", "step_host_cost"}
     assert {p.stem for p in (ROOT / "benchmarks" / "results").glob("*.json")} == used

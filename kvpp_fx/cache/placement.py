@@ -36,7 +36,7 @@ from kvpp_fx.schedule import DEFAULT_DEPTH, MIN_DEPTH, LayerSchedule
 ALIGNMENT = 2 * 1024 * 1024
 # With whole-layer slots, above this fraction of the pool a step sends whole layers: the owner's gather
 # of the listed blocks stops paying for itself. benchmarks/active_blocks.py measured the crossover
-# between 0.2 and 0.3 on a 2-core CPU host with gloo (docs/design.md, "The crossover"). Compact slots
+# between 0.2 and 0.3 on a 2-core CPU host with gloo (docs/design-blocks.md, "The crossover"). Compact slots
 # never send whole layers: a whole layer does not fit.
 DEFAULT_CROSSOVER_FRACTION = 0.25
 # Each packed block travels with its id (int64), so receivers can check they hold the owner's set.

@@ -1006,7 +1006,7 @@ def test_triton_mla_owner_calls_give_each_rank_the_bits_of_its_own_call(heads_pe
     rank gets exactly the bits of its own call (float32, the kernel interpreted). One call over every rank's
     heads is only close: numpy's matmul under Triton's interpreter may round a head's row by its position in
     the tile, depending on the CPU (equal bits on some hosts, 1e-6 apart on others), as a GPU kernel's tiles
-    may (docs/design.md, "Bit-identical results"). The control: the heads split back in the wrong order."""
+    may (docs/design-owner.md, "Bit-identical results"). The control: the heads split back in the wrong order."""
     from kvpp_fx.integrations.vllm.backends import owner_call
 
     torch.manual_seed(0)
