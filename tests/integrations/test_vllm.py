@@ -95,15 +95,60 @@ def tiny_deepseek(tmp_path_factory):
     return make_tiny_deepseek(tmp_path_factory.mktemp("tiny_deepseek"))
 
 
-def test_against_vllm_objects():
-    """Specs, validation and hooks against vLLM's real classes (in a pytest process of its own)."""
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/integrations/cases_vllm_objects.py", "tests/integrations/cases_host_sync.py"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, env=ENV)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
-    summary = out.stdout.strip().splitlines()[-1]
-    passed = re.search(r"(\d+) passed", summary)
-    assert passed and int(passed.group(1)) >= 60 and "skipped" not in summary, out.stdout[-1000:]
+CASE_FILES = ("tests/integrations/cases_vllm_objects.py", "tests/integrations/cases_host_sync.py")
+
+
+def _case_names() -> list[str]:
+    """Every ``test_*`` function of the case files, read from their source (collecting them would import
+    vLLM into this process)."""
+    import ast
+
+    names = []
+    for case_file in CASE_FILES:
+        tree = ast.parse((ROOT / case_file).read_text())
+        names += [f"{Path(case_file).stem}::{node.name}" for node in tree.body
+                  if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")]
+    return names
+
+
+@pytest.fixture(scope="module")
+def vllm_object_cases(tmp_path_factory) -> dict[str, list[tuple[str, str]]]:
+    """One pytest process of its own runs every case against vLLM's real classes; its JUnit report gives
+    each case's outcomes (one per parametrization): {"file::test": [(outcome, message), ...]}."""
+    import xml.etree.ElementTree as ElementTree
+
+    report = tmp_path_factory.mktemp("vllm_objects") / "report.xml"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
+                          *CASE_FILES], cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert report.exists(), out.stdout[-4000:] + out.stderr[-2000:]
+    cases: dict[str, list[tuple[str, str]]] = {}
+    for case in ElementTree.parse(report).iter("testcase"):
+        name = f"{case.get('classname').rsplit('.', 1)[-1]}::{case.get('name').split('[')[0]}"
+        outcome, message = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            found = case.find(kind)
+            if found is not None:
+                outcome, message = kind, (found.get("message") or "") + "\n" + (found.text or "")[-3000:]
+        cases.setdefault(name, []).append((outcome, message))
+    return cases
+
+
+@pytest.mark.parametrize("case", _case_names())
+def test_against_vllm_objects(vllm_object_cases, case):
+    """Specs, validation, hooks and the step's host work against vLLM's real classes: each case of the case
+    files, run in a pytest process of its own, is one result here; a case that did not run fails."""
+    outcomes = vllm_object_cases.get(case)
+    assert outcomes, f"{case} did not run: {sorted(vllm_object_cases)[:5]}..."
+    failed = [message for outcome, message in outcomes if outcome != "passed"]
+    assert not failed, "\n".join(failed)
+
+
+def test_every_vllm_object_case_is_reported(vllm_object_cases):
+    """The names read from the source are exactly the cases the process ran: none runs unreported here."""
+    names = _case_names()
+    assert len(names) >= 50 and len(set(names)) == len(names)
+    assert set(vllm_object_cases) == set(names)
+    assert sum(len(outcomes) for outcomes in vllm_object_cases.values()) >= 70
 
 
 def test_plugin_is_harmless_when_off(tiny_deepseek):
