@@ -26,10 +26,28 @@ from kvpp_fx.cache.block_ids import BlockIds, difference
 
 @dataclass(frozen=True)
 class BlockRows:
-    """One KV cache group's block-table rows of the step's requests: ``rows[i]`` is request i's."""
+    """One KV cache group's block-table rows of the step's requests: request i's is ``table[order[i]]``
+    (``order`` None: ``table[i]``). A runner whose table is not in batch order (V2's, by request slot)
+    hands its whole table and the batch's order, and only the rows a step reads are gathered."""
 
     block_size: int
-    rows: np.ndarray  # [num_reqs, width]
+    table: np.ndarray  # [rows, width]
+    order: np.ndarray | None = None  # [num_reqs]: each request's row of `table`
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.table.shape[0] if self.order is None else self.order.shape[0])
+
+    @property
+    def rows(self) -> np.ndarray:
+        """Every request's row, in batch order (a copy where `order` is given)."""
+        return self.rows_of(0, self.num_rows)
+
+    def rows_of(self, first: int, end: int) -> np.ndarray:
+        """Requests ``first..end-1``'s rows."""
+        if self.order is None:
+            return np.asarray(self.table[first:end])
+        return self.table[self.order[first:end]]
 
 
 @dataclass(frozen=True)
@@ -51,8 +69,8 @@ class StepBatch:
             raise ValueError(f"a step batch needs one count per request, got {computed.shape}, {query.shape}, "
                              f"{prompt.shape}.")
         for table in tables:
-            if table.rows.ndim != 2 or table.rows.shape[0] < computed.shape[0]:
-                raise ValueError(f"a block table of shape {table.rows.shape} holds no row for each of "
+            if table.table.ndim != 2 or table.num_rows < computed.shape[0]:
+                raise ValueError(f"a block table of shape {table.table.shape} holds no row for each of "
                                  f"{computed.shape[0]} requests.")
         return cls(computed, query, prompt, tuple(tables))
 
@@ -96,7 +114,7 @@ def _entries(batch: StepBatch, first: int, end: int | None, written: bool) -> np
     computed = batch.num_computed[first:end]
     parts = []
     for table in batch.tables:
-        rows = np.asarray(table.rows[first:end])
+        rows = table.rows_of(first, end)
         counts = -(-computed // table.block_size)
         columns = np.arange(rows.shape[1])[None, :]
         if written:

@@ -86,8 +86,10 @@ class HostBlockTables:
             self.counts[group, req_index] = end
 
     def step_rows(self, idx_mapping: np.ndarray) -> tuple[BlockRows, ...]:
-        """Each group's rows of the requests at `idx_mapping` (batch order)."""
-        return tuple(BlockRows(size, rows[idx_mapping]) for size, rows in zip(self.block_sizes, self.rows))
+        """Each group's rows of the requests at `idx_mapping` (batch order), gathered where a step reads
+        them: a step's host work follows its requests, not the table's width."""
+        order = np.array(idx_mapping, dtype=np.int64)  # V2 refills its mapping for the next step
+        return tuple(BlockRows(size, rows, order) for size, rows in zip(self.block_sizes, self.rows))
 
 
 def step_batch(runner: Any, input_batch: Any) -> StepBatch:
