@@ -53,7 +53,6 @@ from kvpp_fx.runtime.errors import (
 from kvpp_fx.runtime.owner_exchange import HeadRule, OwnerExchange
 from kvpp_fx.runtime.parts import ForwardParts, LayerRoute
 from kvpp_fx.runtime.path import ChosenPath, PathFacts, Step, choose_path
-from kvpp_fx.runtime.pending import OWNER_FAILED
 from kvpp_fx.runtime.protocol import ProtocolState, locate, refuse
 from kvpp_fx.schedule import WAIT
 
@@ -321,15 +320,13 @@ class Forward:
             self.stats.end_forward()
 
     def _leave_device_checks(self) -> None:
-        """One flag of what the device checked in this forward, read later (`PendingChecks`)."""
-        flag = None
-        if self.active is not None and self.issued:
-            flag = self.active.arrived.logical_not().to(torch.int32)
-        if self.exchange is not None and self.exchange.failed is not None:
-            failed = self.exchange.failed.reshape(()).ne(0).to(torch.int32) * OWNER_FAILED
-            flag = failed if flag is None else flag + failed
-        if flag is not None:
-            self.parts.checks.leave(self.number, self.parts.api.read_later(flag))
+        """What the device checked in this forward, read later (`PendingChecks`)."""
+        api = self.parts.api
+        arrived = api.read_later(self.active.arrived) if self.active is not None and self.issued else None
+        failed = self.exchange.failed if self.exchange is not None else None
+        status = api.read_later(failed.reshape(())) if failed is not None else None
+        if arrived is not None or status is not None:
+            self.parts.checks.leave(self.number, arrived, status)
 
     def abandon(self) -> None:
         """The runtime closes inside this forward: its broadcast in flight gets at most the timeout (a

@@ -117,8 +117,11 @@ class MetaDeviceAPI(DeviceAPI):
         return torch.empty(ids.shape, dtype=torch.int64, device="meta")
 
     def read_later(self, value: torch.Tensor) -> DeferredRead:
+        """A meta value has no bytes: the stand-in reads as a check that passed (ids arrived: True;
+        an owner's status: 0)."""
         assert value.device.type == "meta"
-        return DeferredRead(torch.zeros((), dtype=value.dtype), _DoneEvent())
+        passed = torch.ones((), dtype=value.dtype) if value.dtype == torch.bool else torch.zeros((), dtype=value.dtype)
+        return DeferredRead(passed, _DoneEvent())
 
     def broadcast(self, tensor, src, group):
         return _DoneWork()
