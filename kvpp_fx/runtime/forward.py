@@ -196,7 +196,7 @@ class Forward:
         active, transport = self.active, self.transport
         arrived = None
         if active is None:  # a whole layer: the owner's persistent bundle into the receivers' slot
-            work = transport.issue(route.layer, route.slot, (route.view,), route.src)
+            work = transport.issue(route.layer, route.slot, route.whole, route.src)
             nbytes = route.nbytes
         elif active.count == 0:  # the step reads no block with history: nothing to move
             return

@@ -30,6 +30,7 @@ class LayerRoute:
     block_views: tuple[torch.Tensor, ...]  # per component, [blocks, bytes per block], over `view`
     shape: Shape
     pack_views: tuple[torch.Tensor, ...] = ()  # the owner: per component, [S, bytes per block] of its own slot
+    whole: tuple[torch.Tensor, ...] = ()  # a whole-layer broadcast's payload: (view,)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def layer_route(plan: Any, storage: Any, group: Any, rank: int, layer: int, posi
     src = dist.get_global_rank(group, plan.owners[layer]) if group is not None else 0
     nbytes = storage.num_blocks * plan.bundle_bytes_per_block(layer)  # a whole layer
     return LayerRoute(layer, position, slot, owned, src, view, nbytes, block_views,
-                      tuple(v.shape[1] for v in block_views), pack_views)
+                      tuple(v.shape[1] for v in block_views), pack_views, (view,))
 
 
 class Routing:

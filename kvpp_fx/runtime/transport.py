@@ -87,13 +87,10 @@ class BroadcastTransport:
                    pack: Callable[[], None] | None) -> Any:
         if pack is not None:
             pack()
-        works = []
         try:
-            for tensor in payload:
-                works.append(self.api.broadcast(tensor, src, self.group))
+            return tuple([self.api.broadcast(tensor, src, self.group) for tensor in payload])
         except Exception as exc:
             raise self.collectives.not_issued(exc, BROADCAST, layer) from exc
-        return tuple(works)
 
     def complete_on_host(self, layer: int, works: Any) -> None:
         """Block the host until the broadcasts completed or the timeout expired (forward end, close)."""

@@ -292,3 +292,21 @@ def test_the_schedule_every_forward_follows():
     for layer in (4, 7, 9):
         schedule.run(per_layer, layer)
     assert whole.calls == per_layer.calls == steps
+
+
+def test_depth_three_over_non_contiguous_layers_literal_table():
+    """The slot and owner rule, written out by hand for depth 3, 3 ranks and layer indices with gaps, given
+    out of order, with two local drafts: sorted targets 3 4 9 11 17 20 31; 7 = 3 x 2 + 1, so rank 0 owns
+    three (3 4 9), ranks 1 and 2 two each; the k-th target reads slot k % 3 wherever it is not owned."""
+    comps = (ComponentSpec("kv", "bfloat16", (576,)),)
+    layers = [LayerCacheSpec(i, comps) for i in (11, 3, 20, 4, 9, 31, 17)]
+    layers += [LayerCacheSpec(i, comps, is_draft=True) for i in (32, 33)]
+    plan = KVPPPlan(ModelCacheSpec("gaps", 16, tuple(layers)), group_size=3, depth=3)
+    table = {  # layer: (slot, owner)
+        3: (0, 0), 4: (1, 0), 9: (2, 0), 11: (0, 1), 17: (1, 1), 20: (2, 2), 31: (0, 2)}
+    assert plan.target_layers == (3, 4, 9, 11, 17, 20, 31)
+    assert {layer: (plan.slot(layer), plan.owner(layer)) for layer in plan.target_layers} == table
+    for rank in range(3):
+        assert {layer: plan.scratch_slot(layer, rank) for layer in table} == {
+            layer: None if owner == rank else slot for layer, (slot, owner) in table.items()}
+        assert plan.scratch_slot(32, rank) is None and plan.owner(32) is None  # drafts stay local
