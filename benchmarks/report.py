@@ -85,7 +85,8 @@ def rows() -> list[tuple[str, str, str]]:
                 f"checked at the forward's end as on a device, the host waited "
                 f"{ro['us_agreement_wait_at_forward_end']['median']:.0f} us there"
                 + (f"; {ro['ratio_with_history']:.2f}x / {ro['ratio_without_history']:.2f}x the per-layer cost of "
-                   f"{ro['baseline']['revision']}, side by side (goal <= {ro['goal_ratio']:g})" if "baseline" in ro else ""),
+                   f"{ro['baseline']['revision']}, side by side (goal <= {ro['goal_ratio']:g})"
+                   if "baseline" in ro else ""),
                 "`python benchmarks/runtime_overhead.py --baseline <worktree>`"))
     sh = _load("step_host_cost")
     for case, modes in sh["cases"].items():

@@ -80,7 +80,8 @@ class LayerSchedule:
             raise ValueError(f"scratch depth must be at least {MIN_DEPTH}, got {self.depth!r}.")
         object.__setattr__(self, "_position", MappingProxyType(
             {layer: k for k, layer in enumerate(self.target_layers)}))
-        object.__setattr__(self, "places", {layer: (k, self.slot_at(k)) for k, layer in enumerate(self.target_layers)})
+        object.__setattr__(self, "places",
+                           {layer: (k, self.slot_at(k)) for k, layer in enumerate(self.target_layers)})
         # What each layer's attention entry runs, computed once: it runs once per layer and forward.
         object.__setattr__(self, "_entries", MappingProxyType(
             {layer: self._entry_steps(k) for k, layer in enumerate(self.target_layers)}))

@@ -82,7 +82,8 @@ def test_no_step_path_reads_a_device_value_on_the_host():
     for rank in range(2):
         assert results[rank]["packed broadcast"]["packed"] > 0 and results[rank]["hybrid"]["packed"] > 0
         assert results[rank]["whole layers"]["packed"] == 0
-        assert results[rank]["packed broadcast"]["pending"] == 1 and results[rank]["decode rows on the owner"]["pending"] == 1
+        assert results[rank]["packed broadcast"]["pending"] == 1
+        assert results[rank]["decode rows on the owner"]["pending"] == 1
 
 
 @pytest.mark.multirank
