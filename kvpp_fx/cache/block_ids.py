@@ -54,10 +54,14 @@ class BlockIds:
         if isinstance(ids, np.ndarray):
             if ids.dtype.kind not in "iu":
                 raise ValueError(f"block ids must be integers, got an array of {ids.dtype}.")
+            if ids.size and ids.min() < 0:
+                raise ValueError(f"block ids are never negative, got {int(ids.min())}.")
             return cls(sorted_unique(ids))
         values = list(ids)
         if not all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) for b in values):
             raise ValueError(f"block ids must be ints, got {values!r}.")
+        if any(b < 0 for b in values):
+            raise ValueError(f"block ids are never negative, got {min(values)}.")
         return cls(np.unique(np.asarray(values, dtype=np.int64)) if values else _EMPTY)
 
     @classmethod
@@ -92,7 +96,7 @@ class BlockIds:
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(self.array.tobytes())
+        return hash(tuple(self.array.tolist()))  # equal to the hash of the equal tuple
 
     def __repr__(self) -> str:
         ids = self.array
@@ -119,6 +123,9 @@ def difference(ids: BlockIds, minus: BlockIds) -> BlockIds:
     if not ids or not minus:
         return ids
     a, b = ids.array, minus.array
-    mask = np.zeros(int(max(a[-1], b[-1])) + 1, dtype=bool)
+    high = int(max(a[-1], b[-1]))
+    if high > 16 * (a.size + b.size) + (1 << 16):  # sparse ids: the bitmap would not pay
+        return BlockIds(np.setdiff1d(a, b, assume_unique=True))
+    mask = np.zeros(high + 1, dtype=bool)
     mask[b] = True
     return BlockIds(a[~mask[a]])

@@ -41,8 +41,6 @@ class Mode(str, enum.Enum):
         return repr(self.value)
 
 
-# What a user or a caller of `KVPPRuntime.forward` may ask for; hybrid is an outcome, never asked.
-KVPP_MODES = (Mode.BROADCAST, Mode.OWNER, Mode.AUTO)
 
 
 # What a user or a caller of `KVPPRuntime.forward` may ask for; hybrid is an outcome, never asked.

@@ -135,7 +135,7 @@ class PendingAgreement:
     def __init__(self, agreement: Agreement, key: AgreementKey, work: Any) -> None:
         self.agreement, self.key, self.work = agreement, key, work
 
-    def check(self) -> None:
+    def check(self, late: bool = False) -> None:
         """Complete the all-reduce within the timeout; raises `BlockSetMismatchError` on every rank when
         the ranks' keys differ, or `TransferFailedError` when it fails or times out (which breaks the
         runtime)."""
@@ -154,4 +154,6 @@ class PendingAgreement:
             raise BlockSetMismatchError(
                 f"the ranks disagree on this forward's {', '.join(differing)}; every rank must pass the same "
                 f"has_history, blocks, mode, load and requests to runtime.forward() (this rank: path {int(key.path)}, "
-                f"{key.block_count} blocks). Nothing was moved.")
+                f"{key.block_count} blocks). "
+                + ("Checked when the forward ended (a device): its collectives may not have paired, and the "
+                   "runtime is broken." if late else "Nothing was moved."))

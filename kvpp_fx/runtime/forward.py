@@ -53,6 +53,7 @@ from kvpp_fx.runtime.errors import (
 from kvpp_fx.runtime.owner_exchange import HeadRule, OwnerExchange
 from kvpp_fx.runtime.parts import ForwardParts, LayerRoute
 from kvpp_fx.runtime.path import ChosenPath, PathFacts, Step, choose_path
+from kvpp_fx.runtime.pending import OWNER_FAILED
 from kvpp_fx.runtime.protocol import ProtocolState, locate, refuse
 from kvpp_fx.schedule import WAIT
 
@@ -230,9 +231,10 @@ class Forward:
 
     def _agreed(self) -> None:
         """The agreement issued in `begin` completed and every rank's key is this rank's."""
+        late = self._late_agreement is not None
         pending = self._agreement or self._late_agreement
         self._agreement = self._late_agreement = None
-        pending.check()
+        pending.check(late=late)
 
     # --- tables, inside a layer's turn -----------------------------------------------------------------
 
@@ -296,15 +298,26 @@ class Forward:
         (`PendingChecks`)."""
         try:
             if self._agreement is not None or self._late_agreement is not None:
-                try:  # before anything else: a forward whose ranks disagreed raises that, whatever followed
+                late = self._late_agreement is not None
+                try:  # before anything else: a forward whose ranks disagreed says so, whatever followed
                     self._agreed()
                 except (BlockSetMismatchError, TransferFailedError) as exc:
-                    if error is None:  # on a device, ranks that disagreed may have issued unpaired collectives
+                    # Checked late (a device), the ranks may have issued collectives that do not pair, some
+                    # ranks none: every rank breaks. The disagreement is the cause of whatever else failed.
+                    if late:
+                        self.health.broken_by(exc)
+                    if error is None:
                         raise self._failed(exc) from None
+                    if error.__cause__ is None:
+                        error.__cause__ = exc
             self._settle(self._complete_on_host, propagate=error is None)
             if error is not None:
                 if self.issued_any:
                     self.health.broken_by(error)
+                if self.exchange is not None and self.exchange.failed_here and not self.immediate_checks:
+                    # The other ranks learnt this owner's failure from its status and finish the forward,
+                    # whose end issues the checks' all-reduce: this rank issues its half too.
+                    self._settle(self._leave_device_checks, propagate=False)
                 return
             self.health.check()  # a failure inside this forward that the caller swallowed
             if not self.immediate_checks:
@@ -320,13 +333,24 @@ class Forward:
             self.stats.end_forward()
 
     def _leave_device_checks(self) -> None:
-        """What the device checked in this forward, read later (`PendingChecks`)."""
-        api = self.parts.api
-        arrived = api.read_later(self.active.arrived) if self.active is not None and self.issued else None
-        failed = self.exchange.failed if self.exchange is not None else None
-        status = api.read_later(failed.reshape(())) if failed is not None else None
-        if arrived is not None or status is not None:
-            self.parts.checks.leave(self.number, arrived, status)
+        """What the device checked in this forward, as one flag of every rank's (its maximum over the
+        group), read later (`PendingChecks`). Every rank issues the all-reduce in every forward."""
+        parts = self.parts
+        flag = torch.zeros((), dtype=torch.int32, device=parts.storage.device)
+        if self.active is not None and self.issued:
+            flag.add_(self.active.arrived.logical_not())
+        if self.exchange is not None and self.exchange.failed is not None:
+            flag.add_(self.exchange.failed.reshape(()).ne(0), alpha=OWNER_FAILED)
+        if self.exchange is not None and self.exchange.failed_here:
+            flag.fill_(OWNER_FAILED)
+        if self.transport is not None:
+            collectives = self.transport.collectives
+            try:
+                work = parts.api.all_reduce_max(flag, parts.group)
+            except Exception as exc:
+                raise collectives.not_issued(exc, "the forward's checks") from exc
+            collectives.complete(work, "the forward's checks")
+        parts.checks.leave(self.number, parts.api.read_later(flag))
 
     def abandon(self) -> None:
         """The runtime closes inside this forward: its broadcast in flight gets at most the timeout (a

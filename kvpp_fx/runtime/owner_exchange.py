@@ -58,6 +58,7 @@ class OwnerExchange:
         self.issued = 0  # exchanges started: a failure after the first may have left a peer's half pending
         self.failed: torch.Tensor | None = None  # on a device: the maximum of the owners' status values
         self.exchanged: set[int] = set()  # layers whose owner rows were exchanged in this forward
+        self.failed_here = False  # this rank's op failed as a layer's owner (its status told the others)
 
     def compute(self, layer: int, position: int, owned: bool, owner: int, rule: HeadRule,
                 heads: Sequence[torch.Tensor], compute: Callable[[list[torch.Tensor]], torch.Tensor],
@@ -89,6 +90,7 @@ class OwnerExchange:
         self._run(lambda: self.api.scatter(received, parts, owner, self.group), "owner-mode scatter of layer %d",
                   layer)
         if failure is not None:  # every rank raises the same named error: here with the op's own as its cause
+            self.failed_here = True
             raise OwnerRoutingError(f"layer {layer}: the op failed on this rank, the layer's owner "
                                     f"({type(failure).__name__}: {failure}); the other ranks received zeros and "
                                     "a failure status.") from failure

@@ -261,7 +261,11 @@ class KVPPRuntime:
         self._forwards += 1
         forward = Forward(self.parts, step_of(has_history, blocks, written, mode, load, requests), facts,
                           self._forwards)
-        forward.begin()
+        try:
+            forward.begin()
+        except BaseException as exc:
+            forward.end(exc)  # an agreement it issued completes; nothing else was issued
+            raise
         self._forward = forward
         token = CURRENT.set(self)
         try:
@@ -326,12 +330,17 @@ class KVPPRuntime:
         ``output_like`` a tensor shaped as this rank's part of the output, when no head operand is."""
         return self._current().owner_compute(layer, rule, heads, compute, output_like)
 
-    def settle(self) -> None:
-        """Read what the device checked in earlier forwards, waiting for it where it has not finished;
-        raises the check's named error (which broke the runtime) if one failed. Call it before using a
-        forward's results, where the host has waited for the device anyway (on CPU nothing is left to
-        read: every check is read where it is computed)."""
-        self.checks.settle()
+    @property
+    def forwards(self) -> int:
+        """Forwards begun so far: the number `settle` takes."""
+        return self._forwards
+
+    def settle(self, upto: int | None = None) -> None:
+        """Read what the device checked in the forwards up to number `upto` (None: all), waiting for it
+        where it has not finished; raises the check's named error (which broke the runtime) if one
+        failed. Call it before using those forwards' results, where the host has waited for the device
+        anyway (on CPU nothing is left to read: every check is read where it is computed)."""
+        self.checks.settle(upto)
 
     # --- counters and lifetime ---------------------------------------------------------------------
 
@@ -361,6 +370,10 @@ class KVPPRuntime:
         self._closed = True
         if self._forward is not None:
             self._forward.abandon()
+        try:
+            self.checks.settle()  # a failure of the last forwards is reported, not dropped
+        except Exception:  # noqa: BLE001 - it broke the runtime, which is closing; Health logged it
+            pass
 
     def __enter__(self) -> KVPPRuntime:
         return self

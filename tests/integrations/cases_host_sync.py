@@ -108,10 +108,11 @@ def test_the_runners_read_a_devices_checks_before_vllm_hands_on_the_tokens():
 
     class Runtime:
         def __init__(self, pending: int, fails: bool = False) -> None:
-            self.checks, self.settled, self.fails = [None] * pending, 0, fails
+            self.checks, self.settled, self.fails, self.forwards, self.upto = [None] * pending, 0, fails, 3, []
 
-        def settle(self) -> None:
+        def settle(self, upto=None) -> None:
             self.settled += 1
+            self.upto.append(upto)
             if self.fails:
                 raise OwnerRoutingError("an owner failed")
 
@@ -122,7 +123,8 @@ def test_the_runners_read_a_devices_checks_before_vllm_hands_on_the_tokens():
     async_output = types.SimpleNamespace(get_output=lambda: "tokens")
     assert settled(types.SimpleNamespace(runtime=runtime), async_output) is async_output
     assert runtime.settled == 0  # nothing read before vLLM asks for the tokens
-    assert async_output.get_output() == "tokens" and runtime.settled == 1
+    runtime.forwards = 4  # the next step's forward began meanwhile: its checks are not this step's
+    assert async_output.get_output() == "tokens" and runtime.settled == 1 and runtime.upto == [3]
     runtime = Runtime(pending=0)
     assert settled(types.SimpleNamespace(runtime=runtime), output) is output and runtime.settled == 0
     failing = Runtime(pending=1, fails=True)

@@ -457,3 +457,31 @@ def test_a_layers_exchange_does_not_queue_behind_the_next_layers_broadcast(own_g
         assert not groups[0] & groups[1] and queued == [], (log, finish)
     else:
         assert groups[0] == groups[1] and queued, (log, finish)
+
+
+def late_disagreement_ranks(rank: int, world: int, late: bool):
+    """Ranks that disagree on a forward's load, in a forward that moves nothing. Checked late (a device's
+    order) the disagreement is raised when the forward ends and breaks every rank; checked early (CPU) it
+    is raised at the first op and the runtime stays usable."""
+    api = LateChecks("cpu") if late else DeviceAPI("cpu")
+    rt = owner_runtime(world, attention=attention_shape(world), device_api=api,
+                       agreement_group=fresh_group(world, 20.0))
+    out = {}
+    try:
+        with rt.forward(False, mode="broadcast", load=StepLoad(3 + rank, 10)):
+            run_layers(rt)
+            out["body"] = "finished"
+    except E.BlockSetMismatchError as exc:
+        out["error"] = str(exc)
+    out.setdefault("body", "raised")
+    out["broken"] = rt.broken is not None
+    return out
+
+
+@pytest.mark.parametrize("late", [True, False], ids=["checked-at-the-end", "checked-before-the-first-op"])
+def test_a_disagreement_is_named_on_every_rank_wherever_it_is_checked(late):
+    for out in launch(late_disagreement_ranks, 2, late, timeout_s=120):
+        assert "query tokens" in out["error"], out
+        assert out["broken"] is late, out
+        assert out["body"] == ("finished" if late else "raised"), out
+        assert ("runtime is broken" in out["error"]) is late, out

@@ -117,14 +117,18 @@ class MetaDeviceAPI(DeviceAPI):
         return torch.empty(ids.shape, dtype=torch.int64, device="meta")
 
     def read_later(self, value: torch.Tensor) -> DeferredRead:
-        """A meta value has no bytes: the stand-in reads as a check that passed (ids arrived: True;
-        an owner's status: 0)."""
+        """A meta value has no bytes: the stand-in reads as the flag of checks that passed (0)."""
         assert value.device.type == "meta"
-        passed = torch.ones((), dtype=value.dtype) if value.dtype == torch.bool else torch.zeros((), dtype=value.dtype)
-        return DeferredRead(passed, _DoneEvent())
+        return DeferredRead(torch.zeros((), dtype=value.dtype), _DoneEvent())
 
     def broadcast(self, tensor, src, group):
         return _DoneWork()
+
+    def all_reduce_max(self, tensor, group):
+        """The checks' flag (on meta) moves nothing; the agreement (a host tensor, its host group) runs."""
+        if tensor.device.type == "meta":
+            return _DoneWork()
+        return super().all_reduce_max(tensor, group)
 
     def gather(self, tensor, gather_list, dst, group):
         return _DoneWork()

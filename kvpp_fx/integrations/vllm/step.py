@@ -76,21 +76,24 @@ def packs(state: EngineState, metadata) -> bool:
 
 def settled(state: EngineState, output: Any) -> Any:
     """`output` of the runner's ``sample_tokens``, once the runtime has read what the device checked in the
-    step's forwards (`KVPPRuntime.settle`): a step whose broadcast paired wrongly, or whose owner failed,
-    raises its named error before vLLM hands its tokens on. vLLM waits for the device here anyway (its
-    sampled tokens' copy to the host); an asynchronous output (async scheduling) is settled after its own
-    wait, in ``get_output``. On CPU every check was read in the forward and nothing is left."""
+    step's forwards (`KVPPRuntime.settle`, up to this step's last forward): a step whose broadcast paired
+    wrongly on any rank, or whose owner failed, raises its named error before vLLM hands its tokens on.
+    vLLM waits for the device here anyway (its sampled tokens' copy to the host). An asynchronous output
+    (async scheduling) is settled after vLLM's own wait in ``get_output``, which vLLM calls on the rank
+    that hands the tokens on, in its output thread; each forward's flag holds every rank's checks. On
+    CPU every check was read in the forward and nothing is left."""
     runtime = state.runtime
     if runtime is None or not len(runtime.checks):
         return output
+    upto = runtime.forwards
     get_output = getattr(output, "get_output", None)
     if not callable(get_output):
-        runtime.settle()
+        runtime.settle(upto)
         return output
 
     def get_settled_output() -> Any:
         result = get_output()
-        runtime.settle()
+        runtime.settle(upto)
         return result
 
     output.get_output = get_settled_output
