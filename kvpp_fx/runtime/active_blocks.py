@@ -13,7 +13,7 @@ persistent cache into the front of its own slot for the layer, the ids at the en
 region (`pack`); one broadcast per component carries them, the ids with the first; every receiver
 receives into the same place of its own slot and compares the ids with its own (`arrived`); nothing is
 scattered. The comparison catches a broadcast that paired with another forward's: on CPU after each
-layer (`layer_arrived`), on a device in one value per forward (`arrived`), read later (`PendingChecks`).
+layer (`layer_arrived`), on a device in one flag per forward (`arrived`), read later (`PendingChecks`).
 
 Attention on a non-owner reads the slot through remapped tables (`remap`): a block table's entries
 become positions (negative entries stay, an unlisted block becomes S, which no slot holds, so a read of
