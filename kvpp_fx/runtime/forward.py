@@ -77,9 +77,9 @@ class Forward:
         self.active: PackedBlocks | None = None
         self.exchange: OwnerExchange | None = None
         # the agreement, issued in begin: checked before the first collective where a collective of another
-        # size would abort the process (gloo), else when the forward ends (a device: no host wait in between)
+        # size would abort the process (gloo: `immediate_checks`), else when the forward ends (a device: no
+        # host wait in between)
         self._agreement: PendingAgreement | None = None
-        self._late_agreement: PendingAgreement | None = None
         self._broadcasts = False  # each prefetch issues a broadcast (`begin`)
         self._checks_exchanges = False  # each layer's owner rows must have been exchanged (`begin`)
         self.issued = 0  # broadcasts started
@@ -126,11 +126,7 @@ class Forward:
             self.active = PackedBlocks.prepare(path.blocks if path.has_history else (), path.written, parts.storage,
                                                parts.api)
         if parts.agreement is not None:
-            pending = parts.agreement.issue(AgreementKey.of(path, self.active))
-            if self.immediate_checks:
-                self._agreement = pending
-            else:
-                self._late_agreement = pending
+            self._agreement = parts.agreement.issue(AgreementKey.of(path, self.active))
         rows = None
         if path.rows is not None:
             rows = {mode: path.rows.rows(mode, self.step.requests) for mode in (BROADCAST, OWNER)}
@@ -143,7 +139,7 @@ class Forward:
     def prefetch(self, layer: int, slot: int) -> None:
         timeline = self.timeline
         start = time.perf_counter_ns() if timeline is not None else 0
-        if self._agreement is not None:
+        if self._agreement is not None and self.immediate_checks:
             self._agreed()
         position = self.protocol.prefetch(layer, slot)
         if self._broadcasts:
@@ -231,10 +227,8 @@ class Forward:
 
     def _agreed(self) -> None:
         """The agreement issued in `begin` completed and every rank's key is this rank's."""
-        late = self._late_agreement is not None
-        pending = self._agreement or self._late_agreement
-        self._agreement = self._late_agreement = None
-        pending.check(late=late)
+        pending, self._agreement = self._agreement, None
+        pending.check(late=not self.immediate_checks)
 
     # --- tables, inside a layer's turn -----------------------------------------------------------------
 
@@ -263,7 +257,7 @@ class Forward:
                       compute: Callable[[list[torch.Tensor]], torch.Tensor],
                       output_like: torch.Tensor | None = None) -> torch.Tensor:
         route = self._owner_turn(layer)
-        if self._agreement is not None:
+        if self._agreement is not None and self.immediate_checks:
             self._agreed()
         if self.exchange is None:
             raise OwnerRoutingError(f"a head-separable op of layer {layer} asked for owner mode's exchange in a "
@@ -297,8 +291,8 @@ class Forward:
         that arrived, the owners' status) is left to be read later, without the host waiting
         (`PendingChecks`)."""
         try:
-            if self._agreement is not None or self._late_agreement is not None:
-                late = self._late_agreement is not None
+            if self._agreement is not None:
+                late = not self.immediate_checks
                 try:  # before anything else: a forward whose ranks disagreed says so, whatever followed
                     self._agreed()
                 except (BlockSetMismatchError, TransferFailedError) as exc:

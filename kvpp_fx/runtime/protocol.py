@@ -29,11 +29,11 @@ from kvpp_fx.schedule import LayerSchedule
 
 
 def locate(schedule: LayerSchedule, layer: int, slot: int) -> int:
-    """The layer's position in the schedule, checked against the slot the graph names."""
-    position = schedule.position_or_none(layer)
-    if position is None or slot != schedule.slot_at(position):
+    """The layer's position in the schedule, checked against the slot the graph names (one lookup)."""
+    where = schedule.places.get(layer)
+    if where is None or where[1] != slot:
         refuse(schedule, layer, slot)
-    return position
+    return where[0]
 
 
 def refuse(schedule: LayerSchedule, layer: int, slot: int) -> None:
@@ -51,11 +51,10 @@ class ProtocolState:
     """Where one forward stands: the only layer the next prefetch may name, the layer in flight, the
     last awaited layer (whose slot its attention still reads)."""
 
-    __slots__ = ("schedule", "next_position", "in_flight", "in_flight_slot", "last_awaited", "last_slot", "_where")
+    __slots__ = ("schedule", "next_position", "in_flight", "in_flight_slot", "last_awaited", "last_slot")
 
     def __init__(self, schedule: LayerSchedule) -> None:
         self.schedule = schedule
-        self._where = schedule.places  # layer -> (position, slot): one lookup per op
         self.next_position = 0
         self.in_flight: int | None = None
         self.in_flight_slot = -1
@@ -72,10 +71,7 @@ class ProtocolState:
         if self.last_awaited is not None and self.last_slot == slot:
             raise SlotBusyError(f"prefetch of layer {layer} into slot {slot}, which layer {self.last_awaited}'s "
                                 "attention is still reading.")
-        where = self._where.get(layer)
-        if where is None or where[1] != slot:
-            refuse(self.schedule, layer, slot)
-        position = where[0]
+        position = locate(self.schedule, layer, slot)
         expected = self.next_position
         if position != expected:
             targets = self.schedule.target_layers
@@ -91,10 +87,7 @@ class ProtocolState:
 
     def wait(self, layer: int, slot: int) -> int:
         """Check a wait and take the layer out of flight; returns its position."""
-        where = self._where.get(layer)
-        if where is None or where[1] != slot:
-            refuse(self.schedule, layer, slot)
-        position = where[0]
+        position = locate(self.schedule, layer, slot)
         if self.in_flight != layer:
             expected = "nothing is pending" if self.in_flight is None else f"layer {self.in_flight} is pending"
             raise WaitMismatchError(f"wait for layer {layer}, but {expected}.")
