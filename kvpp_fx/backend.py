@@ -35,8 +35,8 @@ import torch.fx
 from torch._dynamo.backends.registry import lookup_backend, register_backend
 from torch._dynamo.symbolic_convert import InstructionTranslator
 
-from kvpp_fx.config import MSG_GRAPH_MODE
-from kvpp_fx.schedule import LayerSchedule
+from kvpp_fx.schedule import MSG_GRAPH_MODE, LayerSchedule
+from kvpp_fx.passes.layers import GraphLayers
 from kvpp_fx.passes.pass_config import PassConfig
 from kvpp_fx.passes.registry import AttentionOpSpec
 from kvpp_fx.passes.render import describe_pieces
@@ -191,10 +191,13 @@ class KVPPBackend:
         self.dump_dir = Path(dump_dir) if dump_dir is not None else (Path(env_dump) if env_dump else None)
         self.records: list[CompileRecord] = []
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
+                 layers: GraphLayers | None = None) -> Callable:
+        """Dynamo's backend call. `layers`: the graph's registered ops as the caller read them already
+        (the vLLM integration, which chose the schedule by them); read by the pipeline otherwise."""
         before = gm.code  # Dynamo's graph, as captured (Dynamo's lazy codegen runs here)
         start = time.perf_counter()
-        run = self.passes.run(gm, graph_breaks=may_hold_part_of_the_model(gm))
+        run = self.passes.run(gm, graph_breaks=may_hold_part_of_the_model(gm), layers=layers)
         inserted, routing, split, timings = run.inserted, run.routing, run.split, run.timings
         record = CompileRecord(self.mode, inserted.layers, before, gm.code, timings=timings,
                                owner_routed=bool(routing and routing.routed), run_time_layer=inserted.run_time_layer)

@@ -6,8 +6,11 @@ the same slots. `LayerSchedule` is the only code that computes them, from the pl
 - the k-th target layer in execution order is at position k and uses scratch slot ``k % depth``;
 - a forward runs ``prefetch(first)``, then for each target layer ``wait(L)`` and ``prefetch(next)``
   (none after the last): `first`, `at_layer`, `steps`;
+- the forward's first prefetch is issued at the entry of the plan's first layer, unless it was issued
+  already; every other layer is in flight when execution reaches it, prefetched by the layer before:
+  `pending_at_entry`, the one first-prefetch rule;
 - a layer's attention entry (a graph whose layer is a run-time value, or an eager hook) runs the
-  first layer's prefetch before the first layer's wait: `entry`;
+  first layer's prefetch before the first layer's wait where that rule says so: `entry`;
 - draft layers are local: they have no position, no slot and no ops.
 
 The plan produces it (`KVPPPlan.schedule`); the passes and the verifier, the runtime's protocol and
@@ -16,6 +19,7 @@ nothing, so every layer of the package can.
 
 The kvpp ops are named here too (`PREFETCH`, `WAIT`, `ENTER_LAYER` in namespace `NAMESPACE`, with their
 schemas), so the graph passes match and build them without importing the runtime that implements them.
+So is the refusal of a full graph (`MSG_GRAPH_MODE`), which the backend and the vLLM integration share.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ OP_SCHEMAS = {
     ENTER_LAYER: ("enter_layer(SymInt layer, Tensor[] caches, str[] components, Tensor[]? tables=None, "
                   "str[]? table_kinds=None) -> Tensor[]"),
 }
+
+# A full graph would capture the cache ops and the schedule's collectives: `kvpp_backend(mode="full")` and
+# the vLLM integration's deployment check (a FULL cudagraph mode) refuse it with this message.
+MSG_GRAPH_MODE = "KVPP supports eager execution or PIECEWISE only."
 
 
 @dataclass(frozen=True)
@@ -63,7 +71,7 @@ class LayerSchedule:
     names: Mapping[str, int] = field(default_factory=dict)
     components: Mapping[int, frozenset[str]] = field(default_factory=dict)
     _position: Mapping[int, int] = field(init=False, repr=False, compare=False)
-    _entries: Mapping[int, tuple[ScheduleStep, ...]] = field(init=False, repr=False, compare=False)
+    _at_layers: Mapping[int, tuple[ScheduleStep, ...]] = field(init=False, repr=False, compare=False)
     places: dict[int, tuple[int, int]] = field(init=False, repr=False, compare=False)  # layer -> (position, slot)
 
     def __post_init__(self) -> None:
@@ -82,9 +90,9 @@ class LayerSchedule:
             {layer: k for k, layer in enumerate(self.target_layers)}))
         object.__setattr__(self, "places",
                            {layer: (k, self.slot_at(k)) for k, layer in enumerate(self.target_layers)})
-        # What each layer's attention entry runs, computed once: it runs once per layer and forward.
-        object.__setattr__(self, "_entries", MappingProxyType(
-            {layer: self._entry_steps(k) for k, layer in enumerate(self.target_layers)}))
+        # What each layer's wait runs, computed once: an entry reads it once per layer and forward.
+        object.__setattr__(self, "_at_layers", MappingProxyType(
+            {layer: self._at_position(k) for k, layer in enumerate(self.target_layers)}))
 
     @classmethod
     def from_plan(cls, plan: Any, names: Mapping[str, int] | None = None) -> LayerSchedule:
@@ -146,29 +154,37 @@ class LayerSchedule:
 
     def at_layer(self, layer: int) -> tuple[ScheduleStep, ...]:
         """What runs just before the layer's first cache op: its wait, then the next layer's prefetch."""
-        k = self.position(layer)
-        steps = [ScheduleStep(WAIT, layer, self.slot_at(k))]
-        if k + 1 < len(self.target_layers):
-            steps.append(ScheduleStep(PREFETCH, self.target_layers[k + 1], self.slot_at(k + 1)))
-        return tuple(steps)
-
-    def entry(self, layer: int) -> tuple[ScheduleStep, ...]:
-        """What a layer's attention entry runs when nothing else issues the forward's ops: the first
-        layer's prefetch before the first layer's, then `at_layer`."""
         try:
-            return self._entries[layer]
+            return self._at_layers[layer]
         except KeyError:
             raise KeyError(f"layer {layer} is not a target layer of this schedule.") from None
 
+    def pending_at_entry(self, layer: int, *, first_issued: bool = False) -> bool:
+        """Whether `layer`'s prefetch is already in flight when execution reaches the layer (a graph that
+        starts with it, or its attention entry): every layer but the plan's first was prefetched by the
+        layer before it (`at_layer`); the first is in flight only when the forward's first prefetch was
+        issued already (`first_issued`). Where this is False, the layer's entry issues `first()`. The one
+        first-prefetch rule: the insert pass places the first prefetch by it, the verifier starts a graph
+        with its first layer outstanding by it, and `entry` (the runtime's) follows it."""
+        return first_issued or self.position(layer) > 0
+
+    def entry(self, layer: int, *, first_issued: bool = False) -> tuple[ScheduleStep, ...]:
+        """What a layer's attention entry runs when nothing else issues the forward's ops: the plan's
+        first prefetch where `pending_at_entry` says it is not in flight, then `at_layer`."""
+        at_layer = self.at_layer(layer)
+        return at_layer if self.pending_at_entry(layer, first_issued=first_issued) else (self.first(), *at_layer)
+
     def steps(self) -> tuple[ScheduleStep, ...]:
         """The whole forward."""
-        return tuple(step for layer in self.target_layers for step in self._entries[layer])
+        return tuple(step for layer in self.target_layers for step in self.entry(layer))
 
     def run(self, runtime: Any, layer: int | None = None) -> None:
         """Issue the steps on a runtime: the whole forward, or (with `layer`) what that layer's entry runs."""
         for step in self.steps() if layer is None else self.entry(layer):
             getattr(runtime, step.kind)(step.layer, step.slot)
 
-    def _entry_steps(self, k: int) -> tuple[ScheduleStep, ...]:
-        first = (self.first(),) if k == 0 else ()
-        return first + self.at_layer(self.target_layers[k])
+    def _at_position(self, k: int) -> tuple[ScheduleStep, ...]:
+        steps = [ScheduleStep(WAIT, self.target_layers[k], self.slot_at(k))]
+        if k + 1 < len(self.target_layers):
+            steps.append(ScheduleStep(PREFETCH, self.target_layers[k + 1], self.slot_at(k + 1)))
+        return tuple(steps)

@@ -1,80 +1,87 @@
-"""The KVPP pass pipeline, as vLLM runs its own: pass objects, one manager, one uuid.
+"""The KVPP pass pipeline, as vLLM runs its own: pass objects over one config, one manager.
 
 Invariant: every compile with KVPP on (`kvpp_backend` in any mode, vLLM's mode 3) runs a `PassManager`
 over one `PassConfig`: insert, route, (piecewise) split, verify, codegen, in that order, each timed.
-A pass's ``uuid()`` hashes its source file and its configuration (vLLM's ``InductorPass.uuid``); the
-manager's hashes the config and every pass's, so two pipelines that may rewrite a graph differently
-never share a uuid. vLLM's compile cache is keyed by the pipeline's sources (`source_uuid`, which the
-plugin computes in vLLM's engine process without importing torch) and by the config it hashes anyway.
+Each pass declares what it reads (``reads``: the run's inputs, `RUN_INPUTS`, or what an earlier pass
+produces; ``reads_if_produced``: read when this pipeline produces it) and the name it produces its
+result under (``produces``); a pass is handed exactly what it declared. The manager refuses, when it is
+built, a pipeline in which a pass reads what no earlier pass produces (`PassInputError`). The graph's
+registered ops are read once per compile (`GraphLayers`): given to `run`, or read there before the
+first pass. What keys vLLM's compile caches is the pipeline's source uuid (`kvpp_fx.passes.sources`),
+computed in vLLM's engine process without torch, with vLLM's config hash, which covers the plan.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
-import inspect
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch.fx
 
 from kvpp_fx.passes.insert import InsertResult, insert_kvpp_ops
+from kvpp_fx.passes.layers import GraphLayers
 from kvpp_fx.passes.pass_config import PassConfig
 from kvpp_fx.passes.route import RouteResult, route_owner_ops
-from kvpp_fx.passes.sources import file_uuid
 from kvpp_fx.passes.split import SplitResult, split_pieces
 from kvpp_fx.passes.verify import verify_graph
+
+RUN_INPUTS = ("graph_breaks", "layers")  # what every run holds before its first pass
+
+
+class PassInputError(ValueError):
+    """A pass of a pipeline reads something that no earlier pass of the pipeline produces."""
 
 
 @dataclass
 class PassRun:
-    """What one run of the pipeline has produced so far, by pass name, and how long each pass took."""
+    """What one run of the pipeline holds: its inputs (`RUN_INPUTS`) and each pass's result, by the
+    name the pass produces it under, and how long each step took."""
 
-    graph_breaks: bool
-    results: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, Any]
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def inserted(self) -> InsertResult:
-        return self.results["insert"]
+        return self.values["inserted"]
 
     @property
     def routing(self) -> RouteResult | None:
-        return self.results.get("route")
+        return self.values.get("routing")
 
     @property
     def split(self) -> SplitResult | None:
-        return self.results.get("split")
+        return self.values.get("split")
 
 
 class KVPPPass:
-    """One pass: ``name``, a call that changes the GraphModule in place and returns its result."""
+    """One pass: ``name``, what it reads and produces, and a call that changes the GraphModule in place
+    and returns its result. A result's name stands for what the pass wrote on the graph too (the
+    insert pass's stamps are part of "inserted")."""
 
     name: str = ""
-    implementation: Callable[..., Any] | None = None  # the function whose file holds the pass's rewrite
+    reads: tuple[str, ...] = ()
+    reads_if_produced: tuple[str, ...] = ()
+    produces: str | None = None
 
-    def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, run: PassRun) -> Any:
+    def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, inputs: Mapping[str, Any]) -> Any:
         raise NotImplementedError
 
-    def configuration(self) -> str:
-        """What, beyond the shared `PassConfig`, decides what this pass does."""
-        return ""
-
-    def uuid(self) -> str:
-        source = file_uuid(Path(inspect.getsourcefile(self.implementation or type(self))))
-        return hashlib.sha256(f"{type(self).__qualname__}|{source}|{self.configuration()}".encode()).hexdigest()
+    def timings(self, result: Any) -> dict[str, float]:
+        """Timings of the pass's own steps, beside its total (``<name>_s``)."""
+        return {}
 
 
 class InsertPass(KVPPPass):
     name = "insert"
-    implementation = staticmethod(insert_kvpp_ops)
+    reads = ("graph_breaks", "layers")
+    produces = "inserted"
 
-    def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, run: PassRun) -> InsertResult:
-        return insert_kvpp_ops(gm, config, graph_breaks=run.graph_breaks)
+    def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, inputs: Mapping[str, Any]) -> InsertResult:
+        return insert_kvpp_ops(gm, config, graph_breaks=inputs["graph_breaks"], layers=inputs["layers"])
 
 
 class RoutePass(KVPPPass):
@@ -83,43 +90,49 @@ class RoutePass(KVPPPass):
     import the runtime."""
 
     name = "route"
-    implementation = staticmethod(route_owner_ops)
+    reads = ("inserted",)
+    produces = "routing"
 
     def __init__(self, routed_op: Callable[..., Any]) -> None:
         self.routed_op = routed_op
 
-    def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, run: PassRun) -> RouteResult | None:
-        return route_owner_ops(gm, config, self.routed_op) if run.inserted.changed else None
-
-    def configuration(self) -> str:
-        return f"{self.routed_op.__module__}.{self.routed_op.__qualname__}"
+    def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, inputs: Mapping[str, Any]) -> RouteResult | None:
+        return route_owner_ops(gm, config, self.routed_op) if inputs["inserted"].changed else None
 
 
 class SplitPass(KVPPPass):
-    name = "split"
-    implementation = staticmethod(split_pieces)
+    """Splits at the ops the insert pass stamped."""
 
-    def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, run: PassRun) -> SplitResult:
-        split = split_pieces(gm)
-        run.timings.update({f"split_{k}": v for k, v in split.timings.items()})
-        return split
+    name = "split"
+    reads = ("inserted",)
+    produces = "split"
+
+    def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, inputs: Mapping[str, Any]) -> SplitResult:
+        return split_pieces(gm)
+
+    def timings(self, result: SplitResult) -> dict[str, float]:
+        return {f"split_{k}": v for k, v in result.timings.items()}
 
 
 class VerifyPass(KVPPPass):
     name = "verify"
-    implementation = staticmethod(verify_graph)
+    reads = ("layers",)
+    reads_if_produced = ("split",)
 
-    def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, run: PassRun) -> None:
-        verify_graph(gm, config, run.split.pieces if run.split is not None else ())
+    def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, inputs: Mapping[str, Any]) -> None:
+        split = inputs.get("split")
+        verify_graph(gm, config, split.pieces if split is not None else (), layers=inputs["layers"])
 
 
 class CodegenPass(KVPPPass):
     """Writes ``gm.code`` once, after the passes changed the graph: what eager mode runs, and the dump."""
 
     name = "codegen"
+    reads = ("inserted",)
+    produces = "code"
 
-    def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, run: PassRun) -> str | None:
-        if not run.inserted.changed:
+    def __call__(self, gm: torch.fx.GraphModule, config: PassConfig, inputs: Mapping[str, Any]) -> str | None:
+        if not inputs["inserted"].changed:
             return None
         gm.recompile()
         return gm.code  # a lazy GraphModule writes its code on first access: part of codegen's time
@@ -140,12 +153,13 @@ def _collection_paused() -> Iterator[None]:
 
 
 class PassManager:
-    """Runs its passes in order over one config; ``uuid()`` names the whole pipeline."""
+    """Runs its passes in order over one config, each handed what it declared it reads."""
 
     def __init__(self, config: PassConfig, passes: Sequence[KVPPPass]) -> None:
         names = [p.name for p in passes]
-        if len(set(names)) != len(names) or names[:1] != ["insert"]:
-            raise ValueError(f"a KVPP pipeline starts with the insert pass and names each pass once, got {names}.")
+        if len(set(names)) != len(names):
+            raise ValueError(f"a KVPP pipeline names each pass once, got {names}.")
+        _check_inputs(passes)
         self.config = config
         self.passes = tuple(passes)
 
@@ -157,15 +171,46 @@ class PassManager:
             passes.append(SplitPass())
         return cls(config, [*passes, VerifyPass(), CodegenPass()])
 
-    def run(self, gm: torch.fx.GraphModule, *, graph_breaks: bool) -> PassRun:
-        run = PassRun(graph_breaks)
+    def run(self, gm: torch.fx.GraphModule, *, graph_breaks: bool, layers: GraphLayers | None = None) -> PassRun:
+        """Run the passes on `gm`. `layers`: the compile's reading of its registered ops, when the caller
+        read it already (the vLLM integration does, to choose the schedule); else it is read here, timed
+        as ``resolve_s``."""
+        run = PassRun({"graph_breaks": graph_breaks})
         with _collection_paused():
-            for p in self.passes:
+            if layers is None:
                 start = time.perf_counter()
-                run.results[p.name] = p(gm, self.config, run)
-                run.timings[f"{p.name}_s"] = time.perf_counter() - start
+                layers = GraphLayers.read(gm.graph, self.config.matcher, self.config.schedule.names)
+                run.timings["resolve_s"] = time.perf_counter() - start
+            run.values["layers"] = layers.for_config(self.config)
+            for p in self.passes:
+                inputs = {name: run.values[name] for name in (*p.reads, *p.reads_if_produced) if name in run.values}
+                start = time.perf_counter()
+                result = p(gm, self.config, inputs)
+                elapsed = time.perf_counter() - start
+                run.timings.update(p.timings(result))
+                run.timings[f"{p.name}_s"] = elapsed
+                if p.produces is not None:
+                    run.values[p.produces] = result
         return run
 
-    def uuid(self) -> str:
-        parts = [self.config.uuid(), *(p.uuid() for p in self.passes)]
-        return hashlib.sha256("|".join(parts).encode()).hexdigest()
+
+def _check_inputs(passes: Sequence[KVPPPass]) -> None:
+    """Each pass reads only the run's inputs and what earlier passes produce (what it reads only if
+    produced, no later pass produces either); no two passes produce one name."""
+    producers: dict[str, str] = {}
+    for p in passes:
+        if p.produces is not None and producers.setdefault(p.produces, p.name) != p.name:
+            raise PassInputError(f"passes {producers[p.produces]!r} and {p.name!r} both produce {p.produces!r}.")
+    available = set(RUN_INPUTS)
+    for p in passes:
+        for name in p.reads:
+            if name not in available:
+                later = f" (the later pass {producers[name]!r} does)" if name in producers else ""
+                raise PassInputError(f"pass {p.name!r} reads {name!r}, which no earlier pass of the pipeline "
+                                     f"{[q.name for q in passes]} produces{later}.")
+        for name in p.reads_if_produced:
+            if name in producers and name not in available:
+                raise PassInputError(f"pass {p.name!r} reads {name!r}, which the later pass {producers[name]!r} "
+                                     "produces: it would run without it.")
+        if p.produces is not None:
+            available.add(p.produces)

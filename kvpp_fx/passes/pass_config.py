@@ -2,17 +2,14 @@
 
 Invariant: a compile's passes read their configuration from one frozen `PassConfig` (the plan's
 layer schedule, the attention/cache op specs, where the first prefetch goes), never from module state,
-so equal configurations rewrite a graph alike and ``uuid()`` names that content (as vLLM names its
-passes for the compile cache). The insert pass resolves each registered op's layer once and writes
-it, with the spec it matched, as a `NodeStamp` in ``node.meta["kvpp"]``; the route and split passes
-read the stamp. The verifier does not: it matches and resolves on its own, with the same `OpMatcher`.
+so equal configurations (``==``) rewrite a graph alike. The insert pass writes each registered op's
+layer (from the compile's one reading, `kvpp_fx.passes.layers`) with the spec it matched as a
+`NodeStamp` in ``node.meta["kvpp"]``; the route and split passes read the stamp. The verifier does
+not: it matches with the same `OpMatcher` and checks the graph as it stands.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,37 +61,13 @@ class PassConfig:
             schedule = schedule.with_names(names)
         return cls(schedule, tuple(default_specs() if specs is None else specs), first_prefetch)
 
-    def uuid(self) -> str:
-        """A stable hash of the content (vLLM's ``InductorPass.hash_dict``): equal configurations have
-        equal uuids in every process; any change to the schedule, a spec or the first prefetch changes it."""
-        content = {"schedule": _plain(self.schedule), "specs": [_plain(spec) for spec in self.specs],
-                   "first_prefetch": self.first_prefetch}
-        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
-
-
-def _plain(value: Any) -> Any:
-    """`value` as JSON data with one spelling per content: dataclasses by type and init fields, mappings
-    and sets sorted."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {"type": type(value).__name__,
-                **{f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}}
-    if isinstance(value, Mapping):
-        return sorted(([_plain(k), _plain(v)] for k, v in value.items()), key=repr)
-    if isinstance(value, (set, frozenset)):
-        return sorted((_plain(v) for v in value), key=repr)
-    if isinstance(value, (tuple, list)):
-        return [_plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(f"cannot hash {type(value).__name__} {value!r} into a pass configuration's uuid.")
-
 
 @dataclass(frozen=True)
 class NodeStamp:
     """What the insert pass wrote on a node: its ``role`` ("prefetch", "wait", "enter", "view", "table"
     or "cache_op", a registered op), its layer and layer name, the slot of a kvpp op, the component of a
     view (the kind of a table), and the spec a registered op matched. In a graph whose layer is a run-time value the layer is
-    -1 (`insert.RUN_TIME_LAYER`) and the name is the graph input that carries it."""
+    -1 (`layers.RUN_TIME_LAYER`) and the name is the graph input that carries it."""
 
     role: str
     layer: int

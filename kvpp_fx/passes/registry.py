@@ -10,6 +10,7 @@ When both forms are given, the overload's spec wins, for every pass and the veri
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from typing import Any
 
 import torch
 import torch.fx
+
+from kvpp_fx.arguments import Location, Operand, locate
 
 LAYER_NAME_PATTERN = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -29,7 +32,7 @@ class LayerResolutionError(ValueError):
 class CacheOperand:
     """Which argument of the op is a cache tensor, and which component of the layer's bundle it is."""
 
-    arg: int | str | tuple[str, int]  # positional index, keyword name, or (name, index)
+    arg: Operand  # positional index, keyword name, or (name, index)
     component: str = "kv"
 
 
@@ -43,7 +46,7 @@ class TableOperand:
     token, -1 for none). ``kvpp.wait`` rebinds it with the cache operands: a rank that reads the layer
     from a packed scratch slot reads it remapped to that slot."""
 
-    arg: int | str | tuple[str, int]
+    arg: Operand
     kind: str
 
     def __post_init__(self) -> None:
@@ -56,7 +59,7 @@ class HeadOperand:
     """An operand that carries attention heads, split over the TP ranks along dimension ``dim``, and the
     step's query tokens along ``token_dim`` (owner mode checks those against the forward's load)."""
 
-    arg: int | str | tuple[str, int]
+    arg: Operand
     dim: int
     token_dim: int = 0
 
@@ -69,9 +72,9 @@ class RowOperands:
     row per request on dimension 0, and ``query_lens`` (one of them) each request's query tokens, in
     order. The output holds one row per query token on dimension 0. An operand not passed is skipped."""
 
-    token_operands: tuple[int | str | tuple[str, int], ...]
-    request_operands: tuple[int | str | tuple[str, int], ...]
-    query_lens: int | str | tuple[str, int]
+    token_operands: tuple[Operand, ...]
+    request_operands: tuple[Operand, ...]
+    query_lens: Operand
 
     def __post_init__(self) -> None:
         if self.query_lens not in self.request_operands:
@@ -139,11 +142,11 @@ class AttentionOpSpec:
     with the caches. ``remaps_itself``: the op reads its block ids from state the integration remaps
     for packed scratch slots itself (vLLM's per-layer metadata). An op with cache operands needs one of
     the two: on a rank that reads a packed slot, block ids of the pool would index the wrong blocks
-    (`insert.UnremappedTablesError`).
+    (`insert_checks.UnremappedTablesError`).
     """
 
     op: str
-    layer_arg: int | str | tuple[str, int]
+    layer_arg: Operand
     layer_kind: str = "index"
     cache_operands: tuple[CacheOperand, ...] = ()
     owner: OwnerRule | None = None  # how owner mode runs it; None: the op's layer supports broadcast mode only
@@ -199,52 +202,45 @@ class OpMatcher:
         return self.spec_for(node.target) if node.op == "call_function" else None
 
 
-def get_arg(node: torch.fx.Node, where: int | str | tuple[str, int]) -> Any:
-    """An argument by keyword name or position; ``(name, index)`` tries the keyword first."""
-    if isinstance(where, tuple):
-        name, index = where
-        if name in node.kwargs:
-            return node.kwargs[name]
-        where = index
-    if isinstance(where, str):
-        if where in node.kwargs:
-            return node.kwargs[where]
-        schema = getattr(node.target, "_schema", None)
-        if schema is None and isinstance(node.target, torch._ops.OpOverloadPacket):
-            schema = node.target.default._schema
-        if schema is not None:
-            for i, arg in enumerate(schema.arguments):
-                if arg.name == where and i < len(node.args):
-                    return node.args[i]
-        raise LayerResolutionError(f"{node.format_node()} has no argument {where!r}.")
-    if where < len(node.args):
-        return node.args[where]
-    raise LayerResolutionError(f"{node.format_node()} has no positional argument {where}.")
+def parameter_names(target: Any) -> tuple[str, ...]:
+    """The op's parameter names, in order, from its schema (the packet's: its default overload's); ()
+    for a target without one. Cached per target: every registered op of a graph asks."""
+    try:
+        return _parameter_names(target)
+    except TypeError:  # an unhashable target is never a registered op
+        return ()
 
 
-def arg_location(node: torch.fx.Node, where: int | str | tuple[str, int]) -> int | str:
-    """Where a call passes an argument: its keyword name, or its position (see `get_arg`)."""
-    get_arg(node, where)  # raises LayerResolutionError when the call does not pass it
-    if isinstance(where, tuple):
-        name, index = where
-        return name if name in node.kwargs else index
-    if isinstance(where, str) and where not in node.kwargs:
-        schema = getattr(node.target, "_schema", None) or node.target.default._schema
-        return next(i for i, a in enumerate(schema.arguments) if a.name == where)
-    return where
+@functools.cache
+def _parameter_names(target: Any) -> tuple[str, ...]:
+    schema = getattr(target, "_schema", None)
+    if schema is None and isinstance(target, torch._ops.OpOverloadPacket):
+        schema = target.default._schema
+    return tuple(argument.name for argument in schema.arguments) if schema is not None else ()
 
 
-def set_arg(node: torch.fx.Node, where: int | str | tuple[str, int], value: Any) -> None:
-    if isinstance(where, tuple):
-        name, index = where
-        where = name if name in node.kwargs else index
-    if isinstance(where, str) and where in node.kwargs:
-        node.update_kwarg(where, value)
-        return
-    if isinstance(where, str):
-        schema = getattr(node.target, "_schema", None) or node.target.default._schema
-        where = next(i for i, a in enumerate(schema.arguments) if a.name == where)
-    node.update_arg(where, value)
+def arg_location(node: torch.fx.Node, where: Operand) -> Location:
+    """Where the node's call passes an operand (`kvpp_fx.arguments.locate`): its keyword, or its position."""
+    location = locate(node.args, node.kwargs, where, parameter_names(node.target))
+    if location is None:
+        what = f"argument {where!r}" if isinstance(where, str) else \
+            f"positional argument {where[1] if isinstance(where, tuple) else where}"
+        raise LayerResolutionError(f"{node.format_node()} has no {what}.")
+    return location
+
+
+def get_arg(node: torch.fx.Node, where: Operand) -> Any:
+    """An operand of the node's call, by keyword name or position; ``(name, index)`` tries the keyword first."""
+    location = arg_location(node, where)
+    return node.kwargs[location] if isinstance(location, str) else node.args[location]
+
+
+def set_arg(node: torch.fx.Node, where: Operand, value: Any) -> None:
+    location = arg_location(node, where)
+    if isinstance(location, str):
+        node.update_kwarg(location, value)
+    else:
+        node.update_arg(location, value)
 
 
 def literal_of(value: Any) -> Any:
@@ -271,14 +267,19 @@ def layer_of(node: torch.fx.Node, spec: AttentionOpSpec,
             raise LayerResolutionError(f"{node.format_node()}: layer argument is {raw!r}, expected an int.")
         return raw, f"layers.{raw}"
     name = str(raw)
+    return index_of_name(name, name_to_index), name
+
+
+def index_of_name(name: str, name_to_index: Mapping[str, int] | Callable[[str], int] | None = None) -> int:
+    """A layer name's index: from the name table when it holds the name, else from ``layers.N``."""
     if callable(name_to_index):
-        return int(name_to_index(name)), name
+        return int(name_to_index(name))
     if name_to_index is not None and name in name_to_index:
-        return int(name_to_index[name]), name
+        return int(name_to_index[name])
     match = LAYER_NAME_PATTERN.search(name)
     if match is None:
         raise LayerResolutionError(f"cannot map layer name {name!r} to an index: give the pass a name table.")
-    return int(match.group(1)), name
+    return int(match.group(1))
 
 
 def run_time_layer_input(node: torch.fx.Node, spec: AttentionOpSpec) -> torch.fx.Node | None:

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from kvpp_fx.backend import kvpp_backend
-from kvpp_fx.passes.insert import LayerOrderError
+from kvpp_fx.passes.insert_checks import LayerOrderError
 from kvpp_fx.runtime.runtime import KVPPRuntime
 from tests.passes import toy
 from tests.support.faults import DroppedBroadcast

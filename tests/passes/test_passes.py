@@ -2,17 +2,14 @@
 
 import dataclasses
 import operator
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvpp_fx.ops import is_kvpp_op
 from kvpp_fx.runtime.graph_ops import RoutedOp
-from kvpp_fx.passes.insert import (
+from kvpp_fx.passes.insert import insert_kvpp_ops
+from kvpp_fx.passes.insert_checks import (
     CacheOperandError,
     LayerOrderError,
     NoGraphLayersError,
@@ -20,22 +17,22 @@ from kvpp_fx.passes.insert import (
     UnguardedLayerError,
     UnknownGraphLayerError,
     UnremappedTablesError,
-    insert_kvpp_ops,
-    node_value,
 )
 from kvpp_fx.schedule import LayerSchedule
-from kvpp_fx.passes.pass_config import PassConfig, cache_op_stamp, stamp_of
+from kvpp_fx.passes.pass_config import PassConfig, cache_op_stamp, node_value, stamp_of
 from kvpp_fx.passes.registry import (
     AttentionOpSpec,
     CacheOperand,
     LayerResolutionError,
     OpMatcher,
     OwnerLocal,
+    arg_location,
     default_specs,
     get_arg,
     layer_of,
     op_names,
     register_attention_op,
+    set_arg,
     unregister_attention_op,
 )
 from kvpp_fx.passes.render import describe_pieces
@@ -525,7 +522,7 @@ def test_registry_matching_and_user_specs():
         AttentionOpSpec("write_kv", 0)
 
 
-# --- one layer resolution per compile, one matcher, one configuration ----------------------------------
+# --- one matcher, one configuration, one operand addressing ------------------------------------------
 
 WRITE_KV = next(s for s in REFERENCE_SPECS if s.op == "kvpp_ref::write_kv")
 # The same op named twice: as the op, without an owner rule, and as its default overload, owner-local.
@@ -590,41 +587,6 @@ def test_pass_config_is_frozen_and_refuses_two_specs_for_one_op():
         CONFIG.specs = ()  # type: ignore[misc]
 
 
-def test_pass_config_uuid_names_its_content():
-    assert pass_config(TABLE).uuid() == pass_config(TABLE, specs=tuple(reversed(TOY_SPECS))).uuid()
-    variants = [pass_config(TABLE, specs=specs_with(WRITE_KV_AS_OP)),
-                pass_config(TABLE, first_prefetch="at_first_wait"),
-                pass_config(LayerSchedule(target_layers=(0, 1, 2, 3), depth=3, components=TABLE.components)),
-                pass_config(TABLE.with_names({"model.layers.0.self_attn.attn": 0}))]
-    uuids = [CONFIG.uuid()] + [v.uuid() for v in variants]
-    assert len(set(uuids)) == len(uuids)
-
-
-def test_each_pass_uuid_hashes_the_file_of_its_rewrite(monkeypatch):
-    """A pass's uuid covers the file that holds what it does (insert.py, route.py, ...), not the manager's:
-    the files its ``uuid()`` reads, recorded."""
-    from kvpp_fx.passes import manager
-    from kvpp_fx.passes.manager import CodegenPass, InsertPass, PassManager, RoutePass, SplitPass, VerifyPass
-
-    read: list[str] = []
-    monkeypatch.setattr(manager, "file_uuid", lambda path: read.append(Path(path).name) or path.name)
-    files = {}
-    for p in (InsertPass(), RoutePass(print), SplitPass(), VerifyPass(), CodegenPass()):
-        p.uuid()
-        files[p.name] = read.pop()
-    assert not read and files == {"insert": "insert.py", "route": "route.py", "split": "split.py",
-                                  "verify": "verify.py", "codegen": "manager.py"}, files
-    monkeypatch.undo()
-    assert PassManager.for_mode(CONFIG, "eager", print).uuid() != PassManager.for_mode(CONFIG, "piecewise", print).uuid()
-
-
-def test_pass_config_uuid_is_the_same_in_another_process():
-    script = "from tests.passes.test_passes import CONFIG; print(CONFIG.uuid())"
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300,
-                         env={**os.environ, "PYTHONHASHSEED": "12345"}, cwd=Path(__file__).resolve().parents[2])
-    assert out.stdout.split()[-1] == CONFIG.uuid()
-
-
 def test_a_pass_config_from_the_defaults_reads_them_once():
     config = PassConfig.build(TABLE)
     extra = AttentionOpSpec("toy_unregistered::attention", 1, "index", (CacheOperand(1, "kv"),))
@@ -668,3 +630,49 @@ def test_cache_operand_by_keyword():
     node = graph.call_function(torch.ops.kvpp_ref.mla_attention.default, tuple(args) + (0.5,), {"layer": 2})
     assert layer_of(node, spec)[0] == 2
     assert get_arg(node, spec.cache_operands[0].arg) is args[2]  # found through the op's schema
+
+
+@pytest.mark.parametrize("operand,args,kwargs,where", [
+    (2, ("a", "b", "c"), {}, 2),
+    (5, ("a", "b", "c"), {}, None),
+    ("cache", ("a",), {"cache": "k"}, "cache"),
+    ("cache", ("a", "b", "c"), {}, 2),  # passed positionally: found among the op's parameters
+    ("cache", ("a",), {}, None),
+    (("cache", 2), ("a", "b", "c"), {"cache": "k"}, "cache"),  # the keyword first
+    (("cache", 2), ("a", "b", "c"), {}, 2),
+    (("cache", 2), ("a",), {}, None),
+])
+def test_one_operand_addressing_for_the_passes_and_the_runtime(operand, args, kwargs, where):
+    """`kvpp_fx.arguments` (which the runtime's routed ops use on their calls) and the passes' node helpers
+    find an operand at the same place."""
+    from kvpp_fx.arguments import locate, read_arg, write_arg
+
+    parameters = ("q", "k", "cache")
+    assert locate(args, kwargs, operand, parameters) == where
+    assert read_arg(args, kwargs, operand, parameters) == (None if where is None else
+                                                           kwargs[where] if isinstance(where, str) else args[where])
+    call_args, call_kwargs = list(args), dict(kwargs)
+    if where is None and not isinstance(operand, (str, tuple)):
+        with pytest.raises(IndexError):
+            write_arg(call_args, call_kwargs, operand, "new", parameters)
+        return
+    write_arg(call_args, call_kwargs, operand, "new", parameters)
+    if where is None:  # not passed: by its keyword
+        assert call_kwargs[operand if isinstance(operand, str) else operand[0]] == "new"
+    else:
+        assert read_arg(call_args, call_kwargs, operand, parameters) == "new"
+    assert len(call_args) == len(args)
+
+
+def test_the_node_helpers_address_operands_through_the_ops_schema():
+    graph = torch.fx.Graph()
+    args = [graph.placeholder(f"a{i}") for i in range(6)]
+    node = graph.call_function(torch.ops.kvpp_ref.mla_attention.default, tuple(args) + (0.5,), {"layer": 2})
+    assert arg_location(node, "cache") == 2 and arg_location(node, ("layer", 7)) == "layer"
+    replacement = graph.placeholder("other")
+    set_arg(node, "cache", replacement)
+    assert node.args[2] is replacement and get_arg(node, ("cache", 2)) is replacement
+    with pytest.raises(LayerResolutionError, match="has no argument 'nothing'"):
+        get_arg(node, "nothing")
+    with pytest.raises(LayerResolutionError, match="has no positional argument 9"):
+        get_arg(node, ("nothing", 9))

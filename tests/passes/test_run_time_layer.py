@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from kvpp_fx.backend import kvpp_backend
-from kvpp_fx.passes.insert import RunTimeLayerGraphError, insert_kvpp_ops
+from kvpp_fx.passes.insert import insert_kvpp_ops
+from kvpp_fx.passes.insert_checks import RunTimeLayerGraphError
 from kvpp_fx.passes.verify import KVPPGraphVerificationError, verify_graph
 from kvpp_fx.reference.ops import UnboundCacheError
 from kvpp_fx.cache.cost import StepLoad
