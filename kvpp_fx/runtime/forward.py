@@ -4,9 +4,10 @@
                                  prepare it, agree on it
     prefetch(first)              issue the first layer's broadcast, return at once
     per layer: wait(L)           complete L's broadcast into its view (the compute stream waits for it)
+                                 and open L's turn (`LayerTurn`), which the next wait closes
                prefetch(next)    issue the next layer's broadcast
                tables(L)         (packed slots) the block tables and slot mappings L reads, remapped
-               owner_compute     (owner rows, in L's turn) L's routed ops run on L's owner
+               turn(L)           the open turn, on which L's routed ops act (owner rows: its exchange)
     end(error)                   complete what is in flight, then check what only the end can tell
 
 A forward is in one of three modes: broadcast (every row reads blocks broadcast into the scratch slot),
@@ -35,12 +36,12 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from kvpp_fx.cache.cost import BROADCAST, OWNER, Mode, RowChoice, StepLoad
+from kvpp_fx.cache.cost import BROADCAST, OWNER
 from kvpp_fx.runtime.active_blocks import PackedBlocks
 from kvpp_fx.runtime.agreement import AgreementKey, PendingAgreement
 from kvpp_fx.runtime.errors import (
@@ -50,11 +51,12 @@ from kvpp_fx.runtime.errors import (
     SkippedLayerError,
     TransferFailedError,
 )
-from kvpp_fx.runtime.owner_exchange import HeadRule, OwnerExchange
+from kvpp_fx.runtime.owner_exchange import OwnerExchange
 from kvpp_fx.runtime.parts import ForwardParts, LayerRoute
 from kvpp_fx.runtime.path import ChosenPath, PathFacts, Step, choose_path
-from kvpp_fx.runtime.pending import OWNER_FAILED
-from kvpp_fx.runtime.protocol import ProtocolState, locate, refuse
+from kvpp_fx.runtime.pending import check_flag
+from kvpp_fx.runtime.protocol import ProtocolState, locate, position_of, refuse
+from kvpp_fx.runtime.turn import LayerTurn
 from kvpp_fx.schedule import WAIT
 
 
@@ -62,13 +64,11 @@ class Forward:
     def __init__(self, parts: ForwardParts, step: Step, facts: PathFacts, number: int = 0) -> None:
         self.parts = parts
         self.number = number  # the runtime's count of forwards, this one included
-        self.schedule = parts.schedule
-        self.routes = parts.routes
+        self.schedule, self.routes = parts.schedule, parts.routes
         self.transport = parts.transport
         self.health = parts.health
         self.stats = parts.stats
         self.timeline = parts.timeline
-        self.overlap = parts.overlap
         self.immediate_checks = parts.api.immediate_checks
         self.protocol = ProtocolState(parts.schedule)
         self.step = step
@@ -76,9 +76,9 @@ class Forward:
         self.path: ChosenPath | None = None
         self.active: PackedBlocks | None = None
         self.exchange: OwnerExchange | None = None
-        # the agreement, issued in begin: checked before the first collective where a collective of another
-        # size would abort the process (gloo: `immediate_checks`), else when the forward ends (a device: no
-        # host wait in between)
+        # the last awaited layer's position (its turn is open), and the turn once asked for
+        self._open, self._turn = None, None
+        # issued in begin; checked before the first collective on gloo, at the end on a device (no host wait)
         self._agreement: PendingAgreement | None = None
         self._broadcasts = False  # each prefetch issues a broadcast (`begin`)
         self._checks_exchanges = False  # each layer's owner rows must have been exchanged (`begin`)
@@ -90,31 +90,11 @@ class Forward:
         self._arrived: Callable[[], None] | None = None
         self._issued_ns = 0
 
-    # the chosen path, as the runtime and the tests read it
-    @property
-    def mode(self) -> Mode:
-        return self.path.mode if self.path is not None else self.step.mode
-
-    @property
-    def owner(self) -> bool:
-        return self.path is not None and self.path.owner
-
-    @property
-    def rows(self) -> RowChoice | None:
-        return self.path.rows if self.path is not None else None
-
-    @property
-    def load(self) -> StepLoad | None:
-        return self.path.load if self.path is not None else self.step.load
-
-    @property
-    def has_history(self) -> bool:
-        return self.path.has_history if self.path is not None else self.step.has_history
-
     # --- begin: choose the path, prepare, agree ----------------------------------------------------
 
-    def begin(self) -> None:
-        """Everything this forward moves is decided, prepared and agreed on here, before any byte moves."""
+    def begin(self) -> ChosenPath:
+        """Everything this forward moves is decided, prepared and agreed on here, before any byte moves;
+        returns the path, which the forward keeps to the end."""
         path = self.path = choose_path(self.step, self.facts)
         parts = self.parts
         if path.exchanges:
@@ -133,6 +113,7 @@ class Forward:
         self.stats.begin_forward(path.has_history, path.mode, path.choice, rows)
         self._broadcasts = path.broadcasts
         self._checks_exchanges = path.rows is not None and self.exchange is not None
+        return path
 
     # --- per layer: prefetch, wait ------------------------------------------------------------------
 
@@ -145,13 +126,14 @@ class Forward:
         if self._broadcasts:
             self.issued += 1  # counted first: a failure while issuing may have left a peer's half pending
             self._issue(self.routes[position])
-            if not self.overlap:
+            if not self.parts.overlap:
                 self._complete()
         if timeline is not None:
             timeline.add(f"prefetch L{layer}", "prefetch", start, time.perf_counter_ns(), layer=layer, slot=slot,
                          communicate=self.path.has_history)
 
     def wait(self, layer: int, slot: int, routed: bool) -> torch.Tensor:
+        """Complete `layer`'s broadcast and open its turn (which the next wait closes); the view attention reads."""
         timeline = self.timeline
         start = time.perf_counter_ns() if timeline is not None else 0
         if self.exchange is not None and not routed:
@@ -168,21 +150,18 @@ class Forward:
         self._complete()
         if timeline is not None:
             timeline.add(f"wait L{layer}", "wait", start, time.perf_counter_ns(), layer=layer)
+        self._turn, self._open = None, position  # the turn itself is built when first asked for (`turn`)
         return self.routes[position].view
 
     def enter_layer(self, layer: int, routed: bool) -> bool:
-        """The schedule's entry for `layer` (`LayerSchedule.entry`), less the forward's first prefetch when a
-        graph issued it; False for a local draft layer, which has nothing to wait for."""
+        """The schedule's entry for `layer` (`LayerSchedule.entry`), whose first prefetch follows what this
+        forward issued; False for a local draft layer, which has nothing to wait for."""
         schedule, protocol = self.schedule, self.protocol
-        position = schedule.position_or_none(layer)
-        if position is None:
+        if schedule.position_or_none(layer) is None:
             if layer in schedule.draft_layers:
                 return False
             refuse(schedule, layer, -1)
-        steps = schedule.entry(layer)
-        if position == 0 and not (protocol.next_position == 0 and protocol.in_flight is None):
-            steps = steps[1:]
-        for step in steps:
+        for step in schedule.entry(layer, first_issued=protocol.next_position > 0 or protocol.in_flight is not None):
             if step.kind == WAIT:
                 self.wait(step.layer, step.slot, routed)
             else:
@@ -236,50 +215,38 @@ class Forward:
                request_rows: bool = True, unlisted_in_range: bool = False) -> list[torch.Tensor]:
         if len(tables) != len(kinds):
             raise ValueError(f"layer {layer}: {len(tables)} tables but {len(kinds)} table kinds.")
-        position = self.schedule.position_or_none(layer)
-        if position is None:
-            refuse(self.schedule, layer, -1)
-        route = self.routes[position]
-        active = self.active
-        if active is None or route.owned:
+        position, active = position_of(self.schedule, layer), self.active
+        if active is None or self.routes[position].owned:
             return tables
-        api = self.parts.api
-        owner_rows = (tuple(k for k, mode in enumerate(self.rows.modes) if mode == OWNER)
-                      if self.rows is not None and request_rows else ())
-        return [active.remap(api, table, kind, owner_rows, unlisted_in_range) for table, kind in zip(tables, kinds)]
+        paths = self.path.request_paths if request_rows else None
+        owner_rows = tuple(k for k, mode in enumerate(paths) if mode == OWNER) if paths is not None else ()
+        return [active.remap(self.parts.api, table, kind, owner_rows, unlisted_in_range)
+                for table, kind in zip(tables, kinds)]
 
     # --- owner mode, inside a layer's turn --------------------------------------------------------
 
-    def runs_owner_ops(self, layer: int) -> bool:
-        return self._owner_turn(layer).owned
+    def turn(self, layer: int) -> LayerTurn:
+        """The open turn, which must be `layer`'s (after its wait, before the next layer's)."""
+        position = self._open
+        if position is None or self.routes[position].layer != layer:
+            raise OwnerRoutingError(
+                f"a routed cache op of layer {layer} ran outside its turn (the last awaited layer is "
+                f"{self.protocol.last_awaited}); it must follow kvpp.wait of its own layer.")
+        if self._turn is None:
+            self._turn = LayerTurn(self.routes[position], self.path, self.exchange, self._agreed_before_collective)
+        return self._turn
 
-    def owner_compute(self, layer: int, rule: HeadRule, heads: Sequence[torch.Tensor],
-                      compute: Callable[[list[torch.Tensor]], torch.Tensor],
-                      output_like: torch.Tensor | None = None) -> torch.Tensor:
-        route = self._owner_turn(layer)
+    def _agreed_before_collective(self) -> None:  # where a collective of another size aborts the process
         if self._agreement is not None and self.immediate_checks:
             self._agreed()
-        if self.exchange is None:
-            raise OwnerRoutingError(f"a head-separable op of layer {layer} asked for owner mode's exchange in a "
-                                    f"{self.mode}-mode forward.")
-        return self.exchange.compute(layer, route.position, route.owned, route.src, rule, heads, compute,
-                                     output_like)
 
     def _check_exchanged(self, layer: int) -> None:
         if layer not in self.exchange.exchanged:
             raise self._failed(OwnerRoutingError(
-                f"layer {layer}'s attention ran in a forward with {self.load.query_tokens} owner rows without "
+                f"layer {layer}'s attention ran in a forward with {self.path.owner_tokens} owner rows without "
                 "exchanging them: its op read a scratch slot that does not hold those rows' blocks. The op "
-                "must send its owner rows through runtime.owner_compute (a RoutedOp, or an op declared "
+                "must send its owner rows through its turn's owner_compute (a RoutedOp, or an op declared "
                 "RoutesItself whose implementation does)."))
-
-    def _owner_turn(self, layer: int) -> LayerRoute:
-        """The layer's route, checked to be in its turn (after its wait, before the next layer's)."""
-        if not self.protocol.in_turn(layer):
-            raise OwnerRoutingError(
-                f"a routed cache op of layer {layer} ran outside its turn (the last awaited layer is "
-                f"{self.protocol.last_awaited}); it must follow kvpp.wait of its own layer.")
-        return self.routes[self.schedule.position(layer)]
 
     # --- end --------------------------------------------------------------------------------------
 
@@ -321,22 +288,20 @@ class Forward:
                 raise self._failed(SkippedLayerError(
                     f"the forward ended without awaiting layers {unawaited}; every target layer must be "
                     "awaited once per forward."))
-            if self.rows is not None and self.exchange is not None and self.routes:
+            if self._checks_exchanges and self.routes:
                 self._check_exchanged(self.routes[-1].layer)
         finally:
+            self._turn = None  # it refers back to this forward
             self.stats.end_forward()
 
     def _leave_device_checks(self) -> None:
         """What the device checked in this forward, as one flag of every rank's (its maximum over the
         group), read later (`PendingChecks`). Every rank issues the all-reduce in every forward."""
-        parts = self.parts
-        flag = torch.zeros((), dtype=torch.int32, device=parts.storage.device)
-        if self.active is not None and self.issued:
-            flag.add_(self.active.arrived.logical_not())
-        if self.exchange is not None and self.exchange.failed is not None:
-            flag.add_(self.exchange.failed.reshape(()).ne(0), alpha=OWNER_FAILED)
-        if self.exchange is not None and self.exchange.failed_here:
-            flag.fill_(OWNER_FAILED)
+        parts, exchange = self.parts, self.exchange
+        flag = check_flag(parts.storage.device,
+                          self.active.arrived.logical_not() if self.active is not None and self.issued else None,
+                          exchange.failed if exchange is not None else None,
+                          exchange is not None and exchange.failed_here)
         if self.transport is not None:
             collectives = self.transport.collectives
             try:

@@ -20,9 +20,11 @@ from typing import Any
 import torch
 
 from kvpp_fx import ops
+from kvpp_fx.arguments import Location, read_arg, write_arg
 from kvpp_fx.runtime.current import active_runtime, current_runtime
 from kvpp_fx.runtime.errors import OwnerRoutingError
 from kvpp_fx.runtime.owner_exchange import HeadRule
+from kvpp_fx.runtime.turn import LayerTurn
 from kvpp_fx.schedule import ENTER_LAYER, NAMESPACE, PREFETCH, WAIT
 
 _PASSTHROUGH: contextvars.ContextVar[bool] = contextvars.ContextVar("kvpp_passthrough", default=False)
@@ -108,10 +110,7 @@ _IMPL.impl(WAIT, _wait_impl, "CompositeExplicitAutograd")
 _IMPL.impl(ENTER_LAYER, _enter_layer_impl, "CompositeExplicitAutograd")
 
 
-
 # --- owner mode: routed cache ops ------------------------------------------------------------------
-
-ArgWhere = int | str  # a positional index or a keyword name in the node's call
 
 
 class RoutedOp:
@@ -127,7 +126,7 @@ class RoutedOp:
 
     _interned: dict[tuple, RoutedOp] = {}
 
-    def __new__(cls, op: object, layer: int, heads: tuple[tuple[ArgWhere, int], ...] = (),
+    def __new__(cls, op: object, layer: int, heads: tuple[tuple[Location, int], ...] = (),
                 output_dim: int | None = None, output_like: int = 0,
                 token_dims: tuple[int, ...] | None = None, rows: Any = None) -> RoutedOp:
         token_dims = tuple(token_dims) if token_dims is not None else (0,) * len(heads)
@@ -167,28 +166,29 @@ class RoutedOp:
         if passing_through() or _tracing_with_fake_tensors():
             return op(*args, **kwargs)
         runtime = current_runtime()
-        if runtime.hybrid:
-            return self._hybrid(runtime, args, kwargs)
-        if not runtime.owner_mode:
+        if not runtime.path.exchanges:  # every row reads the cache here
             return op(*args, **kwargs)
+        turn = runtime.turn(self.layer)
+        if turn.path.hybrid:
+            return self._hybrid(turn, args, kwargs)
         if not self.heads:
-            return op(*args, **kwargs) if runtime.runs_owner_ops(self.layer) else None
-        return self._on_owner(runtime, args, kwargs)
+            return op(*args, **kwargs) if turn.owned else None
+        return self._on_owner(turn, args, kwargs)
 
-    def _on_owner(self, runtime, args: tuple, kwargs: dict) -> torch.Tensor:
+    def _on_owner(self, turn: LayerTurn, args: tuple, kwargs: dict) -> torch.Tensor:
         """Every row of the call on the layer's owner, over every rank's heads."""
         op = self.kvpp_routed_op
-        tensors = [_read(args, kwargs, where) for where, _ in self.heads]
+        tensors = [read_arg(args, kwargs, where) for where, _ in self.heads]
 
         def compute(full: list[torch.Tensor]) -> torch.Tensor:
             call_args, call_kwargs = list(args), dict(kwargs)
             for (where, _), tensor in zip(self.heads, full):
-                _write(call_args, call_kwargs, where, tensor)
+                write_arg(call_args, call_kwargs, where, tensor)
             return op(*call_args, **call_kwargs)
 
-        return runtime.owner_compute(self.layer, self.rule, tensors, compute)
+        return turn.owner_compute(self.rule, tensors, compute)
 
-    def _hybrid(self, runtime, args: tuple, kwargs: dict) -> Any:
+    def _hybrid(self, turn: LayerTurn, args: tuple, kwargs: dict) -> Any:
         """A hybrid forward: owner-local ops run on every rank (the broadcast rows read what they write);
         a head-separable op runs its owner requests' rows on the owner and the others' here."""
         op = self.kvpp_routed_op
@@ -199,10 +199,10 @@ class RoutedOp:
                 f"{self._schema.name} of layer {self.layer} ran in a hybrid forward (requests on both paths), but "
                 "its HeadSeparable declares no RowOperands, so its call cannot be cut by request. Declare rows=, "
                 "or pass mode='broadcast' or 'owner'.")
-        paths = runtime.request_paths()
-        query_lens = _read_arg(args, kwargs, self.rows.query_lens)
+        paths = turn.path.request_paths
+        query_lens = read_arg(args, kwargs, self.rows.query_lens)
         lens = [int(n) for n in query_lens.tolist()]
-        like = _read(args, kwargs, self.heads[self.output_like][0])
+        like = read_arg(args, kwargs, self.heads[self.output_like][0])
         if len(lens) != len(paths) or sum(lens) != like.shape[0]:
             raise OwnerRoutingError(
                 f"{self._schema.name} of layer {self.layer}: the call holds {len(lens)} requests of {sum(lens)} "
@@ -216,7 +216,7 @@ class RoutedOp:
                                     dtype=torch.long, device=device)
         local_tokens = torch.tensor([t for k in local for t in range(starts[k], starts[k] + lens[k])],
                                     dtype=torch.long, device=device)
-        owner_part = self._on_owner(runtime, *self._cut(args, kwargs, owner, owner_tokens, device))
+        owner_part = self._on_owner(turn, *self._cut(args, kwargs, owner, owner_tokens, device))
         local_args, local_kwargs = self._cut(args, kwargs, local, local_tokens, device)
         local_part = op(*local_args, **local_kwargs)
         out = torch.empty_like(like)  # the op's output has the shape and strides of its head operand
@@ -230,9 +230,9 @@ class RoutedOp:
         index = torch.tensor(requests, dtype=torch.long, device=device)
         for operands, rows in ((self.rows.token_operands, tokens), (self.rows.request_operands, index)):
             for where in operands:
-                value = _read_arg(args, kwargs, where)
+                value = read_arg(args, kwargs, where)
                 if isinstance(value, torch.Tensor):
-                    _write_arg(call_args, call_kwargs, where, value.index_select(0, rows))
+                    write_arg(call_args, call_kwargs, where, value.index_select(0, rows))
         return tuple(call_args), call_kwargs
 
 
@@ -240,35 +240,3 @@ def _tracing_with_fake_tensors() -> bool:
     """A backend propagating shapes through the pieces (fake tensors) runs the op's fake kernel, as it
     does for the kvpp ops themselves; nothing is routed."""
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
-
-
-def _read(args: tuple, kwargs: dict, where: ArgWhere) -> torch.Tensor:
-    return kwargs[where] if isinstance(where, str) else args[where]
-
-
-def _write(call_args: list, call_kwargs: dict, where: ArgWhere, value: Any) -> None:
-    if isinstance(where, str):
-        call_kwargs[where] = value
-    else:
-        call_args[where] = value
-
-
-def _read_arg(args: tuple, kwargs: dict, where: Any) -> Any:
-    """A declared operand (an index, a name, or ``(name, index)``) of this call; None when not passed."""
-    name, index = (where if isinstance(where, tuple) else
-                   (where, None) if isinstance(where, str) else (None, where))
-    if name is not None and name in kwargs:
-        return kwargs[name]
-    if index is not None and index < len(args):
-        return args[index]
-    return None
-
-
-def _write_arg(call_args: list, call_kwargs: dict, where: Any, value: Any) -> None:
-    name, index = (where if isinstance(where, tuple) else
-                   (where, None) if isinstance(where, str) else (None, where))
-    if name is not None and (name in call_kwargs or index is None or index >= len(call_args)):
-        call_kwargs[name] = value
-    else:
-        call_args[index] = value
-

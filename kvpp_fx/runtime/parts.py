@@ -1,19 +1,33 @@
 """What every forward of a runtime works with: each target layer's route, and the runtime's parts.
 
-Both are built once per runtime (`KVPPRuntime.__init__`) and handed to each `Forward`, which reads
+Both are built once per runtime (`ForwardParts.assemble`) and handed to each `Forward`, which reads
 nothing else of the runtime.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from kvpp_fx.runtime.active_blocks import Shape
 from kvpp_fx.schedule import LayerSchedule
+from kvpp_fx.topology import group_timeout
+
+from kvpp_fx.runtime.agreement import Agreement
+from kvpp_fx.runtime.pending import PendingChecks
+from kvpp_fx.runtime.stats import TransferStats
+
+if TYPE_CHECKING:
+    from kvpp_fx.cache.allocate import CacheStorage
+    from kvpp_fx.cache.cost import AttentionShape
+    from kvpp_fx.runtime.device import DeviceAPI
+    from kvpp_fx.runtime.health import Health
+    from kvpp_fx.runtime.timeline import Timeline
+    from kvpp_fx.runtime.transport import BroadcastTransport
 
 
 @dataclass(frozen=True)
@@ -39,19 +53,66 @@ class ForwardParts:
 
     schedule: LayerSchedule
     routes: tuple[LayerRoute, ...]
-    storage: Any  # CacheStorage
-    api: Any  # DeviceAPI
-    transport: Any  # BroadcastTransport, None for a group of one
-    agreement: Any  # Agreement, None for a group of one
-    health: Any  # Health
-    stats: Any  # TransferStats
-    timeline: Any  # Timeline or None
+    storage: CacheStorage
+    api: DeviceAPI
+    transport: BroadcastTransport | None  # None for a group of one
+    agreement: Agreement | None  # None for a group of one
+    health: Health
+    stats: TransferStats
+    timeline: Timeline | None
     overlap: bool
-    group: Any
+    group: dist.ProcessGroup | None
     group_size: int
-    attention: Any  # AttentionShape or None
-    exchange_group: Any  # owner mode's gathers and scatters: the same ranks as `group`, its own communicator
-    checks: Any  # PendingChecks: a device's checks of earlier forwards, read later
+    attention: AttentionShape | None
+    exchange_group: dist.ProcessGroup | None  # owner mode's gathers and scatters: `group`'s ranks, its own communicator
+    checks: PendingChecks  # a device's checks of earlier forwards, read later
+
+    @classmethod
+    def assemble(cls, plan: Any, storage: CacheStorage, group: Any, rank: int, api: DeviceAPI, health: Health,
+                 transport: BroadcastTransport | None, timeline: Timeline | None, overlap: bool, agreement_group: Any,
+                 attention: AttentionShape | None, exchange_group: Any) -> ForwardParts:
+        """A runtime's parts: each target layer's route, the agreement (on `agreement_group` when given,
+        host-side), the counters and the pending checks."""
+        routes = tuple(layer_route(plan, storage, group, rank, layer, k) for k, layer in enumerate(plan.target_layers))
+        agreement = None
+        if transport is not None:
+            agreement = Agreement(api, transport.collectives, agreement_group if agreement_group is not None else group,
+                                  agreement_group is not None, storage.device)
+        return cls(plan.schedule(), routes, storage, api, transport, agreement, health,
+                   TransferStats(plan.target_layers), timeline, overlap, group, plan.group_size, attention,
+                   exchange_group if exchange_group is not None else group, PendingChecks(health))
+
+
+def group_rank(plan: Any, storage: CacheStorage, group: Any, **others: Any) -> int:
+    """This rank's index in the KVPP `group` (0 without one), checked against the plan, the storage and the
+    `others` groups (by name), which must hold the same ranks."""
+    if group is None:
+        if plan.group_size != 1:
+            raise ValueError(f"a KVPP group of size {plan.group_size} needs a process group.")
+        rank = 0
+    else:
+        if dist.get_world_size(group) != plan.group_size:
+            raise ValueError(f"the process group has {dist.get_world_size(group)} ranks, the plan {plan.group_size}.")
+        rank = dist.get_rank(group)
+    if storage.rank != rank or storage.plan is not plan:
+        raise ValueError(f"storage was allocated for rank {storage.rank} of another plan, this is rank {rank}.")
+    for name, other in others.items():
+        if other is not None and (sorted(dist.get_process_group_ranks(other))
+                                  != sorted(dist.get_process_group_ranks(group))):
+            raise ValueError(f"the {name} group's ranks {dist.get_process_group_ranks(other)} differ from the "
+                             f"KVPP group's {dist.get_process_group_ranks(group)}.")
+    return rank
+
+
+def collective_timeout(timeout: timedelta | float | None, group: Any, device: torch.device) -> timedelta:
+    """What bounds every collective: `timeout` (seconds or a timedelta), by default the group's own."""
+    if timeout is None:
+        return group_timeout(group, device)
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}.")
+    return timeout
 
 
 def layer_route(plan: Any, storage: Any, group: Any, rank: int, layer: int, position: int) -> LayerRoute:

@@ -114,6 +114,21 @@ class ChosenPath:
         """Each prefetch issues a broadcast."""
         return self.has_history and not self.owner
 
+    @property
+    def hybrid(self) -> bool:
+        """The requests take both paths."""
+        return self.mode == HYBRID
+
+    @property
+    def owner_tokens(self) -> int:
+        """The query tokens gathered to each layer's owner (0: none)."""
+        return self.load.query_tokens if self.exchanges else 0
+
+    @property
+    def request_paths(self) -> tuple[str, ...] | None:
+        """Each named request's path ("broadcast" or "owner"); None when the step named none."""
+        return self.rows.modes if self.rows is not None else None
+
 
 def choose_path(step: Step, facts: PathFacts) -> ChosenPath:
     mode, has_history, blocks, written, load = step.mode, step.has_history and not facts.alone, step.blocks, \

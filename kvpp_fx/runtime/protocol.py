@@ -36,6 +36,14 @@ def locate(schedule: LayerSchedule, layer: int, slot: int) -> int:
     return where[0]
 
 
+def position_of(schedule: LayerSchedule, layer: int) -> int:
+    """The target layer's position in the schedule; `UnknownLayerError` for any other layer."""
+    position = schedule.position_or_none(layer)
+    if position is None:
+        refuse(schedule, layer, -1)
+    return position
+
+
 def refuse(schedule: LayerSchedule, layer: int, slot: int) -> None:
     """Raise the error for a layer that is not a target, or a slot that is not the layer's."""
     position = schedule.position_or_none(layer)

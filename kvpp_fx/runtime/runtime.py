@@ -10,12 +10,10 @@ owner-local ops (the writes) on the owner only. ``mode="auto"`` picks per forwar
 and owner mode only for layers known to be routed (`note_routing`); with ``requests=`` each request
 takes its own path, and a forward with both is hybrid (`request_paths`, `owner_tokens`).
 
-The runtime is a facade over its parts, each in its own module: `Forward` (one forward, its methods in
-the order of the work) and its path choice (`path.choose_path`), `ProtocolState` (the order of the ops),
-`Agreement` (one all-reduce per forward), `PackedBlocks` (the blocks a step's broadcast rows touch, and
-the remapped tables), `OwnerExchange` (owner mode's gather, compute and scatter), `BroadcastTransport`
-(the transfer stream), `Health` (broken state) and `DeviceAPI` (streams, events, collectives; the
-tests' faults subclass it).
+The runtime is a facade over its parts, one module each (docs/design.md, "The runtime"): `Forward` (one
+forward, its methods in the order of the work) hands each layer's ops a `LayerTurn`; the path choice,
+the protocol, the agreement, the packed blocks, the owner exchange, the transport, `Health` and the
+`DeviceAPI` (the tests' faults subclass it) are its parts.
 
 Invariants:
 - Every rank issues its collectives from the forward's thread in plan order, interleaved with its
@@ -28,18 +26,15 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from kvpp_fx.cache.allocate import CacheStorage
-from kvpp_fx.cache.cost import BROADCAST, HYBRID, AttentionShape, LinkModel, RequestRows, StepLoad
+from kvpp_fx.cache.cost import BROADCAST, AttentionShape, LinkModel, RequestRows, StepLoad
 from kvpp_fx.cache.placement import DEFAULT_CROSSOVER_FRACTION, KVPPPlan
-from kvpp_fx.runtime.agreement import Agreement
 from kvpp_fx.runtime.collectives import Collectives
 from kvpp_fx.runtime.current import CURRENT, active_runtime, current_runtime
 from kvpp_fx.runtime.device import DeviceAPI
@@ -50,17 +45,13 @@ from kvpp_fx.runtime.errors import (
     UnsupportedPlanError,
 )
 from kvpp_fx.runtime.forward import Forward
-from kvpp_fx.runtime.parts import ForwardParts, Routing, layer_route
-from kvpp_fx.runtime.path import PathFacts, step_of
-from kvpp_fx.runtime.pending import PendingChecks
+from kvpp_fx.runtime.parts import ForwardParts, Routing, collective_timeout, group_rank
+from kvpp_fx.runtime.path import ChosenPath, PathFacts, step_of
 from kvpp_fx.runtime.health import Health
 from kvpp_fx.runtime.owner_exchange import HeadRule
-from kvpp_fx.runtime.stats import TransferStats
 from kvpp_fx.runtime.timeline import Timeline
 from kvpp_fx.runtime.transport import BroadcastTransport
-from kvpp_fx.topology import group_timeout
-
-logger = logging.getLogger(__name__)
+from kvpp_fx.runtime.turn import LayerTurn
 
 __all__ = ["KVPPRuntime", "active_runtime", "current_runtime"]
 
@@ -81,23 +72,15 @@ class KVPPRuntime:
         self.crossover = crossover
         self.attention = attention
         self.link = link or LinkModel()
-        self.schedule = plan.schedule()
-        self.routes = tuple(layer_route(plan, storage, group, rank, layer, k)
-                            for k, layer in enumerate(plan.target_layers))
         self.health = health
-        self.agreement = None
-        if transport is not None:
-            self.agreement = Agreement(device_api, transport.collectives,
-                                       agreement_group if agreement_group is not None else group,
-                                       agreement_group is not None, storage.device)
-        self.counters = TransferStats(plan.target_layers)
-        self.checks = PendingChecks(health)
-        self.parts = ForwardParts(self.schedule, self.routes, storage, device_api, transport, self.agreement, health,
-                                  self.counters, timeline, overlap, group, plan.group_size, attention,
-                                  exchange_group if exchange_group is not None else group, self.checks)
+        self.parts = ForwardParts.assemble(plan, storage, group, rank, device_api, health, transport, timeline, overlap,
+                                           agreement_group, attention, exchange_group)
+        self.schedule, self.routes, self.agreement = self.parts.schedule, self.parts.routes, self.parts.agreement
+        self.counters, self.checks = self.parts.stats, self.parts.checks
         self._forwards = 0
         self._routing = Routing(plan.target_layers)  # what the engine reported for each layer's compiled graph
         self._forward: Forward | None = None
+        self._path: ChosenPath | None = None  # the open forward's
         self._closed = False
 
     @classmethod
@@ -128,34 +111,13 @@ class KVPPRuntime:
             raise UnsupportedPlanError(
                 "shard_draft_layers=True is a planning what-if only: draft layers stay local on every "
                 "rank at runtime. Build the plan with shard_draft_layers=False.")
-        if group is None:
-            if plan.group_size != 1:
-                raise ValueError(f"a KVPP group of size {plan.group_size} needs a process group.")
-            rank = 0
-        else:
-            if dist.get_world_size(group) != plan.group_size:
-                raise ValueError(f"the process group has {dist.get_world_size(group)} ranks, "
-                                 f"the plan {plan.group_size}.")
-            rank = dist.get_rank(group)
-        if storage.rank != rank or storage.plan is not plan:
-            raise ValueError(f"storage was allocated for rank {storage.rank} of another plan, "
-                             f"this is rank {rank}.")
+        rank = group_rank(plan, storage, group, agreement=agreement_group, exchange=exchange_group)
         api = device_api if device_api is not None else DeviceAPI(storage.device)
         health = Health(rank)
         transport = None
         if group is not None and plan.enabled:
-            if timeout is None:
-                timeout = group_timeout(group, storage.device)
-            elif not isinstance(timeout, timedelta):
-                timeout = timedelta(seconds=float(timeout))
-            if timeout.total_seconds() <= 0:
-                raise ValueError(f"timeout must be positive, got {timeout}.")
+            timeout = collective_timeout(timeout, group, storage.device)
             transport = BroadcastTransport(group, api, plan.depth, Collectives(api, timeout, health))
-        for name, other in (("agreement", agreement_group), ("exchange", exchange_group)):
-            if other is not None and (sorted(dist.get_process_group_ranks(other))
-                                      != sorted(dist.get_process_group_ranks(group))):
-                raise ValueError(f"the {name} group's ranks {dist.get_process_group_ranks(other)} differ from the "
-                                 f"KVPP group's {dist.get_process_group_ranks(group)}.")
         if attention is not None and plan.enabled:
             attention.split(plan.group_size)  # owner mode needs the heads to split evenly
         return cls(plan, storage, group, rank, api, health, transport, timeline, overlap, crossover, agreement_group,
@@ -196,34 +158,34 @@ class KVPPRuntime:
         return self.health.cause
 
     @property
+    def path(self) -> ChosenPath | None:
+        """The current forward's path (its mode, each request's path, what it packs), or None outside one."""
+        return self._path
+
+    @property
     def owner_mode(self) -> bool:
         """True inside a forward that runs in owner mode (every row's attention on the owner)."""
-        forward = self._forward
-        return forward is not None and forward.owner
+        return self._path is not None and self._path.owner
 
     @property
     def packed(self) -> bool:
         """True inside a forward that packs blocks into the scratch slots: a non-owner's attention must
         read them through `tables`."""
-        forward = self._forward
-        return forward is not None and forward.active is not None
+        return self._path is not None and self._path.pack
 
     @property
     def hybrid(self) -> bool:
         """True inside a forward whose requests take both paths."""
-        forward = self._forward
-        return forward is not None and forward.mode == HYBRID
+        return self._path is not None and self._path.hybrid
 
     @property
     def owner_tokens(self) -> int:
         """The query tokens the current forward gathers to each layer's owner (0: none, or no forward)."""
-        forward = self._forward
-        return forward.load.query_tokens if forward is not None and forward.exchange is not None else 0
+        return self._path.owner_tokens if self._path is not None else 0
 
     def request_paths(self) -> tuple[str, ...] | None:
         """Inside a forward given ``requests=``: each request's path ("broadcast" or "owner")."""
-        forward = self._forward
-        return forward.rows.modes if forward is not None and forward.rows is not None else None
+        return self._path.request_paths if self._path is not None else None
 
     def owns(self, layer: int) -> bool:
         return self.plan.owners[layer] == self.rank
@@ -262,20 +224,20 @@ class KVPPRuntime:
         forward = Forward(self.parts, step_of(has_history, blocks, written, mode, load, requests), facts,
                           self._forwards)
         try:
-            forward.begin()
+            path = forward.begin()
         except BaseException as exc:
             forward.end(exc)  # an agreement it issued completes; nothing else was issued
             raise
-        self._forward = forward
+        self._forward, self._path = forward, path
         token = CURRENT.set(self)
         try:
             yield self
         except BaseException as exc:
-            self._forward = None
+            self._forward = self._path = None
             forward.end(exc)
             raise
         else:
-            self._forward = None
+            self._forward = self._path = None
             forward.end(None)
         finally:
             CURRENT.reset(token)
@@ -294,7 +256,13 @@ class KVPPRuntime:
         self._current().prefetch(layer, slot)
 
     def wait(self, layer: int, slot: int, *, routed: bool = False) -> torch.Tensor:
+        """Complete `layer`'s broadcast; the view its attention reads. It opens the layer's turn (`turn`)."""
         return self._current().wait(layer, slot, routed)
+
+    def turn(self, layer: int) -> LayerTurn:
+        """`layer`'s turn, open from its wait until the next layer's (`OwnerRoutingError` outside it): what a
+        routed op or an attention hook of the layer acts on."""
+        return self._current().turn(layer)
 
     def tables(self, layer: int, tables: Sequence[torch.Tensor], kinds: Sequence[str], *,
                request_rows: bool = True, unlisted_in_range: bool = False) -> list[torch.Tensor]:
@@ -319,16 +287,13 @@ class KVPPRuntime:
 
     def runs_owner_ops(self, layer: int) -> bool:
         """In owner mode: whether this rank runs `layer`'s owner-local ops (it owns the layer)."""
-        return self._current().runs_owner_ops(layer)
+        return self.turn(layer).owned
 
     def owner_compute(self, layer: int, rule: HeadRule, heads: Sequence[torch.Tensor],
                       compute: Callable[[list[torch.Tensor]], torch.Tensor],
                       output_like: torch.Tensor | None = None) -> torch.Tensor:
-        """Run a head-separable op of `layer` on its owner over every rank's heads; return this rank's
-        part (`OwnerExchange`). ``rule`` is the op's declaration (its head operands' dimensions, token
-        dimensions, output dimension and output-like operand); ``heads`` are this rank's head operands;
-        ``output_like`` a tensor shaped as this rank's part of the output, when no head operand is."""
-        return self._current().owner_compute(layer, rule, heads, compute, output_like)
+        """`LayerTurn.owner_compute` of `layer`'s turn."""
+        return self.turn(layer).owner_compute(rule, heads, compute, output_like)
 
     @property
     def forwards(self) -> int:
