@@ -31,7 +31,8 @@ from _common import write_result
 from kvpp_fx.cache.allocate import allocate_cache
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
-from kvpp_fx.plan_report import build_plan, format_bytes, parse_bytes
+from kvpp_fx.cli.byte_sizes import format_bytes, parse_bytes
+from kvpp_fx.cli.plan_report import build_plan
 from kvpp_fx.reference.config import PRESETS
 
 REFERENCE_MAX_MODEL_LEN, REFERENCE_BUDGET = 8192, 512

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from _common import summary, write_result
 
 from kvpp_fx.launch import run_ranks
-from kvpp_fx.plan_report import format_bytes, parse_bytes
+from kvpp_fx.cli.byte_sizes import format_bytes, parse_bytes
 from kvpp_fx.reference.config import PRESETS
 from kvpp_fx.reference.engine import EngineConfig, build_engine
 from kvpp_fx.reference.model import TPInfo

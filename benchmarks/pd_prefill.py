@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import tests.integrations.triton_interpreter  # noqa: E402, F401  (before vLLM: V2's Triton kernels, interpreted)
-from kvpp_fx.plan_report import parse_bytes  # noqa: E402
+from kvpp_fx.cli.byte_sizes import parse_bytes  # noqa: E402
 from tests.integrations.tiny_model import make_tiny_deepseek  # noqa: E402
 
 

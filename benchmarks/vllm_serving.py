@@ -35,7 +35,7 @@ from _common import write_result
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvpp_fx.plan_report import parse_bytes  # noqa: E402
+from kvpp_fx.cli.byte_sizes import parse_bytes  # noqa: E402
 from tests.integrations.tiny_model import make_tiny_deepseek  # noqa: E402
 
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from kvpp_fx.cli import main
-from kvpp_fx.plan_report import parse_bytes
+from kvpp_fx.cli.byte_sizes import parse_bytes
 
 
 def run_cli(*args):
@@ -285,7 +285,7 @@ def test_demo_refuses_bad_options_before_starting_ranks(capsys, flag, value, wan
 
 
 def test_the_least_kv_memory_holds_one_block_and_one_byte_less_none():
-    from kvpp_fx.plan_report import KVMemoryTooSmallError, build_plan, min_kv_memory, plan_report
+    from kvpp_fx.cli.plan_report import KVMemoryTooSmallError, build_plan, min_kv_memory, plan_report
 
     plan = build_plan("deepseek-v3", tp=8)
     least = min_kv_memory(plan)

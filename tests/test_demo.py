@@ -47,7 +47,7 @@ def test_demo_json_report(tmp_path):
 def test_demo_under_torchrun_in_owner_mode(tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "kvpp_fx.demo", "--preset", "tiny",
+    out = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "kvpp_fx.cli.demo", "--preset", "tiny",
                           "--kv-memory", "16MiB", "--json", "--trace", str(tmp_path / "trace.json"),
                           "--dump-dir", str(tmp_path / "graphs"), "--kvpp-mode", "owner"],
                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
@@ -56,7 +56,7 @@ def test_demo_under_torchrun_in_owner_mode(tmp_path):
 
 
 def test_report_marks_differing_tokens_and_the_demo_fails(monkeypatch, capsys):
-    from kvpp_fx import demo
+    from kvpp_fx.cli import demo
 
     def rank_result(rank, on_tokens):
         run = {"outputs": on_tokens, "num_blocks": 10, "kv_memory": 1 << 20, "decode_step_s": [0.01], "steps": [],

@@ -122,7 +122,7 @@ def capture_worker(rank: int, world: int, device_type: str) -> dict[str, Any]:
 
 
 def _captured_steps(device: torch.device, hooked: bool) -> dict[str, Any]:
-    from kvpp_fx.config import KVPPConfig
+    from kvpp_fx.integrations.vllm.config import KVPPConfig
     from kvpp_fx.integrations.vllm import attention
     from kvpp_fx.integrations.vllm.state import EngineState
     from kvpp_fx.runtime.graph_ops import passthrough

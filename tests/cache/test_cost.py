@@ -8,7 +8,7 @@ import pytest
 from kvpp_fx.cache.cost import (BROADCAST, OWNER, AttentionShape, LinkModel, StepLoad, broadcast_seconds,
                                 choose_mode, owner_seconds)
 from kvpp_fx.cache.spec import PRESETS, AttentionGeometryError, attention_shape_from_hf_config
-from kvpp_fx.plan_report import step_load
+from kvpp_fx.cli.step_cost import step_load
 
 # DeepSeek-V3 absorbed MLA: 128 heads, q = 512 + 64 values, out = 512 values, bf16.
 V3 = AttentionShape(num_heads=128, q_width=576, out_width=512, itemsize=2)

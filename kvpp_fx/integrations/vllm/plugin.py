@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from kvpp_fx.config import Deployment, KVPPConfig
+from kvpp_fx.integrations.vllm.config import Deployment, KVPPConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,8 @@
-"""``kvpp-fx``: the command-line entry points (plan, graph, demo)."""
+"""``kvpp-fx``: the command-line entry points (plan, graph, demo).
+
+The package is the command line: `main` and its parser live here, the commands' helpers beside it
+(`plan_report`, `step_cost`, `plan_table`, `byte_sizes`, `demo`, `argtypes`). Importing it stays cheap (no
+torch): each command imports what it needs when it runs."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from kvpp_fx.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
+from kvpp_fx.cli.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 from kvpp_fx.cache.placement import DEFAULT_DEPTH, MIN_DEPTH
 from kvpp_fx.cache.spec import KV_DTYPES, QUERY_DTYPES, UnknownModelError
 
@@ -42,8 +46,11 @@ _STEP_OPTIONS = ("batch_tokens", "requests", "link_latency_us", "attention_tflop
 def _cmd_plan(args: argparse.Namespace) -> int:
     from kvpp_fx.cache.cost import LinkModel
     from kvpp_fx.cache.spec import attention_shape_from_hf_config, load_hf_config
-    from kvpp_fx.plan_report import (DEFAULT_TOKEN_BUDGET, build_plan, exchange_reserve, format_plan_table,
-                                     owner_cost, parse_bytes, plan_report, transfer_cost, vllm_whole_layer_steps)
+    from kvpp_fx.cli.byte_sizes import parse_bytes
+    from kvpp_fx.cli.plan_report import (DEFAULT_TOKEN_BUDGET, build_plan, exchange_reserve, plan_report,
+                                         vllm_whole_layer_steps)
+    from kvpp_fx.cli.plan_table import format_plan_table
+    from kvpp_fx.cli.step_cost import owner_cost, transfer_cost
 
     if args.context_tokens is None:
         given = [f"--{name.replace('_', '-')}" for name in _STEP_OPTIONS if getattr(args, name) is not None]
@@ -180,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     graph.add_argument("--dump-dir", default=None, help="also write the dump files here")
     graph.set_defaults(func=_cmd_graph)
 
-    from kvpp_fx.demo import add_arguments, run_demo
+    from kvpp_fx.cli.demo import add_arguments, run_demo
 
     demo = sub.add_parser("demo", help="run the reference model on N CPU ranks with KVPP off and on")
     add_arguments(demo)
@@ -196,6 +203,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvpp-fx: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

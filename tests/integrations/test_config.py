@@ -2,8 +2,8 @@ import types
 
 import pytest
 
-from kvpp_fx import config as C
-from kvpp_fx.config import MSG_VLLM_CONNECTOR, Deployment, KVPPConfig
+from kvpp_fx.integrations.vllm import config as C
+from kvpp_fx.integrations.vllm.config import MSG_VLLM_CONNECTOR, Deployment, KVPPConfig
 
 
 @pytest.mark.parametrize("raw", [True, "True", "true", "yes", "on", 1, "1"])

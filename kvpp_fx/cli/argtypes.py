@@ -1,4 +1,4 @@
-"""argparse value types of the command-line entry points (`kvpp_fx.cli`, `kvpp_fx.demo`).
+"""argparse value types of the command-line entry points (`kvpp_fx.cli`, `kvpp_fx.cli.demo`).
 
 A leaf module: it imports nothing from kvpp_fx, so both entry points take their types from here without
 importing each other.

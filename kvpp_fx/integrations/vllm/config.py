@@ -1,4 +1,4 @@
-"""KVPP configuration and deployment validation.
+"""KVPP configuration and deployment validation, as the vLLM plugin applies them.
 
 `KVPPConfig` is read from vLLM-style ``additional_config`` (``{"enable_kvpp": true}``). The KVPP group
 is the TP x PCP group of a pipeline stage; a group of size 1 means KVPP is off.
@@ -18,7 +18,10 @@ from typing import Any
 
 import pydantic
 
-from kvpp_fx.cache.cost import KVPP_MODES, Mode  # with the cost model that chooses: the runtime imports it
+# Defined with the cost model that chooses between them (the runtime imports it): import them from there.
+from kvpp_fx.cache.cost import KVPP_MODES, Mode
+# Shared with the core's backend, which refuses mode="full" with it.
+from kvpp_fx.schedule import MSG_GRAPH_MODE
 
 # vllm-ascend's KVPP-aware PD connector: the only one that knows which rank owns a layer.
 SUPPORTED_CONNECTOR = "MooncakeConnectorV2"
@@ -69,7 +72,6 @@ MSG_PRODUCER_ONLY = (
     "(a 'kv_both' node also loads KV the way a decode node does), or run without "
     "additional_config.enable_kvpp."
 )
-MSG_GRAPH_MODE = "KVPP supports eager execution or PIECEWISE only."
 MSG_MODEL_KIND = "KVPP currently supports only non-hybrid MLA models."
 MSG_SPEC_METHOD = (
     "KVPP currently supports speculative decoding only with method='mtp' or method='dspark'."

@@ -1,7 +1,7 @@
 """``kvpp-fx demo``: the reference model on N CPU ranks, KVPP off then on, and a short report.
 
 Launched in-process with torch's elastic launcher (``kvpp-fx demo --nproc 2``), or by torchrun:
-``torchrun --nproc-per-node 2 -m kvpp_fx.demo``. Exits 1 if KVPP changed any token.
+``torchrun --nproc-per-node 2 -m kvpp_fx.cli.demo``. Exits 1 if KVPP changed any token.
 
 ``--kvpp-mode`` picks how each step reaches the layers it does not own: ``broadcast`` (the blocks the
 step reads travel to the ranks), ``owner`` (queries go to each layer's owner and outputs come back) or
@@ -23,7 +23,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from kvpp_fx.argtypes import non_negative_int, positive_int
+from kvpp_fx.cli.argtypes import non_negative_int, positive_int
 from kvpp_fx.cache.cost import MODES as KVPP_MODES
 
 GRAPH_MODES = ("eager", "piecewise")  # the backend's; the demo always compiles
@@ -65,7 +65,7 @@ def demo_rank(options: DemoOptions) -> list[dict] | None:
     import torch
     import torch.distributed as dist
 
-    from kvpp_fx.plan_report import parse_bytes
+    from kvpp_fx.cli.byte_sizes import parse_bytes
     from kvpp_fx.reference.config import load_config
     from kvpp_fx.reference.engine import EngineConfig
     from kvpp_fx.reference.generate import rank_groups, run_engine
@@ -148,7 +148,8 @@ def build_report(results: list[dict], options: DemoOptions) -> dict[str, Any]:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    from kvpp_fx.plan_report import format_bytes, layer_ranges
+    from kvpp_fx.cli.byte_sizes import format_bytes
+    from kvpp_fx.cli.plan_report import layer_ranges
 
     mark = "✓" if report["tokens_identical"] else "✗"
     lines = [f"kvpp-fx demo: {report['preset']} on {report['ranks']} CPU ranks (gloo), {report['mode']} mode "
@@ -233,7 +234,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvpp_fx.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvpp_fx.cli.demo", description=__doc__)
     add_arguments(parser)
     return run_demo(parser.parse_args(argv))
 
