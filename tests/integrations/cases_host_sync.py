@@ -62,7 +62,7 @@ def host_sync_ranks(rank: int, world: int, api_kind: str):
             with detector:
                 out = step.run(lambda: step.batch(computed, query, rows, BLOCK), decodes)
             results[name] = {"path": out["mode"], "reads": detector.reads, "host_waits": api.host_waits,
-                             "pending": len(runtime.checks), "packed": step.state.packed_layers}
+                             "pending": len(runtime.checks), "packed": step.state.counters.packed_layers}
         except HostSyncError as exc:
             results[name] = {"error": str(exc), "reads": detector.reads}
         runtime.close()
@@ -116,17 +116,20 @@ def test_the_runners_read_a_devices_checks_before_vllm_hands_on_the_tokens():
             if self.fails:
                 raise OwnerRoutingError("an owner failed")
 
+    def engine(runtime):  # `settled` reads only the engine's runtime
+        return types.SimpleNamespace(comm=types.SimpleNamespace(runtime=runtime))
+
     output = object()
     runtime = Runtime(pending=1)
-    assert settled(types.SimpleNamespace(runtime=runtime), output) is output and runtime.settled == 1
+    assert settled(engine(runtime), output) is output and runtime.settled == 1
     runtime = Runtime(pending=1)
     async_output = types.SimpleNamespace(get_output=lambda: "tokens")
-    assert settled(types.SimpleNamespace(runtime=runtime), async_output) is async_output
+    assert settled(engine(runtime), async_output) is async_output
     assert runtime.settled == 0  # nothing read before vLLM asks for the tokens
     runtime.forwards = 4  # the next step's forward began meanwhile: its checks are not this step's
     assert async_output.get_output() == "tokens" and runtime.settled == 1 and runtime.upto == [3]
     runtime = Runtime(pending=0)
-    assert settled(types.SimpleNamespace(runtime=runtime), output) is output and runtime.settled == 0
+    assert settled(engine(runtime), output) is output and runtime.settled == 0
     failing = Runtime(pending=1, fails=True)
     with pytest.raises(OwnerRoutingError):
-        settled(types.SimpleNamespace(runtime=failing), output)
+        settled(engine(failing), output)

@@ -23,7 +23,7 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvpp_fx.cache.allocate import allocate_cache
-from kvpp_fx.config import (
+from kvpp_fx.integrations.vllm.config import (
     KVPP_CONNECTOR_MODULE,
     KVPP_VLLM_CONNECTORS,
     MSG_ADAPTIVE,
@@ -273,7 +273,7 @@ def test_v2_step_batch_from_a_real_input_batch():
 
 def test_owner_rows_are_refused_where_vllm_cannot_run_them():
     from kvpp_fx.integrations.vllm.owner_rows import OwnerRowsUnsupportedError, why_not_owner_capable
-    from kvpp_fx.integrations.vllm.state import EngineState
+    from kvpp_fx.integrations.vllm.state import AttentionChoices, EngineState
     from kvpp_fx.integrations.vllm.attention import set_mode as _set_mode
 
     assert why_not_owner_capable({"CPU_MLA"}, "mla", 1) is None
@@ -282,14 +282,15 @@ def test_owner_rows_are_refused_where_vllm_cannot_run_them():
     assert "quantizes the queries" in why_not_owner_capable({"FLASHMLA"}, "mla", 1, quantized_queries=True)
     assert "SFA" in why_not_owner_capable({"CPU_MLA"}, "sfa", 1)
     assert "prefill context parallelism" in why_not_owner_capable({"CPU_MLA"}, "mla", 2)
-    state = EngineState(KVPPConfig(enable_kvpp=True, tp=2), None, owner_blocker="the model is SFA")
+    state = EngineState(KVPPConfig(enable_kvpp=True, tp=2), None,
+                        attention=AttentionChoices(owner_blocker="the model is SFA"))
     with pytest.raises(OwnerRowsUnsupportedError, match="kvpp_mode='owner' cannot run here: the model is SFA. "
                                                         "Set kvpp_mode to 'auto'"):
         _set_mode(state, "owner")
     with pytest.raises(ValueError, match="kvpp_mode must be one of"):
         _set_mode(state, "sideways")
     _set_mode(state, "broadcast")
-    assert state.mode == "broadcast"
+    assert state.attention.mode == "broadcast"
 
 
 # --- validation with vLLM's config objects ---------------------------------------------------------------
@@ -384,16 +385,21 @@ def test_hooks_reach_vllms_worker_and_runner_classes():
 
     originals = {"v1": gpu_model_runner.allocate_kv_cache, "v2": attn_utils.allocate_kv_cache,
                  "bracket": v2_runner_module.set_forward_context}
+
+    def kvpp_methods(cls):  # what KVPP's classes define, the adapter's and the base the adapters share
+        return {name for kvpp in cls.__mro__ if kvpp.__module__.startswith("kvpp_fx.") for name in vars(kvpp)}
+
     for base in (CPUWorker, Worker):
         assert issubclass(worker.kvpp_worker_class(base), base)
     for base in (CPUModelRunner, gpu_model_runner.GPUModelRunner):
         hooked, kind = worker.kvpp_runner_class(base)
         assert issubclass(hooked, base) and kind == "V1"
-        assert {"_model_forward", "initialize_kv_cache_tensors", "load_model"} <= set(vars(hooked))
+        assert {"_model_forward", "initialize_kv_cache_tensors", "load_model"} <= kvpp_methods(hooked)
     for base in (CPUModelRunnerV2, v2_runner_module.GPUModelRunner):
         hooked, kind = worker.kvpp_runner_class(base)
         assert issubclass(hooked, base) and kind == "V2"
-        assert {"execute_model", "prepare_attn", "initialize_kv_cache", "load_model", "update_requests"} <= set(vars(hooked))
+        assert {"execute_model", "prepare_attn", "initialize_kv_cache", "load_model", "update_requests"} <= \
+            kvpp_methods(hooked)
     # vLLM's own allocator and forward context still run whenever no KVPP runner is allocating or stepping.
     assert gpu_model_runner.allocate_kv_cache is not originals["v1"]
     assert gpu_model_runner.allocate_kv_cache.__wrapped__ is originals["v1"]
@@ -436,7 +442,7 @@ def test_a_gpu_budget_keeps_the_owner_exchanges_peak_for_the_most_decode_rows_a_
     speculative tokens, within the token budget) out of the KV budget."""
     from kvpp_fx.cache.cost import AttentionShape
     from kvpp_fx.integrations.vllm.layout import budget, exchange_reserve
-    from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError
+    from kvpp_fx.integrations.vllm.state import AttentionChoices, EngineState, KVPPAllocationError
 
     shape = AttentionShape(128, 576, 512, 2)
     state = EngineState(KVPPConfig(enable_kvpp=True, tp=8), None)
@@ -446,7 +452,7 @@ def test_a_gpu_budget_keeps_the_owner_exchanges_peak_for_the_most_decode_rows_a_
     assert exchange_reserve(_engine_config(budget=1500, speculative_tokens=1), state, "cuda") == \
         shape.owner_exchange_peak_bytes(1500, 8)
     assert exchange_reserve(_engine_config(), state, "cpu") == 0  # vLLM CPU's KV space is a fixed size
-    blocked = EngineState(KVPPConfig(enable_kvpp=True, tp=8), None, owner_blocker="AMX_MLA")
+    blocked = EngineState(KVPPConfig(enable_kvpp=True, tp=8), None, attention=AttentionChoices(owner_blocker="AMX_MLA"))
     assert exchange_reserve(_engine_config(), blocked, "cuda") == 0
     runner = types.SimpleNamespace(vllm_config=_engine_config(), device=torch.device("cpu"))
     runner.device = "cuda"
@@ -509,14 +515,14 @@ def test_a_block_size_the_backend_splits_into_kernel_blocks_is_refused_before_al
 
 def test_post_allocation_self_check_catches_unbound_layers_and_block_mismatch():
     from kvpp_fx.integrations.vllm.allocation import self_check
-    from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError
+    from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError, Layout
 
     specs = {attn(i): mla() for i in range(3)}
     config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=mla())])
-    state = EngineState(ON, None, vplan=plan_from_specs(specs, 2, 3), budget_blocks=8)
+    state = EngineState(ON, None, layout=Layout(vplan=plan_from_specs(specs, 2, 3), budget_blocks=8))
     storage = allocate_cache(state.plan, 0, 8)
-    state.runtime = types.SimpleNamespace(storage=storage)  # the check reads only the storage
+    state.comm.runtime = types.SimpleNamespace(storage=storage)  # the check reads only the storage
     layers = {name: types.SimpleNamespace(kv_cache=storage.typed_views(i)["kv"]) for i, name in enumerate(specs)}
     runner = types.SimpleNamespace(compilation_config=types.SimpleNamespace(static_forward_context=layers),
                                    get_kv_cache_spec=lambda: specs)
@@ -526,9 +532,9 @@ def test_post_allocation_self_check_catches_unbound_layers_and_block_mismatch():
         self_check(runner, state, config)
     layers[attn(1)].kv_cache = storage.typed_views(1)["kv"]
     # vLLM gives every worker the smallest count any worker's budget holds (pipeline stages differ).
-    state.budget_blocks = 9
+    state.layout.budget_blocks = 9
     self_check(runner, state, config)
-    state.budget_blocks = 7
+    state.layout.budget_blocks = 7
     with pytest.raises(KVPPAllocationError, match="vLLM planned 8 blocks, the KVPP budget holds 7"):
         self_check(runner, state, config)
 
@@ -594,7 +600,7 @@ def test_mode_3_lowers_an_unchosen_full_and_piecewise_and_adds_the_kvpp_splittin
 def test_full_cudagraphs_that_cannot_be_lowered_are_refused(mode, asked):
     from vllm.config import CUDAGraphMode
 
-    from kvpp_fx.config import MSG_GRAPH_MODE
+    from kvpp_fx.integrations.vllm.config import MSG_GRAPH_MODE
     from kvpp_fx.integrations.vllm.compile_modes import MSG_DERIVED_FULL, Requested, configure_compilation
 
     config = _compiled_config(mode=3, cudagraph_mode=CUDAGraphMode[mode])
@@ -661,7 +667,7 @@ def test_models_that_default_to_breakable_graphs_resolve_to_piecewise_on_vllms_d
 def test_without_piecewise_graphs_a_full_mode_is_refused_saying_to_set_none(mode, breakable_env):
     from vllm.config import CUDAGraphMode
 
-    from kvpp_fx.config import MSG_GRAPH_MODE
+    from kvpp_fx.integrations.vllm.config import MSG_GRAPH_MODE
     from kvpp_fx.integrations.vllm.compile_modes import MSG_NO_PIECEWISE_MODE, Requested, configure_compilation
 
     config = _resolved_by_vllm(mode=mode, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
@@ -816,13 +822,13 @@ class StandInCapture:
 
 def _breakable_model(runtime, num_layers):
     from kvpp_fx.integrations.vllm import attention
-    from kvpp_fx.integrations.vllm.state import EngineState
+    from kvpp_fx.integrations.vllm.state import Communication, EngineState
 
     class Attention(torch.nn.Module):
         def forward(self, x):
             return x + 1
 
-    state = EngineState(ON, None, runtime=runtime)
+    state = EngineState(ON, None, comm=Communication(runtime=runtime))
     layers = []
     for i in range(num_layers):
         module = Attention()
@@ -857,7 +863,7 @@ def test_under_breakable_cuda_graphs_the_waits_rerun_on_every_replay():
             BreakableCUDAGraphCapture._tls.active = None
         assert len(capture.segments) == 4
         for _ in range(3):  # three replayed steps: each awaits every layer, in plan order
-            state.awaited.clear()
+            state.step.awaited.clear()
             with runtime.forward(has_history=False):
                 capture.replay()
         assert runtime.stats()["forwards"] == 3
@@ -871,7 +877,7 @@ def test_under_breakable_cuda_graphs_the_waits_rerun_on_every_replay():
         finally:
             BreakableCUDAGraphCapture._tls.active = None
         assert plain.segments == []
-        state.awaited.clear()
+        state.step.awaited.clear()
         with pytest.raises(SkippedLayerError), runtime.forward(has_history=False):
             plain.replay()
 
@@ -966,7 +972,7 @@ def test_a_device_api_that_does_not_load_leaves_the_engine_its_runtime():
     import raises, and the engine keeps its open runtime and its device API (a closed one would fail every
     later step). The control: a factory that loads replaces the runtime and closes the old one."""
     from kvpp_fx.integrations.vllm import allocation
-    from kvpp_fx.integrations.vllm.state import EngineState
+    from kvpp_fx.integrations.vllm.state import Communication, EngineState, Layout
     from kvpp_fx.runtime.runtime import KVPPRuntime
     from tests.passes import toy
 
@@ -974,14 +980,15 @@ def test_a_device_api_that_does_not_load_leaves_the_engine_its_runtime():
     hf = types.SimpleNamespace(num_attention_heads=4, kv_lora_rank=8, qk_rope_head_dim=4)
     vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_text_config=hf, dtype=torch.float32))
     runtime = KVPPRuntime.create(plan, toy.allocate(plan))
-    state = EngineState(ON, vllm_config, runtime=runtime, vplan=types.SimpleNamespace(plan=plan))
+    state = EngineState(ON, vllm_config, comm=Communication(runtime=runtime),
+                        layout=Layout(vplan=types.SimpleNamespace(plan=plan)))
     with pytest.raises(ModuleNotFoundError):
         allocation.set_device_api(state, "tests.support.no_such_module:api")
-    assert state.runtime is runtime and not runtime._closed and state.device_api_factory is None
+    assert state.comm.runtime is runtime and not runtime._closed and state.comm.device_api_factory is None
     allocation.set_device_api(state, "tests.support.faults:UnremappedTables")
-    assert state.runtime is not runtime and runtime._closed and not state.runtime._closed
-    assert state.device_api_factory == "tests.support.faults:UnremappedTables"
-    state.runtime.close()
+    assert state.comm.runtime is not runtime and runtime._closed and not state.comm.runtime._closed
+    assert state.comm.device_api_factory == "tests.support.faults:UnremappedTables"
+    state.comm.runtime.close()
 
 
 # --- owner calls on the GPU MLA kernels ------------------------------------------------------------------
@@ -1073,7 +1080,7 @@ def test_flashmla_owner_calls_share_one_fresh_scheduling_metadata_per_step():
     from vllm.v1.attention.backends.mla.flashmla import FlashMLADecodeMetadata
     from vllm.v1.attention.ops.flashmla import FlashMLASchedMeta
 
-    from kvpp_fx.config import KVPPConfig
+    from kvpp_fx.integrations.vllm.config import KVPPConfig
     from kvpp_fx.integrations.vllm.state import EngineState
 
     @dataclasses.dataclass
@@ -1089,14 +1096,15 @@ def test_flashmla_owner_calls_share_one_fresh_scheduling_metadata_per_step():
 
     state = EngineState(KVPPConfig(enable_kvpp=True, tp=2), vllm_config=None)
     first = step_metadata()
-    owner = state.owner_metadata("FLASHMLA", first)
+    owner = state.step.owner_metadata("FLASHMLA", first)
     assert isinstance(owner.decode.scheduler_metadata, FlashMLASchedMeta)
     assert owner.decode.scheduler_metadata is not first.decode.scheduler_metadata
     assert owner.decode.block_table is first.decode.block_table and owner.num_decodes == 2
-    assert state.owner_metadata("FLASHMLA", first) is owner  # every owner call of the step
-    state.owner_calls.clear()  # the next step (`step.step_forward`)
+    assert state.step.owner_metadata("FLASHMLA", first) is owner  # every owner call of the step
+    state.step.owner_calls.clear()  # the next step (`step.step_forward`)
     second = step_metadata()
-    assert state.owner_metadata("FLASHMLA", second).decode.scheduler_metadata is not owner.decode.scheduler_metadata
+    assert (state.step.owner_metadata("FLASHMLA", second).decode.scheduler_metadata
+            is not owner.decode.scheduler_metadata)
 
 
 def flashmla_interface():
@@ -1141,7 +1149,7 @@ def test_flashmla_owner_calls_pass_flashmlas_own_scheduling_and_head_count_check
     from vllm.v1.attention.backends.mla import flashmla as backend
     from vllm.v1.attention.backends.mla.flashmla import FlashMLADecodeMetadata, FlashMLAImpl
 
-    from kvpp_fx.config import KVPPConfig
+    from kvpp_fx.integrations.vllm.config import KVPPConfig
     from kvpp_fx.integrations.vllm.backends import owner_call
     from kvpp_fx.integrations.vllm.state import EngineState
 
@@ -1171,12 +1179,12 @@ def test_flashmla_owner_calls_pass_flashmlas_own_scheduling_and_head_count_check
 
     state = EngineState(KVPPConfig(enable_kvpp=True, tp=group), vllm_config=None)
     for _ in range(2):  # two steps
-        state.owner_calls.clear()
+        state.step.owner_calls.clear()
         metadata = step_metadata()
         own = forward_mqa(torch.zeros(2, heads, 576, dtype=torch.bfloat16), metadata)
         for _layer in range(2):  # the owner calls of two owned layers
             out = owner_call("FLASHMLA", forward_mqa, torch.zeros(2, heads * group, 576, dtype=torch.bfloat16),
-                             state.owner_metadata("FLASHMLA", metadata), heads)
+                             state.step.owner_metadata("FLASHMLA", metadata), heads)
         assert own.shape == (2, heads, 512) and out.shape == (2, heads * group, 512)
     assert calls == [heads, heads * group, heads * group] * 2
     # The control: the owner call given the step's own metadata, planned for the rank's heads.
@@ -1337,14 +1345,15 @@ def test_a_kvpp_connector_runs_only_on_a_producer(role, message):
 
 def test_a_layer_is_exposed_by_its_owner_and_a_draft_layer_by_the_first_rank():
     from kvpp_fx.integrations.vllm import connectors
-    from kvpp_fx.integrations.vllm.state import EngineState
+    from kvpp_fx.integrations.vllm.state import Communication, EngineState, Layout
 
     specs = {attn(i): mla() for i in range(5)}  # 4 target layers and a draft layer (index 4)
     vplan = plan_from_specs(specs, 2, 4)
     exposed = {}
     for rank in (0, 1):
         # The connector reads only the rank of the engine's runtime.
-        state = EngineState(ON, None, vplan=vplan, runtime=types.SimpleNamespace(rank=rank))
+        state = EngineState(ON, None, layout=Layout(vplan=vplan),
+                            comm=Communication(runtime=types.SimpleNamespace(rank=rank)))
         with state.active():
             exposed[rank] = [i for i in range(5) if connectors.kept_here("ExampleConnector", attn(i))]
             with pytest.raises(connectors.KVPPConnectorError, match="plan does not hold"):

@@ -24,8 +24,9 @@ import pytest
 
 import torch
 
-from kvpp_fx.config import (KVPP_CONNECTOR_MODULE, MSG_DCP, MSG_DECODE_NODE, MSG_GRAPH_MODE, MSG_NOT_KVPP_CONNECTOR,
-                            MSG_PRODUCER_ONLY, MSG_SPEC_METHOD, MSG_SPEC_TOKENS, MSG_VLLM_CONNECTOR)
+from kvpp_fx.integrations.vllm.config import (KVPP_CONNECTOR_MODULE, MSG_DCP, MSG_DECODE_NODE, MSG_GRAPH_MODE,
+                                              MSG_NOT_KVPP_CONNECTOR, MSG_PRODUCER_ONLY, MSG_SPEC_METHOD,
+                                              MSG_SPEC_TOKENS, MSG_VLLM_CONNECTOR)
 from kvpp_fx.integrations.vllm.compile_modes import KVPP_BACKEND, MSG_BACKEND, TORCH_BACKENDS, compile_digest
 from tests.integrations import triton_mla_on_cpu
 from tests.integrations.tiny_model import NUM_LAYERS, make_tiny_deepseek

@@ -283,12 +283,12 @@ def zero_blocks_probe(worker, block_ids: list[int]) -> dict:
 
     runner = worker.model_runner
     state = runner._kvpp
-    storage, plan, rank = state.runtime.storage, state.plan, state.runtime.rank
+    storage, plan, rank = state.comm.runtime.storage, state.plan, state.comm.runtime.rank
     views = {index: storage.typed_views(index)["kv"] for index in sorted(set(state.vplan.layer_index.values()))}
     marked = torch.as_tensor(block_ids)
     for index, view in views.items():
         view[marked if plan.is_local(index, rank) else torch.arange(min(len(block_ids), view.shape[0]))] = 1
-    vllm_runner = type(runner).__mro__[1]
+    vllm_runner = next(cls for cls in type(runner).__mro__ if cls.__module__.startswith("vllm."))
     if state.runner_kind == "V2":  # as a step with new_block_ids_to_zero runs it, once the worker built it
         runner._init_kv_zero_meta()
         runner.kv_block_zeroer.zero_block_ids(block_ids)
@@ -355,7 +355,7 @@ def v2_warm_up(worker) -> dict:
         CPUWorker.compile_or_warm_up_model, torch.accelerator.synchronize, for_sampler_warmup = saved
         SamplingParams.for_sampler_warmup = staticmethod(for_sampler_warmup)
     return {"forwards": worker_stats(worker)["forwards"] - before, "max_block_id": max(block_ids),
-            "slot_blocks": worker.model_runner._kvpp.runtime.storage.slot_blocks}
+            "slot_blocks": worker.model_runner._kvpp.comm.runtime.storage.slot_blocks}
 
 
 def vllm_num_blocks(worker) -> int:

@@ -194,17 +194,18 @@ class VllmStep:
     caller (its storage on ``meta``, its device API a `MetaDeviceAPI`)."""
 
     def __init__(self, runtime: Any, mode: str) -> None:
-        from kvpp_fx.config import Mode
+        from kvpp_fx.cache.cost import Mode
         from kvpp_fx.integrations.vllm.owner_rows import MQA_RULE
-        from kvpp_fx.integrations.vllm.state import EngineState
+        from kvpp_fx.integrations.vllm.state import AttentionChoices, Communication, EngineState, Layout
 
         plan = runtime.plan
         self.runtime = runtime
         self.rule = MQA_RULE
         self.names = {LAYER_NAME.format(layer): layer for layer in plan.target_layers}
         vplan = types.SimpleNamespace(plan=plan, layer_index=dict(self.names))
-        self.state = EngineState(config=types.SimpleNamespace(pcp=1), vllm_config=None, vplan=vplan, runtime=runtime,
-                                 metadata_layer=next(iter(self.names)), mode=Mode(mode))
+        self.state = EngineState(config=types.SimpleNamespace(pcp=1), vllm_config=None, layout=Layout(vplan=vplan),
+                                 comm=Communication(runtime=runtime),
+                                 attention=AttentionChoices(mode=Mode(mode), metadata_layer=next(iter(self.names))))
 
     def batch(self, computed: list[int], query: list[int], rows: np.ndarray, block_size: int) -> Any:
         """The `StepBatch` the V1 adapter builds from its host arrays."""

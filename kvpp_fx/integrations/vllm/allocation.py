@@ -20,10 +20,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import importlib
 import inspect
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,29 +30,25 @@ import torch
 from kvpp_fx.cache.allocate import allocate_cache
 from kvpp_fx.cache.placement import PoolTooSmallError
 from kvpp_fx.integrations.vllm import owner_rows
-from kvpp_fx.integrations.vllm.layout import plan_for
-from kvpp_fx.integrations.vllm.specs import per_layer_specs
-from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError, hook_error
+from kvpp_fx.integrations.vllm.layout import plan_allocation
+from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError, wrap_module_function
 from kvpp_fx.runtime.device import resolve_device_api
 from kvpp_fx.runtime.runtime import KVPPRuntime
 
 logger = logging.getLogger(__name__)
 
-_HOOK_MARK = "_kvpp_fx_hook"
 _ALLOCATING: contextvars.ContextVar[Any] = contextvars.ContextVar("kvpp_vllm_allocating", default=None)
 
 
 def install_allocator(module_name: str) -> None:
     """Wrap ``allocate_kv_cache`` in the vLLM module `module_name` (idempotent)."""
-    module = importlib.import_module(module_name)
-    original = getattr(module, "allocate_kv_cache", None)
-    if not callable(original):
-        raise hook_error(f"{module_name}.allocate_kv_cache", "the function does not exist.")
-    if getattr(original, _HOOK_MARK, False):
-        return
+    wrap_module_function(module_name, "allocate_kv_cache", kvpp_allocator)
+
+
+def kvpp_allocator(original: Callable) -> Callable:
+    """vLLM's ``allocate_kv_cache`` `original`, allocating KVPP's layout while a KVPP runner is `allocating`."""
     signature = inspect.signature(original)
 
-    @functools.wraps(original)
     def allocate_kv_cache(kv_cache_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
         allocate = _ALLOCATING.get()
         if allocate is None:
@@ -62,8 +57,7 @@ def install_allocator(module_name: str) -> None:
         check_kernel_blocks(kv_cache_config, given.get("kernel_block_sizes"))
         return allocate(kv_cache_config, device)
 
-    setattr(allocate_kv_cache, _HOOK_MARK, True)
-    module.allocate_kv_cache = allocate_kv_cache
+    return allocate_kv_cache
 
 
 @contextlib.contextmanager
@@ -102,24 +96,21 @@ def refuse_kv_sharing(shared_layers: Any) -> None:
 
 
 def allocate(runner: Any, state: EngineState, kv_cache_config: Any, device: Any) -> dict[str, torch.Tensor]:
-    vplan = plan_for(runner, state, per_layer_specs(kv_cache_config), state.scratch_blocks)
-    if state.vplan is not None and vplan.plan.spec != state.vplan.plan.spec:
-        raise KVPPAllocationError(f"vLLM's KV cache config {vplan.plan.spec} differs from the model's cache "
-                                  f"specs {state.vplan.plan.spec}.")
-    state.vplan = vplan
+    vplan = plan_allocation(runner, state, kv_cache_config)
     connect(state, device)
     check_layout(state, kv_cache_config.num_blocks)
-    rank = torch.distributed.get_rank(state.group)
-    if state.runtime is not None:
+    comm = state.comm
+    rank = torch.distributed.get_rank(comm.group)
+    if comm.runtime is not None:
         # An earlier allocation (V2's minimal cache for CUDA-graph memory profiling, which vLLM drops
         # before allocating the real one): its pool goes first, or both would be alive at once.
-        state.runtime.close()
-        state.runtime = None
+        comm.runtime.close()
+        comm.runtime = None
     storage = allocate_cache(vplan.plan, rank, kv_cache_config.num_blocks, device)
-    create_runtime(state, storage, state.device_api_factory)
+    create_runtime(state, storage, comm.device_api_factory)
     plan = vplan.plan
     logger.warning("KVPP: group %s, rank %d owns layers %s of %d; %d blocks; %d bytes allocated.",
-                   state.group_ranks, rank, list(plan.owned_layers(rank)), len(plan.target_layers),
+                   comm.group_ranks, rank, list(plan.owned_layers(rank)), len(plan.target_layers),
                    kv_cache_config.num_blocks, storage.allocated_bytes)
     # vLLM's per-layer cache view is [blocks, heads=1, tokens, record]; MLA layers squeeze the head.
     return {name: storage.typed_views(index)[vplan.component[name]].unsqueeze(1)
@@ -129,11 +120,12 @@ def allocate(runner: Any, state: EngineState, kv_cache_config: Any, device: Any)
 def check_layout(state: EngineState, num_blocks: int) -> None:
     """Every rank of the group chose the same slots (each chose from its own budget), and vLLM's block
     count, the smallest any worker's budget holds, still fits compact ones."""
-    layouts: list[Any] = [None] * len(state.group_ranks)
-    torch.distributed.all_gather_object(layouts, state.scratch_blocks, group=state.agreement_group)
+    comm = state.comm
+    layouts: list[Any] = [None] * len(comm.group_ranks)
+    torch.distributed.all_gather_object(layouts, state.layout.scratch_blocks, group=comm.agreement_group)
     if len(set(layouts)) != 1:
         raise KVPPAllocationError(
-            f"the ranks of KVPP group {state.group_ranks} chose different scratch slots ({layouts}: blocks per slot, "
+            f"the ranks of KVPP group {comm.group_ranks} chose different scratch slots ({layouts}: blocks per slot, "
             "None for whole layers) from different KV cache budgets; give every rank the same KV cache memory, or "
             "set additional_config.kvpp_scratch_blocks.")
     if state.plan.compact:
@@ -150,37 +142,37 @@ def create_runtime(state: EngineState, storage: Any, device_api_factory: str | N
     if device_api_factory is not None:
         device_api = resolve_device_api(device_api_factory, storage.device)
     link = owner_rows.DEFAULT_LINKS.get(storage.device.type, owner_rows.DEFAULT_LINKS["cuda"])
-    attention = owner_rows.attention_shape(state.vllm_config.model_config)
-    runtime = KVPPRuntime.create(state.plan, storage, state.group, agreement_group=state.agreement_group,
-                                 exchange_group=state.exchange_group, device_api=device_api, attention=attention,
+    attention, comm = owner_rows.attention_shape(state.vllm_config.model_config), state.comm
+    runtime = KVPPRuntime.create(state.plan, storage, comm.group, agreement_group=comm.agreement_group,
+                                 exchange_group=comm.exchange_group, device_api=device_api, attention=attention,
                                  link=link)
     # The MLA hooks exchange the decode rows of every target layer, whichever graph runs it.
-    runtime.note_routing(state.plan.target_layers, state.owner_blocker is None)
-    if state.runtime is not None:
-        state.runtime.close()
-    state.runtime, state.device_api_factory = runtime, device_api_factory
-    state.mixed_steps = state.skipped_cache_writes = state.packed_layers = 0  # counted per runtime, as its stats are
+    runtime.note_routing(state.plan.target_layers, state.attention.owner_blocker is None)
+    if comm.runtime is not None:
+        comm.runtime.close()
+    comm.runtime, comm.device_api_factory = runtime, device_api_factory
+    state.counters.note_new_runtime()
 
 
 def set_device_api(state: EngineState, factory: str | None) -> None:
     """Rebuild the runtime over the same cache with the `DeviceAPI` that `factory` names."""
-    if state.runtime is None:
+    if state.comm.runtime is None:
         raise KVPPAllocationError("kvpp_set_device_api before KVPP allocated the KV cache.")
-    create_runtime(state, state.runtime.storage, factory)
+    create_runtime(state, state.comm.runtime.storage, factory)
     logger.warning("KVPP: runtime rebuilt with device API %s.", factory or "default")
 
 
 def self_check(runner: Any, state: EngineState, kv_cache_config: Any) -> None:
     """Every cache layer is bound to its KVPP view, and vLLM plans at most the budget's blocks."""
-    if state.runtime is None:
+    if state.comm.runtime is None:
         raise KVPPAllocationError("vLLM allocated its KV cache without KVPP's allocator "
                                   "(allocate_kv_cache was not called).")
-    storage = state.runtime.storage
+    storage, budget_blocks = state.comm.runtime.storage, state.layout.budget_blocks
     # vLLM gives every worker the smallest count any worker's budget holds (pipeline stages differ), so
     # fewer blocks than this worker's budget is fine; more would not fit.
-    if state.budget_blocks is not None and kv_cache_config.num_blocks > state.budget_blocks:
+    if budget_blocks is not None and kv_cache_config.num_blocks > budget_blocks:
         raise KVPPAllocationError(
-            f"vLLM planned {kv_cache_config.num_blocks} blocks, the KVPP budget holds {state.budget_blocks} "
+            f"vLLM planned {kv_cache_config.num_blocks} blocks, the KVPP budget holds {budget_blocks} "
             "(num_gpu_blocks_override and other block-count overrides above the budget cannot be combined "
             "with KVPP).")
     context = runner.compilation_config.static_forward_context
@@ -203,17 +195,18 @@ def connect(state: EngineState, device: Any) -> None:
     collective (NCCL: per channel and peer; P2P connections per pair at the first send between them), so
     each kind the runtime issues runs once here: a broadcast, and with owner rows a gather to and a
     scatter from every rank, on the exchange group. vLLM's measurement then holds those buffers."""
-    if state.group is not None:
+    comm = state.comm
+    if comm.group is not None:
         return
     import torch.distributed as dist
 
-    state.group, state.agreement_group, state.exchange_group, state.group_ranks = kvpp_group(
-        state.config, exchanges=state.owner_blocker is None)
-    group, one = state.group, torch.zeros(1, device=device)
+    comm.group, comm.agreement_group, comm.exchange_group, comm.group_ranks = kvpp_group(
+        state.config, exchanges=state.attention.owner_blocker is None)
+    group, one = comm.group, torch.zeros(1, device=device)
     size, me = dist.get_world_size(group), dist.get_rank(group)
     dist.broadcast(one, src=dist.get_global_rank(group, 0), group=group)
-    if state.exchange_group is not None:
-        exchange = state.exchange_group
+    if comm.exchange_group is not None:
+        exchange = comm.exchange_group
         for owner in range(size):
             parts = [torch.zeros_like(one) for _ in range(size)] if owner == me else None
             dist.gather(one, parts, dst=dist.get_global_rank(exchange, owner), group=exchange)
@@ -244,9 +237,9 @@ def kvpp_group(config: Any, exchanges: bool):
 
 def persistent_views(state: EngineState) -> list[torch.Tensor]:
     """This rank's vLLM cache views that index the pool: its owned layers' and the drafts'."""
-    storage, vplan = state.runtime.storage, state.vplan
-    return [storage.typed_views(index)[vplan.component[name]] for name, index in vplan.layer_index.items()
-            if state.plan.is_local(index, state.runtime.rank)]
+    runtime, vplan = state.comm.runtime, state.vplan
+    return [runtime.storage.typed_views(index)[vplan.component[name]] for name, index in vplan.layer_index.items()
+            if state.plan.is_local(index, runtime.rank)]
 
 
 def zero_persistent_blocks(state: EngineState, block_ids: list[int]) -> None:

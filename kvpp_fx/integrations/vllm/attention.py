@@ -25,9 +25,10 @@ from typing import Any
 
 import torch
 
-from kvpp_fx.config import Mode, model_kind_of, parse_kvpp_mode
+from kvpp_fx.cache.cost import Mode
+from kvpp_fx.integrations.vllm.config import model_kind_of, parse_kvpp_mode
 from kvpp_fx.integrations.vllm import owner_rows, scratch
-from kvpp_fx.integrations.vllm.layout import plan_for
+from kvpp_fx.integrations.vllm.layout import plan_loaded_model
 from kvpp_fx.integrations.vllm.specs import INDEXER_COMPONENT
 from kvpp_fx.integrations.vllm.state import EngineState, hook_error
 from kvpp_fx.runtime.graph_ops import passing_through
@@ -40,17 +41,18 @@ logger = logging.getLogger(__name__)
 def prepare_model(runner: Any, state: EngineState) -> None:
     """After vLLM loaded the model: the plan from its cache specs, the attention hooks, and whether
     compact slots can run (an explicit ``kvpp_scratch_blocks`` that cannot is refused here)."""
-    state.vplan = plan_for(runner, state, runner.get_kv_cache_spec())
+    plan_loaded_model(runner, state)
     hooked = hook_attention(runner, state)
-    state.compact_blocker = (scratch.compact_blocker(state.vllm_config, state.owner_blocker)
-                             if state.config.size > 1 else "KVPP is off")
-    if state.config.scratch_blocks is not None and state.compact_blocker is not None:
-        raise scratch.ScratchLayoutError(scratch.refusal(state.compact_blocker))
+    choices = state.attention
+    choices.compact_blocker = (scratch.compact_blocker(state.vllm_config, choices.owner_blocker)
+                               if state.config.size > 1 else "KVPP is off")
+    if state.config.scratch_blocks is not None and choices.compact_blocker is not None:
+        raise scratch.ScratchLayoutError(scratch.refusal(choices.compact_blocker))
     plan = state.plan
     logger.warning("KVPP (model runner %s): layers %s broadcast, drafts %s local; eager waits on %d modules; decode "
                    "rows to the owner: %s; compact scratch slots: %s.", state.runner_kind, list(plan.target_layers),
-                   list(plan.local_draft_layers), hooked, state.owner_blocker or "possible",
-                   state.compact_blocker or "possible")
+                   list(plan.local_draft_layers), hooked, choices.owner_blocker or "possible",
+                   choices.compact_blocker or "possible")
 
 
 def await_layer(state: EngineState, layer: int) -> None:
@@ -59,14 +61,13 @@ def await_layer(state: EngineState, layer: int) -> None:
     (`KVPPRuntime.enter_layer`, as a graph whose layer is a run-time value runs it), routed when the MLA
     hooks exchange owner rows. Nothing in passthrough (dummy, profile and capture runs)."""
     runtime = active_runtime()
-    if runtime is None or runtime is not state.runtime:
+    if runtime is None or runtime is not state.comm.runtime:
         if not passing_through():  # a model call outside a step and outside a dummy run
             raise NoActiveForwardError(
                 f"layer {layer}'s attention ran outside its engine's KVPP forward; its cache view would "
                 "not hold the layer's bytes.")
-    elif layer not in state.awaited:
-        state.awaited.add(layer)
-        runtime.enter_layer(layer, routed=state.owner_blocker is None)
+    elif state.step.first_wait(layer):
+        runtime.enter_layer(layer, routed=state.attention.owner_blocker is None)
 
 
 def breakable_capture() -> Any:
@@ -111,7 +112,7 @@ def waiting_class(cls: type, writes: bool = False) -> type:
             return capture.add_eager(functools.partial(
                 replayed_cache_write, self, replay_ref(kv_c_normed), replay_ref(k_pe), kv_cache_dtype, k_scale))
         if owner_rows.skips_cache_write(self):
-            self._kvpp_engine.skipped_cache_writes += 1
+            self._kvpp_engine.counters.note_skipped_cache_write()
             return None
         return cls.update_kv_cache(self, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata, kv_cache_dtype,
                                    k_scale)
@@ -177,15 +178,15 @@ def hook_attention(runner: Any, state: EngineState) -> int:
     backends = {layer.get_attn_backend().get_name() for layer in mla}
     quantized = any(getattr(layer.impl, "supports_quant_query_input", False)
                     and is_quantized_kv_cache(layer.kv_cache_dtype) for layer in mla)
-    config = state.config
-    state.owner_blocker = owner_rows.why_not_owner_capable(
+    config, choices = state.config, state.attention
+    choices.owner_blocker = owner_rows.why_not_owner_capable(
         backends, model_kind_of(runner.model_config), config.pcp, quantized) if config.size > 1 else "KVPP is off"
-    if state.owner_blocker is None:
+    if choices.owner_blocker is None:
         from kvpp_fx.integrations.vllm.plugin import breakable_cudagraphs
 
-        state.owner_blocker = own_cache_writes_under_capture({type(layer) for layer in mla}, breakable_cudagraphs())
-    if state.mode == Mode.OWNER and state.owner_blocker is not None:
-        raise owner_rows.OwnerRowsUnsupportedError(owner_refusal(state.owner_blocker))
+        choices.owner_blocker = own_cache_writes_under_capture({type(layer) for layer in mla}, breakable_cudagraphs())
+    if choices.mode == Mode.OWNER and choices.owner_blocker is not None:
+        raise owner_rows.OwnerRowsUnsupportedError(owner_refusal(choices.owner_blocker))
     hooked = 0
     for name, index in vplan.layer_index.items():
         if index not in targets:
@@ -196,8 +197,8 @@ def hook_attention(runner: Any, state: EngineState) -> int:
             reader = context.get(name)
             if not isinstance(reader, MLAAttention):
                 raise hook_error(f"attention layer {name!r}", f"expected an MLAAttention, got {type(reader).__name__}.")
-            state.metadata_layer = state.metadata_layer or name
-            if state.owner_blocker is None:
+            choices.metadata_layer = choices.metadata_layer or name
+            if choices.owner_blocker is None:
                 owner_rows.hook_impl(reader, state, index)
         if reader is None:
             raise hook_error(f"cache reader of {name!r}", "no module of the model reads this cache.")
@@ -210,9 +211,9 @@ def hook_attention(runner: Any, state: EngineState) -> int:
 def set_mode(state: EngineState, mode: str) -> None:
     """The mode of the following steps ("broadcast", "owner" or "auto")."""
     mode = parse_kvpp_mode(mode)
-    if mode == Mode.OWNER and state.owner_blocker is not None:
-        raise owner_rows.OwnerRowsUnsupportedError(owner_refusal(state.owner_blocker))
-    state.mode = mode
+    if mode == Mode.OWNER and state.attention.owner_blocker is not None:
+        raise owner_rows.OwnerRowsUnsupportedError(owner_refusal(state.attention.owner_blocker))
+    state.attention.mode = mode
     logger.warning("KVPP: mode %s.", mode)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.fx
@@ -31,7 +32,8 @@ from kvpp_fx.backend import KVPPBackend
 from kvpp_fx.integrations.vllm.compile_modes import inner_backend
 from kvpp_fx.integrations.vllm.state import EngineState, current_engine
 from kvpp_fx.schedule import LayerSchedule
-from kvpp_fx.passes.registry import VLLM_SPECS, AttentionOpSpec, OpMatcher, layer_of
+from kvpp_fx.passes.layers import GraphLayers
+from kvpp_fx.passes.registry import VLLM_SPECS, AttentionOpSpec, OpMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +45,9 @@ class KVPPCompileError(RuntimeError):
 
 
 def graph_layers(gm: torch.fx.GraphModule, specs: tuple[AttentionOpSpec, ...] = VLLM_SPECS) -> dict[str, int]:
-    """Name -> index of every layer the graph's registered ops name: vLLM's MLA/SFA ops, matched as the
-    passes match them (`OpMatcher`)."""
-    match = OpMatcher(specs)
-    names = {}
-    for node in gm.graph.nodes:
-        spec = match(node)
-        if spec is not None:
-            index, name = layer_of(node, spec)
-            names[name] = index
-    return names
+    """Name -> index of every layer the graph's registered ops name: vLLM's MLA/SFA ops, matched and read
+    as the passes read them (`GraphLayers`)."""
+    return GraphLayers.read(gm.graph, OpMatcher(specs)).layer_names()
 
 
 def schedule_for(names: dict[str, int], plan: Any | None, plan_names: dict[str, int] | None = None) -> LayerSchedule:
@@ -81,14 +76,31 @@ def _engine_for_compile() -> EngineState | None:
     return state
 
 
+@dataclass(frozen=True)
+class GraphBackend:
+    """The backend for one graph, what the graph is (``kind``: "target", "draft" or "kvpp-off"), the layers
+    its ops name, and the reading of its registered ops that chose the schedule, which the backend's
+    passes take instead of reading the graph again (one layer resolution per compile)."""
+
+    backend: KVPPBackend
+    kind: str
+    layers: tuple[int, ...]
+    reading: GraphLayers
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
+        return self.backend(gm, example_inputs, layers=self.reading)
+
+
 def _backend_for(state: EngineState | None, gm: torch.fx.GraphModule, mode: str,
-                 inner: str | Callable = "eager", **options: Any) -> tuple[KVPPBackend, str, tuple[int, ...]]:
-    names = graph_layers(gm)
-    layers = tuple(sorted(set(names.values())))
+                 inner: str | Callable = "eager", **options: Any) -> GraphBackend:
     plan = None if state is None else state.plan
-    schedule = schedule_for(names, plan, dict(state.vplan.layer_index) if plan is not None else None)
+    plan_names = dict(state.vplan.layer_index) if plan is not None else None
+    reading = GraphLayers.read(gm.graph, OpMatcher(VLLM_SPECS), plan_names)
+    names = reading.layer_names()
+    schedule = schedule_for(names, plan, plan_names)
     kind = "target" if schedule.target_layers else ("draft" if state is not None else "kvpp-off")
-    return KVPPBackend(schedule, mode=mode, inner=inner, specs=VLLM_SPECS, **options), kind, layers
+    backend = KVPPBackend(schedule, mode=mode, inner=inner, specs=VLLM_SPECS, **options)
+    return GraphBackend(backend, kind, tuple(sorted(set(names.values()))), reading)
 
 
 def _inner_compiler(vllm_config: Any) -> str | Callable:
@@ -115,12 +127,12 @@ def kvpp_vllm_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]):
         inner = _inner_compiler(config) if config is not None else "inductor"
     else:
         inner = _inner_compiler(state.vllm_config)
-    backend, kind, layers = _backend_for(state, gm, "piecewise", inner)
-    logger.info("KVPP: %s graph with layers %s, kvpp ops for %s, pieces compiled by %s.", kind, list(layers),
-                list(backend.config.schedule.target_layers), backend.inner_name)
-    compiled = backend(gm, example_inputs)
+    graph = _backend_for(state, gm, "piecewise", inner)
+    logger.info("KVPP: %s graph with layers %s, kvpp ops for %s, pieces compiled by %s.", graph.kind,
+                list(graph.layers), list(graph.backend.config.schedule.target_layers), graph.backend.inner_name)
+    compiled = graph(gm, example_inputs)
     if state is not None:
-        state.compiled_graphs.append((kind, layers))
+        state.counters.note_compiled_graph(graph.kind, graph.layers)
     return _compiled_each_start(compiled)
 
 
@@ -185,18 +197,18 @@ def rewrite_whole_graph(state: EngineState, gm: torch.fx.GraphModule, example_in
     """Mode 3: the insert and route passes and the verifier on vLLM's whole Dynamo graph, in place."""
     # vLLM's generated code calls each eager piece with its inputs, and a prefetch at graph entry
     # would be a piece without any: the first layer's prefetch joins its wait's piece instead.
-    backend, kind, layers = _backend_for(state, gm, "eager", first_prefetch="at_first_wait")
-    backend(gm, example_inputs)
-    if backend.records[-1].run_time_layer:  # its kvpp.enter_layer is not among vLLM's splitting ops
+    graph = _backend_for(state, gm, "eager", first_prefetch="at_first_wait")
+    graph(gm, example_inputs)
+    if graph.backend.records[-1].run_time_layer:  # its kvpp.enter_layer is not among vLLM's splitting ops
         raise KVPPCompileError("mode 3: a graph whose cache ops take their layer index as a run-time value "
                                "cannot be split by vLLM with the kvpp ops eager; vLLM's MLA ops name their "
                                "layer, so this graph comes from an op spec with layer_kind='index'.")
     for node in gm.graph.nodes:
         if "example_value" not in node.meta and "val" in node.meta:
             node.meta["example_value"] = node.meta["val"]
-    logger.info("KVPP: %s graph with layers %s, kvpp ops for %s, split and compiled by vLLM.", kind, list(layers),
-                list(backend.config.schedule.target_layers))
-    state.compiled_graphs.append((kind, layers))
+    logger.info("KVPP: %s graph with layers %s, kvpp ops for %s, split and compiled by vLLM.", graph.kind,
+                list(graph.layers), list(graph.backend.config.schedule.target_layers))
+    state.counters.note_compiled_graph(graph.kind, graph.layers)
 
 
 def _refuse_if_kvpp_on() -> None:
@@ -205,7 +217,7 @@ def _refuse_if_kvpp_on() -> None:
         from vllm.config import get_current_vllm_config_or_none
     except ImportError:
         return
-    from kvpp_fx.config import KVPPConfig
+    from kvpp_fx.integrations.vllm.config import KVPPConfig
 
     config = get_current_vllm_config_or_none()
     if config is not None and KVPPConfig.from_vllm_config(config).enabled:

@@ -30,7 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as V
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import ReadSpec
 
-from kvpp_fx.config import KVPP_CONNECTOR_MODULE, KVPP_VLLM_CONNECTORS, MSG_NOT_KVPP_CONNECTOR, KVPPConfig
+from kvpp_fx.integrations.vllm.config import (KVPP_CONNECTOR_MODULE, KVPP_VLLM_CONNECTORS, MSG_NOT_KVPP_CONNECTOR,
+                                              KVPPConfig)
 from kvpp_fx.integrations.vllm.state import current_engine
 
 
@@ -58,14 +59,14 @@ def kept_here(connector: str, layer_name: str) -> bool:
     """Whether this KVPP rank keeps `layer_name`, read from the engine the worker is running; raises
     `KVPPConnectorError` where no engine is current or the plan does not hold the layer."""
     state = current_engine()
-    if state is None or state.runtime is None or state.vplan is None:
+    if state is None or state.comm.runtime is None or state.vplan is None:
         raise KVPPConnectorError(
             f"{connector} was asked for layer {layer_name!r} outside a KVPP step of this worker: which "
             "rank owns it is not known there.")
     if layer_name not in state.vplan.layer_index:
         raise KVPPConnectorError(f"{connector} was asked for layer {layer_name!r}, which KVPP's plan does not hold.")
     owner = state.plan.owner(state.vplan.layer_index[layer_name])
-    return state.runtime.rank == (0 if owner is None else owner)
+    return state.comm.runtime.rank == (0 if owner is None else owner)
 
 
 class ExampleConnector(KVPPConnector, VllmExampleConnector):

@@ -1,4 +1,5 @@
-"""The budget a KVPP worker gives vLLM's planner, and the scratch layout behind it.
+"""The budget a KVPP worker gives vLLM's planner, the scratch layout behind it, and the engine's plan
+(`Layout`): the loaded model's, then the budget's, then that of vLLM's KV cache config.
 
 Invariant: ``budget(...)`` returns the *logical* bytes ``plan.num_blocks(available) x the sum of
 vLLM's page sizes``, so vLLM's unchanged planner lands on the block count KVPP can hold; the layout
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from kvpp_fx.integrations.vllm import scratch
-from kvpp_fx.integrations.vllm.specs import VllmPlan, plan_from_specs
+from kvpp_fx.integrations.vllm.specs import VllmPlan, per_layer_specs, plan_from_specs
 from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,11 @@ def plan_for(runner: Any, state: EngineState, specs: dict[str, Any], scratch_blo
                            max_model_len=max_model_len)
 
 
+def plan_loaded_model(runner: Any, state: EngineState) -> None:
+    """The whole-layer plan of the loaded model's cache specs, which its attention hooks read."""
+    state.layout.vplan = plan_for(runner, state, runner.get_kv_cache_spec())
+
+
 def budget(runner: Any, state: EngineState, available: int) -> int:
     """The logical KV budget for vLLM's planner, from this worker's `available` bytes less the owner-mode
     exchange reserve; picks the layout."""
@@ -49,11 +55,12 @@ def budget(runner: Any, state: EngineState, available: int) -> int:
     available -= reserve
     vplan = choose_layout(runner, state, available)
     blocks = vplan.plan.num_blocks(available)
-    state.budget_blocks = blocks
+    state.layout.budget_blocks = blocks
     logical = blocks * vplan.logical_bytes_per_block
     logger.warning("KVPP: %d blocks per rank in %d bytes (without KVPP: %d; %s; %d bytes kept for owner-mode "
                    "exchanges); logical budget %d bytes.", blocks, available,
-                   (available + reserve) // vplan.logical_bytes_per_block, state.scratch_choice, reserve, logical)
+                   (available + reserve) // vplan.logical_bytes_per_block, state.layout.scratch_choice, reserve,
+                   logical)
     return logical
 
 
@@ -64,7 +71,7 @@ def exchange_reserve(vllm_config: Any, state: EngineState, device: Any) -> int:
     exchange, so its measurement of the memory left never saw these bytes. 0 where decode rows never go to
     the owner, and on CPU, where vLLM's KV budget is a fixed space (``VLLM_CPU_KVCACHE_SPACE``) that the
     exchanges do not draw from."""
-    if state.config.size == 1 or state.owner_blocker is not None or torch.device(device).type == "cpu":
+    if state.config.size == 1 or state.attention.owner_blocker is not None or torch.device(device).type == "cpu":
         return 0
     from kvpp_fx.cache.cost import max_decode_rows
     from kvpp_fx.integrations.vllm.owner_rows import attention_shape
@@ -78,20 +85,30 @@ def exchange_reserve(vllm_config: Any, state: EngineState, device: Any) -> int:
 
 def choose_layout(runner: Any, state: EngineState, available: int) -> VllmPlan:
     """Compact or whole-layer scratch slots for this worker's budget (`scratch.choose_plan`)."""
-    specs = runner.get_kv_cache_spec()
+    specs, layout, blocker = runner.get_kv_cache_spec(), state.layout, state.attention.compact_blocker
     whole = plan_for(runner, state, specs)
-    if state.compact_blocker is not None:
-        state.vplan, state.scratch_blocks = whole, None
-        state.scratch_choice = f"whole-layer slots: {state.compact_blocker}"
+    if blocker is not None:
+        layout.vplan, layout.scratch_blocks = whole, None
+        layout.scratch_choice = f"whole-layer slots: {blocker}"
         return whole
     slots = scratch.slot_blocks(runner.vllm_config, state.config, whole.plan.spec.block_size)
     # Each rank measures its own budget (vLLM CPU's default is what the process has left); the group
     # chooses from the smallest, so every rank chooses alike.
-    chosen, state.scratch_choice = scratch.choose_plan(plan_for(runner, state, specs, slots), whole,
-                                                       group_minimum(available),
-                                                       explicit=state.config.scratch_blocks is not None)
-    state.vplan, state.scratch_blocks = chosen, chosen.plan.scratch_blocks
+    chosen, layout.scratch_choice = scratch.choose_plan(plan_for(runner, state, specs, slots), whole,
+                                                        group_minimum(available),
+                                                        explicit=state.config.scratch_blocks is not None)
+    layout.vplan, layout.scratch_blocks = chosen, chosen.plan.scratch_blocks
     return chosen
+
+
+def plan_allocation(runner: Any, state: EngineState, kv_cache_config: Any) -> VllmPlan:
+    """The plan of vLLM's KV cache config, in the chosen slots; it must hold the model's cache specs."""
+    vplan = plan_for(runner, state, per_layer_specs(kv_cache_config), state.layout.scratch_blocks)
+    if state.vplan is not None and vplan.plan.spec != state.vplan.plan.spec:
+        raise KVPPAllocationError(f"vLLM's KV cache config {vplan.plan.spec} differs from the model's cache "
+                                  f"specs {state.vplan.plan.spec}.")
+    state.layout.vplan = vplan
+    return vplan
 
 
 def group_minimum(available: int) -> int:

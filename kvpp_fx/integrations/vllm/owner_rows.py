@@ -128,7 +128,7 @@ def owner_impl_class(cls: type) -> type:
 
     def forward_mqa(self, q: Any, kv_cache: torch.Tensor, attn_metadata: Any, layer: Any) -> Any:
         runtime = active_runtime()
-        if not decode_rows_to_owner(runtime, self._kvpp_engine.runtime):
+        if not decode_rows_to_owner(runtime, self._kvpp_engine.comm.runtime):
             return cls.forward_mqa(self, q, kv_cache, attn_metadata, layer)
         query = torch.cat(q, dim=-1) if isinstance(q, tuple) else q
         if query.element_size() == 1:
@@ -141,10 +141,10 @@ def owner_impl_class(cls: type) -> type:
         def on_owner(full: list[torch.Tensor]) -> torch.Tensor:
             before_owner_call(backend, self)
             return owner_call(backend, lambda q, metadata: cls.forward_mqa(self, q, kv_cache, metadata, layer)[0],
-                              full[0].contiguous(), self._kvpp_engine.owner_metadata(backend, attn_metadata),
+                              full[0].contiguous(), self._kvpp_engine.step.owner_metadata(backend, attn_metadata),
                               query.shape[1])
 
-        part = runtime.owner_compute(self._kvpp_layer, MQA_RULE, [query], on_owner, output_like=like)
+        part = runtime.turn(self._kvpp_layer).owner_compute(MQA_RULE, [query], on_owner, output_like=like)
         return part, None
 
     return type(f"KVPP{cls.__name__}", (cls,), {"forward_mqa": forward_mqa, "__module__": __name__})
@@ -160,6 +160,6 @@ def hook_impl(layer: Any, engine: Any, index: int) -> None:
 def skips_cache_write(layer: Any) -> bool:
     """A non-owner in a forward whose every row goes to the owner writes nothing for the layer."""
     runtime = active_runtime()
-    return (runtime is not None and runtime is layer._kvpp_engine.runtime and runtime.owner_mode
+    return (runtime is not None and runtime is layer._kvpp_engine.comm.runtime and runtime.owner_mode
             and not runtime.owns(layer._kvpp_layer))
 

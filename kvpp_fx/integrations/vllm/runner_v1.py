@@ -1,6 +1,7 @@
 """The adapter for vLLM's V1 model runner (``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` and its CPU
 subclass): where each of KVPP's runner-agnostic steps attaches. ``docs/vllm.md`` lists the hooks of both
-runners side by side.
+runners side by side; those they take alike (``load_model``, ``_dummy_run``, ``sample_tokens``,
+copy-on-write) are `runner_base.KVPPRunnerBase`'s.
 
 - ``load_model``: `attention.prepare_model`.
 - ``initialize_kv_cache_tensors``: KV-sharing layers refused; vLLM's ``allocate_kv_cache`` (as
@@ -21,22 +22,19 @@ from typing import Any
 import numpy as np
 
 from kvpp_fx.integrations.vllm import allocation
-from kvpp_fx.integrations.vllm.attention import prepare_model
 from kvpp_fx.integrations.vllm.batch import BlockRows, StepBatch
-from kvpp_fx.integrations.vllm.state import EngineState, hook_error, require_methods
-from kvpp_fx.integrations.vllm.step import settled, step_forward
-from kvpp_fx.runtime.graph_ops import passthrough
+from kvpp_fx.integrations.vllm.runner_base import KVPPRunnerBase, is_runner, prepare_hooks
+from kvpp_fx.integrations.vllm.step import step_forward
 
 KIND = "V1"
-ALLOCATOR_MODULE = "vllm.v1.worker.gpu_model_runner"
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+ALLOCATOR_MODULE = RUNNER_MODULE  # V1's runner module calls allocate_kv_cache itself
 RUNNER_HOOKS = ("load_model", "initialize_kv_cache", "initialize_kv_cache_tensors", "execute_model", "_model_forward",
                 "_dummy_run", "sample_tokens", "get_kv_cache_spec", "_update_states", "_zero_block_ids", "_init_kv_zero_meta")
 
 
 def is_v1_runner(cls: type) -> bool:
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    return issubclass(cls, GPUModelRunner)
+    return is_runner(cls, RUNNER_MODULE)
 
 
 def block_rows(block_tables: Any, num_reqs: int) -> tuple[BlockRows, ...]:
@@ -55,19 +53,9 @@ def step_batch(runner: Any) -> StepBatch:
 @functools.cache
 def kvpp_runner_v1_class(base: type) -> type:
     """KVPP's subclass of vLLM's V1 model runner class `base` (GPU or CPU)."""
-    if not is_v1_runner(base):
-        raise hook_error(f"{base.__module__}.{base.__qualname__}", "it is not vLLM's V1 GPUModelRunner or a subclass.")
-    require_methods(base, RUNNER_HOOKS)
-    allocation.install_allocator(ALLOCATOR_MODULE)
+    prepare_hooks(base, KIND, RUNNER_MODULE, RUNNER_HOOKS, ALLOCATOR_MODULE)
 
-    class KVPPModelRunner(base):  # type: ignore[misc, valid-type]
-        _kvpp: EngineState
-
-        def load_model(self, *args: Any, **kwargs: Any) -> Any:
-            result = super().load_model(*args, **kwargs)
-            prepare_model(self, self._kvpp)
-            return result
-
+    class KVPPModelRunner(KVPPRunnerBase, base):  # type: ignore[misc, valid-type]
         def initialize_kv_cache(self, *args: Any, **kwargs: Any) -> Any:
             # A KV connector registers the caches in there, and a KVPP connector asks whose layer each is.
             with self._kvpp.active():
@@ -95,26 +83,11 @@ def kvpp_runner_v1_class(base: type) -> type:
             allocation.zero_persistent_blocks(self._kvpp, block_ids)
 
         def _update_states(self, scheduler_output: Any) -> Any:
-            if not (self._kvpp.compact and getattr(scheduler_output, "kv_cache_block_copies", None)):
-                return super()._update_states(scheduler_output)
-            every = self.kv_caches
-            self.kv_caches = allocation.persistent_views(self._kvpp)
-            try:
-                return super()._update_states(scheduler_output)
-            finally:
-                self.kv_caches = every
+            return self._kvpp_copy_on_persistent_views(super()._update_states, scheduler_output)
 
         def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
             with step_forward(self._kvpp, step_batch(self)):
                 return super()._model_forward(*args, **kwargs)
-
-        def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
-            with self._kvpp.active(), passthrough():
-                return super()._dummy_run(*args, **kwargs)
-
-        def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
-            with self._kvpp.active():
-                return settled(self._kvpp, super().sample_tokens(*args, **kwargs))
 
     KVPPModelRunner.__name__ = KVPPModelRunner.__qualname__ = f"KVPP{base.__name__}"
     return KVPPModelRunner

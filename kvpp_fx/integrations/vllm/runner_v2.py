@@ -1,6 +1,7 @@
 """The adapter for vLLM's V2 model runner (``vllm.v1.worker.gpu.model_runner.GPUModelRunner`` and its CPU
 subclass), vLLM's default wherever Triton runs: where each of KVPP's runner-agnostic steps attaches.
-``docs/vllm.md`` lists the hooks of both runners side by side.
+``docs/vllm.md`` lists the hooks of both runners side by side; those they take alike (``load_model``,
+``_dummy_run``, ``sample_tokens``, copy-on-write) are `runner_base.KVPPRunnerBase`'s.
 
 - ``load_model``: `attention.prepare_model`.
 - ``initialize_kv_cache``: KV-sharing layers (V2 finds them with ``attn_utils.get_shared_kv_cache_layers``)
@@ -29,18 +30,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from kvpp_fx.integrations.vllm import allocation
-from kvpp_fx.integrations.vllm.attention import prepare_model
 from kvpp_fx.integrations.vllm.batch import BlockRows, StepBatch
-from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError, KVPPHookError, hook_error, \
-    require_methods
-from kvpp_fx.integrations.vllm.step import settled, step_forward
+from kvpp_fx.integrations.vllm.runner_base import KVPPRunnerBase, is_runner, prepare_hooks
+from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError, KVPPHookError, wrap_module_function
+from kvpp_fx.integrations.vllm.step import step_forward
 from kvpp_fx.runtime.graph_ops import passthrough
 
 KIND = "V2"
@@ -48,13 +48,10 @@ RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 ALLOCATOR_MODULE = "vllm.v1.worker.gpu.attn_utils"
 RUNNER_HOOKS = ("load_model", "initialize_kv_cache", "execute_model", "prepare_attn", "_dummy_run", "sample_tokens",
                 "get_kv_cache_spec", "update_requests", "_init_kv_zero_meta")
-_HOOK_MARK = "_kvpp_fx_hook"
 
 
 def is_v2_runner(cls: type) -> bool:
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-
-    return issubclass(cls, GPUModelRunner)
+    return is_runner(cls, RUNNER_MODULE)
 
 
 class HostBlockTables:
@@ -115,14 +112,11 @@ _PENDING: contextvars.ContextVar[PendingStep | None] = contextvars.ContextVar("k
 def install_step_bracket() -> None:
     """Wrap ``set_forward_context`` as V2's model runner module calls it (idempotent): with a KVPP step
     pending, the runtime's forward opens inside vLLM's forward context; otherwise it is vLLM's."""
-    import importlib
+    wrap_module_function(RUNNER_MODULE, "set_forward_context", step_bracket)
 
-    module = importlib.import_module(RUNNER_MODULE)
-    original = getattr(module, "set_forward_context", None)
-    if not callable(original):
-        raise hook_error(f"{RUNNER_MODULE}.set_forward_context", "the function does not exist.")
-    if getattr(original, _HOOK_MARK, False):
-        return
+
+def step_bracket(original: Callable) -> Callable:
+    """vLLM's ``set_forward_context`` `original`, with a pending KVPP step's forward open inside it."""
 
     def bracket(*args: Any, **kwargs: Any) -> Iterator[Any]:
         pending = _PENDING.get()
@@ -136,9 +130,7 @@ def install_step_bracket() -> None:
             with step_forward(pending.state, pending.batch):
                 yield context
 
-    set_forward_context = functools.wraps(original)(contextlib.contextmanager(bracket))
-    setattr(set_forward_context, _HOOK_MARK, True)
-    module.set_forward_context = set_forward_context
+    return contextlib.contextmanager(bracket)
 
 
 class PersistentBlockZeroer:
@@ -157,20 +149,11 @@ class PersistentBlockZeroer:
 @functools.cache
 def kvpp_runner_v2_class(base: type) -> type:
     """KVPP's subclass of vLLM's V2 model runner class `base` (GPU or CPU)."""
-    if not is_v2_runner(base):
-        raise hook_error(f"{base.__module__}.{base.__qualname__}", "it is not vLLM's V2 GPUModelRunner or a subclass.")
-    require_methods(base, RUNNER_HOOKS)
-    allocation.install_allocator(ALLOCATOR_MODULE)
+    prepare_hooks(base, KIND, RUNNER_MODULE, RUNNER_HOOKS, ALLOCATOR_MODULE)
     install_step_bracket()
 
-    class KVPPModelRunnerV2(base):  # type: ignore[misc, valid-type]
-        _kvpp: EngineState
+    class KVPPModelRunnerV2(KVPPRunnerBase, base):  # type: ignore[misc, valid-type]
         _kvpp_tables: HostBlockTables
-
-        def load_model(self, *args: Any, **kwargs: Any) -> Any:
-            result = super().load_model(*args, **kwargs)
-            prepare_model(self, self._kvpp)
-            return result
 
         def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
             from vllm.v1.worker.gpu.attn_utils import get_shared_kv_cache_layers
@@ -207,14 +190,6 @@ def kvpp_runner_v2_class(base: type) -> type:
                 pending.batch = step_batch(self, input_batch)
             return result
 
-        def _dummy_run(self, *args: Any, **kwargs: Any) -> Any:
-            with self._kvpp.active(), passthrough():
-                return super()._dummy_run(*args, **kwargs)
-
-        def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
-            with self._kvpp.active():
-                return settled(self._kvpp, super().sample_tokens(*args, **kwargs))
-
         def _init_kv_zero_meta(self) -> None:
             if self._kvpp.compact:
                 self.kv_block_zeroer = PersistentBlockZeroer(self._kvpp)
@@ -222,14 +197,7 @@ def kvpp_runner_v2_class(base: type) -> type:
                 super()._init_kv_zero_meta()
 
         def update_requests(self, scheduler_output: Any) -> Any:
-            if not (self._kvpp.compact and getattr(scheduler_output, "kv_cache_block_copies", None)):
-                return super().update_requests(scheduler_output)
-            every = self.kv_caches
-            self.kv_caches = allocation.persistent_views(self._kvpp)
-            try:
-                return super().update_requests(scheduler_output)
-            finally:
-                self.kv_caches = every
+            return self._kvpp_copy_on_persistent_views(super().update_requests, scheduler_output)
 
     KVPPModelRunnerV2.__name__ = KVPPModelRunnerV2.__qualname__ = f"KVPP{base.__name__}V2"
     return KVPPModelRunnerV2

@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvpp_fx.cache.placement import PoolTooSmallError, scratch_blocks_for
-from kvpp_fx.config import KVPPConfig, model_kind_of
+from kvpp_fx.integrations.vllm.config import KVPPConfig, model_kind_of
 
 
 class ScratchLayoutError(ValueError):

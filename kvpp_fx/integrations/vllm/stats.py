@@ -9,14 +9,14 @@ from typing import Any
 def worker_stats(worker: Any = None) -> dict[str, Any] | None:
     """For ``llm.collective_rpc(worker_stats)``: this worker's KVPP counters and allocation."""
     state = getattr(getattr(worker, "model_runner", None), "_kvpp", None)
-    if state is None or state.runtime is None:
+    if state is None or state.comm.runtime is None:
         return None
-    runtime = state.runtime
+    runtime, counters = state.comm.runtime, state.counters
     stats = runtime.stats()
     stats["num_blocks"] = runtime.storage.num_blocks
     stats["owned_layers"] = list(runtime.plan.owned_layers(runtime.rank))
     stats["draft_layers"] = list(runtime.plan.local_draft_layers)
-    stats["compiled_graphs"] = [{"kind": kind, "layers": list(layers)} for kind, layers in state.compiled_graphs]
+    stats["compiled_graphs"] = [{"kind": kind, "layers": list(layers)} for kind, layers in counters.compiled_graphs]
     stats["worker_class"] = type(worker.worker if hasattr(worker, "worker") else worker).__name__
     stats["runner_class"] = type(worker.model_runner).__name__
     stats["model_runner"] = state.runner_kind
@@ -25,15 +25,15 @@ def worker_stats(worker: Any = None) -> dict[str, Any] | None:
     stats["attention_backends"] = sorted({layer.get_attn_backend().get_name() for name, layer in context.items()
                                           if name in state.vplan.layer_index and hasattr(layer, "get_attn_backend")})
     stats["block_size"] = state.plan.spec.block_size
-    stats["steps"] = state.steps
-    stats["mixed_steps"] = state.mixed_steps
-    stats["skipped_cache_writes"] = state.skipped_cache_writes
-    stats["packed_layers"] = state.packed_layers
-    stats["scratch_blocks"] = state.scratch_blocks
+    stats["steps"] = counters.steps
+    stats["mixed_steps"] = counters.mixed_steps
+    stats["skipped_cache_writes"] = counters.skipped_cache_writes
+    stats["packed_layers"] = counters.packed_layers
+    stats["scratch_blocks"] = state.layout.scratch_blocks
     stats["slot_blocks"] = runtime.storage.slot_blocks
-    stats["compact_blocker"] = state.compact_blocker
-    stats["kvpp_mode"] = state.mode
-    stats["owner_blocker"] = state.owner_blocker
-    stats["prefill_rows_with_history"] = state.prefill_rows_with_history
-    stats["device_api"] = state.device_api_factory
+    stats["compact_blocker"] = state.attention.compact_blocker
+    stats["kvpp_mode"] = state.attention.mode
+    stats["owner_blocker"] = state.attention.owner_blocker
+    stats["prefill_rows_with_history"] = counters.prefill_rows_with_history
+    stats["device_api"] = state.comm.device_api_factory
     return stats

@@ -31,35 +31,37 @@ from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError
 
 @contextlib.contextmanager
 def step_forward(state: EngineState, batch: StepBatch) -> Iterator[None]:
-    runtime = state.runtime
+    runtime = state.comm.runtime
     if runtime is None:
         raise KVPPAllocationError("a step ran before KVPP allocated the KV cache.")
     from vllm.forward_context import get_forward_context
 
     metadata = get_forward_context().attn_metadata
     rows = step_rows(state, metadata, batch)
-    state.note_step(batch.prefill_rows_with_history, mixed=rows is not None and 0 < rows[1] < batch.num_reqs)
-    state.awaited.clear()
-    state.owner_calls.clear()
+    state.counters.note_step(batch.prefill_rows_with_history, mixed=rows is not None and 0 < rows[1] < batch.num_reqs)
+    state.step.begin()
     has_history = batch.has_history
     if not packs(state, metadata):  # whole layers: the step's metadata cannot be remapped to packed slots
         forward = runtime.forward(has_history=has_history)
     elif rows is None:  # no MLA metadata: every row reads its blocks by broadcast
         forward = runtime.forward(has_history=has_history, blocks=active_blocks(batch), written=written_blocks(batch))
     else:
-        forward = runtime.forward(has_history=has_history, mode=state.mode, requests=rows[0])
+        forward = runtime.forward(has_history=has_history, mode=state.attention.mode, requests=rows[0])
     with forward:
         if runtime.packed:
             # Non-owned layers read this forward's packed scratch slots through remapped tables.
-            state.packed_layers += packed_metadata.rebind(get_forward_context(), runtime, state.vplan.layer_index)
+            state.counters.note_packed_layers(
+                packed_metadata.rebind(get_forward_context(), runtime, state.vplan.layer_index))
         yield
 
 
 def step_rows(state: EngineState, metadata, batch: StepBatch):
     """The step's requests and decode count from its MLA metadata (`owner_rows.step_requests`)."""
-    if state.metadata_layer is None or metadata is None:
+    choices = state.attention
+    if choices.metadata_layer is None or metadata is None:
         return None
-    return owner_rows.step_requests(metadata, state.metadata_layer, batch, owner_capable=state.owner_blocker is None)
+    return owner_rows.step_requests(metadata, choices.metadata_layer, batch,
+                                    owner_capable=choices.owner_blocker is None)
 
 
 def packs(state: EngineState, metadata) -> bool:
@@ -82,7 +84,7 @@ def settled(state: EngineState, output: Any) -> Any:
     (async scheduling) is settled after vLLM's own wait in ``get_output``, which vLLM calls on the rank
     that hands the tokens on, in its output thread; each forward's flag holds every rank's checks. On
     CPU every check was read in the forward and nothing is left."""
-    runtime = state.runtime
+    runtime = state.comm.runtime
     if runtime is None or not len(runtime.checks):
         return output
     upto = runtime.forwards

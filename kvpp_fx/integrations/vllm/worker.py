@@ -33,12 +33,13 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from kvpp_fx.config import KVPPConfig
+from kvpp_fx.integrations.vllm.config import KVPPConfig
 from kvpp_fx.integrations.vllm import allocation, layout, runner_v1, runner_v2
 from kvpp_fx.integrations.vllm.attention import set_mode
 from kvpp_fx.integrations.vllm.compilation import install_vllm_backend
 from kvpp_fx.integrations.vllm.state import (
     WORKER_PREFIX,
+    AttentionChoices,
     EngineState,
     KVPPHookError,
     current_engine,
@@ -85,7 +86,8 @@ def kvpp_worker_class(base: type) -> type:
                 raise hook_error(f"{base.__qualname__}.init_device", "the worker built no model_runner.")
             runner.__class__, kind = kvpp_runner_class(type(runner))
             config = KVPPConfig.from_vllm_config(self.vllm_config)
-            runner._kvpp = EngineState(config, self.vllm_config, runner_kind=kind, mode=config.mode)
+            runner._kvpp = EngineState(config, self.vllm_config, runner_kind=kind,
+                                       attention=AttentionChoices(mode=config.mode))
             if int(self.vllm_config.compilation_config.mode or 0) == 3:
                 # Before load_model: vLLM builds its backend when it builds the model.
                 install_vllm_backend()
