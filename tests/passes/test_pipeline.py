@@ -28,6 +28,7 @@ from kvpp_fx.reference.ops import REFERENCE_SPECS
 from kvpp_fx.runtime.graph_ops import RoutedOp
 from kvpp_fx.schedule import LayerSchedule, ScheduleStep
 from tests.passes import toy
+from tests.integrations.test_vllm_plan import vllm_style_graph
 from tests.passes.test_passes import CONFIG, capture, kvpp_nodes, node_named
 from tests.support.specs import TOY_VLLM_SPEC, pass_config
 from tests.test_imports import MODULES, closure
@@ -72,15 +73,6 @@ def count_readings(monkeypatch) -> list:
     real = layer_reading.read_op
     monkeypatch.setattr(layer_reading, "read_op", lambda node, *rest: read.append(node) or real(node, *rest))
     return read
-
-
-def vllm_style_graph(*layers) -> torch.fx.GraphModule:
-    graph = torch.fx.Graph()
-    q = graph.placeholder("q")
-    for i in layers:
-        q = graph.call_function(torch.ops.toy_vllm.unified_attention, (q, f"model.layers.{i}.self_attn.attn"))
-    graph.output(q)
-    return torch.fx.GraphModule(torch.nn.Module(), graph)
 
 
 def test_a_vllm_compile_reads_each_ops_layer_once(monkeypatch):
