@@ -6,8 +6,10 @@ Invariant: `PIPELINE_SOURCES` covers every module the passes import, directly or
 which runs the rewritten graph, is never among them: no pass imports it), and the two drivers that
 build the passes' configuration (`backend.py`, the vLLM integration's `compilation.py`); a test walks
 the passes' imports and fails on a module the list misses. `source_uuid` hashes every covered file, so
-any change to the code a compile runs changes the key
-(`kvpp_fx.integrations.vllm.compile_modes.compile_digest`). The configuration a compile runs with comes
+any change to the code that decides what a rewritten graph holds changes the key
+(`kvpp_fx.integrations.vllm.compile_modes.compile_digest`). What the graph calls at run time (the kvpp
+ops' implementations, `RoutedOp`) is looked up by name when a cached graph loads, so it runs as the
+installed code has it and needs no key of its own. The configuration a compile runs with comes
 from vLLM's own config, which vLLM hashes into the same key.
 """
 

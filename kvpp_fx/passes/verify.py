@@ -1,9 +1,10 @@
 """Verify a rewritten (and optionally split) graph on its own. Run after the other passes.
 
-The verifier does not reuse the insert pass: it finds the kvpp ops by their overloads and the
+The verifier does not trust the insert pass: it finds the kvpp ops by their overloads and the
 registered attention/cache ops by name, with the configuration's `OpMatcher` (the insert pass's
-precedence rule) but not the insert pass's stamps, resolves their layers itself, and checks the graph
-as it stands. `GraphFacts` reads the graph once; each check is a small function over it, listed with
+precedence rule) but not the insert pass's stamps, and checks the graph as it stands. It takes an op's
+layer from the compile's one reading (`GraphLayers`) only while the op still passes the layer argument
+that reading saw; an op a pass added or changed is read again. `GraphFacts` reads the graph once; each check is a small function over it, listed with
 its name in `CHECKS`; a failure lists every problem with the check that found it
 (`KVPPGraphVerificationError.checks`):
 

@@ -14,6 +14,7 @@ on. ``what`` is a %-format of the collective's name, formatted only when somethi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -45,6 +46,15 @@ class Collectives:
             self.api.host_wait_work(work, self.timeout)
         except Exception as exc:
             raise self._failed(exc, time.monotonic() - start, what % args) from exc
+
+    def run(self, issue: Callable[[], Any], what: str, *args: Any) -> None:
+        """Issue one collective (`issue` returns its work) and complete it: the device's order on a device,
+        the host's wait on CPU."""
+        try:
+            work = issue()
+        except Exception as exc:
+            raise self.not_issued(exc, what, *args) from exc
+        self.complete(work, what, *args)
 
     def not_issued(self, exc: Exception, what: str, *args: Any) -> TransferFailedError:
         """``raise collectives.not_issued(exc, ...) from exc`` where starting a collective raised `exc`."""

@@ -229,16 +229,21 @@ class Forward:
         """The open turn, which must be `layer`'s (after its wait, before the next layer's)."""
         position = self._open
         if position is None or self.routes[position].layer != layer:
-            raise OwnerRoutingError(
-                f"a routed cache op of layer {layer} ran outside its turn (the last awaited layer is "
-                f"{self.protocol.last_awaited}); it must follow kvpp.wait of its own layer.")
+            raise self._outside_turn(layer)
         if self._turn is None:
-            self._turn = LayerTurn(self.routes[position], self.path, self.exchange, self._agreed_before_collective)
+            self._turn = LayerTurn(self.routes[position], self.path, self.exchange, self._before_exchange)
         return self._turn
 
-    def _agreed_before_collective(self) -> None:  # where a collective of another size aborts the process
-        if self._agreement is not None and self.immediate_checks:
+    def _before_exchange(self, turn: LayerTurn) -> None:
+        if turn is not self._turn:  # kept past the next layer's wait
+            raise self._outside_turn(turn.layer)
+        if self._agreement is not None and self.immediate_checks:  # gloo aborts on a collective of another size
             self._agreed()
+
+    def _outside_turn(self, layer: int) -> OwnerRoutingError:
+        open_turn = f"layer {self.routes[self._open].layer}'s" if self._open is not None else "no layer's"
+        return OwnerRoutingError(f"a routed cache op of layer {layer} ran outside its turn ({open_turn} is open); "
+                                 "it must follow kvpp.wait of its own layer, before the next layer's.")
 
     def _check_exchanged(self, layer: int) -> None:
         if layer not in self.exchange.exchanged:
@@ -303,12 +308,7 @@ class Forward:
                           exchange.failed if exchange is not None else None,
                           exchange is not None and exchange.failed_here)
         if self.transport is not None:
-            collectives = self.transport.collectives
-            try:
-                work = parts.api.all_reduce_max(flag, parts.group)
-            except Exception as exc:
-                raise collectives.not_issued(exc, "the forward's checks") from exc
-            collectives.complete(work, "the forward's checks")
+            self.transport.collectives.run(lambda: parts.api.all_reduce_max(flag, parts.group), "the forward's checks")
         parts.checks.leave(self.number, parts.api.read_later(flag))
 
     def abandon(self) -> None:
@@ -342,8 +342,8 @@ class Forward:
         """A protocol error: it breaks the runtime when this rank already issued a collective."""
         return self.health.broken_by(error) if self.issued_any else error
 
-    def _mispaired(self, layer: int | None) -> BaseException:
-        where = f"with layer {layer}'s broadcast" if layer is not None else "in this forward"
+    def _mispaired(self, layer: int) -> BaseException:
         return self.health.broken_by(BlockSetMismatchError(
-            f"the block ids received {where} are not this forward's set: the broadcast paired with another "
-            "forward's or another rank's; this rank's view of the group can no longer be trusted."))
+            f"the block ids received with layer {layer}'s broadcast are not this forward's set: the broadcast "
+            "paired with another forward's or another rank's; this rank's view of the group can no longer be "
+            "trusted."))

@@ -77,7 +77,8 @@ class OwnerExchange:
         self.exchanged.add(layer)
         start = time.perf_counter_ns()
         gathered = [torch.empty_like(pack) for _ in range(self.group_size)] if owned else None
-        self._run(lambda: self.api.gather(pack, gathered, owner, self.group), "owner-mode gather of layer %d", layer)
+        self.collectives.run(lambda: self.api.gather(pack, gathered, owner, self.group),
+                             "owner-mode gather of layer %d", layer)
         received = torch.empty(like.numel() + 1, dtype=like.dtype, device=like.device)
         parts, failure = None, None
         if owned:
@@ -87,8 +88,8 @@ class OwnerExchange:
                 failure = exc
                 parts = [torch.cat([torch.zeros_like(like).view(-1), like.new_ones(1)])
                          for _ in range(self.group_size)]
-        self._run(lambda: self.api.scatter(received, parts, owner, self.group), "owner-mode scatter of layer %d",
-                  layer)
+        self.collectives.run(lambda: self.api.scatter(received, parts, owner, self.group),
+                             "owner-mode scatter of layer %d", layer)
         if failure is not None:  # every rank raises the same named error: here with the op's own as its cause
             self.failed_here = True
             raise OwnerRoutingError(f"layer {layer}: the op failed on this rank, the layer's owner "
@@ -106,14 +107,6 @@ class OwnerExchange:
         return torch.empty_like(like).copy_(part)
 
     # --- steps ------------------------------------------------------------------------------------
-
-    def _run(self, issue: Callable[[], Any], what: str, layer: int) -> None:
-        """Issue a collective and make the current stream wait for it; a failure breaks the runtime."""
-        try:
-            work = issue()
-        except Exception as exc:
-            raise self.collectives.not_issued(exc, what, layer) from exc
-        self.collectives.complete(work, what, layer)
 
     def _check_heads(self, layer: int, heads: Sequence[torch.Tensor], dims: list[int],
                      token_dims: Sequence[int]) -> None:

@@ -14,12 +14,11 @@ import torch
 import torch.distributed as dist
 
 from kvpp_fx.runtime.active_blocks import Shape
-from kvpp_fx.schedule import LayerSchedule
-from kvpp_fx.topology import group_timeout
-
 from kvpp_fx.runtime.agreement import Agreement
 from kvpp_fx.runtime.pending import PendingChecks
 from kvpp_fx.runtime.stats import TransferStats
+from kvpp_fx.schedule import LayerSchedule
+from kvpp_fx.topology import group_timeout
 
 if TYPE_CHECKING:
     from kvpp_fx.cache.allocate import CacheStorage

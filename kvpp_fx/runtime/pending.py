@@ -37,16 +37,16 @@ MISPAIRED, OWNER_FAILED = 1, 2  # the flag's bits
 MAX_PENDING = 4
 
 
-def check_flag(device: torch.device, missing_ids: torch.Tensor | None, owners_failed: torch.Tensor | None,
+def check_flag(device: torch.device, not_arrived: torch.Tensor | None, owners_failed: torch.Tensor | None,
                failed_here: bool) -> torch.Tensor:
     """One forward's device checks as one int32 flag, built on the device: `MISPAIRED` where a received
-    block-id list was not the forward's (`missing_ids` non-zero), `OWNER_FAILED` where an owner's status
+    block-id list was not the forward's (`not_arrived` true), `OWNER_FAILED` where an owner's status
     said it failed, or where this rank's own op failed as an owner (`failed_here`: the flag says only that)."""
     flag = torch.zeros((), dtype=torch.int32, device=device)
     if failed_here:
         return flag.fill_(OWNER_FAILED)
-    if missing_ids is not None:
-        flag.add_(missing_ids)
+    if not_arrived is not None:
+        flag.add_(not_arrived)
     if owners_failed is not None:
         flag.add_(owners_failed.reshape(()).ne(0), alpha=OWNER_FAILED)
     return flag

@@ -59,13 +59,15 @@ class ProtocolState:
     """Where one forward stands: the only layer the next prefetch may name, the layer in flight, the
     last awaited layer (whose slot its attention still reads)."""
 
-    __slots__ = ("schedule", "next_position", "in_flight", "in_flight_slot", "last_awaited", "last_slot")
+    __slots__ = ("schedule", "next_position", "in_flight", "in_flight_slot", "in_flight_position", "last_awaited",
+                 "last_slot")
 
     def __init__(self, schedule: LayerSchedule) -> None:
         self.schedule = schedule
         self.next_position = 0
         self.in_flight: int | None = None
         self.in_flight_slot = -1
+        self.in_flight_position = -1
         self.last_awaited: int | None = None
         self.last_slot = -1
 
@@ -91,23 +93,21 @@ class ProtocolState:
                                      "must follow the plan's execution order on every rank.")
         self.in_flight = layer
         self.in_flight_slot = slot
+        self.in_flight_position = position
         return position
 
     def wait(self, layer: int, slot: int) -> int:
         """Check a wait and take the layer out of flight; returns its position."""
-        position = locate(self.schedule, layer, slot)
-        if self.in_flight != layer:
+        if layer != self.in_flight or slot != self.in_flight_slot:  # the prefetch checked the pair in flight
+            locate(self.schedule, layer, slot)  # an unknown layer or a wrong slot is named first
             expected = "nothing is pending" if self.in_flight is None else f"layer {self.in_flight} is pending"
             raise WaitMismatchError(f"wait for layer {layer}, but {expected}.")
+        position = self.in_flight_position
         self.in_flight = None
         self.last_awaited = layer
         self.last_slot = self.in_flight_slot
         self.next_position = position + 1
         return position
-
-    def in_turn(self, layer: int) -> bool:
-        """Whether `layer`'s attention runs now: after its wait, before the next layer's."""
-        return self.last_awaited == layer
 
     def unawaited(self) -> list[int]:
         """The target layers this forward has not awaited (empty once the forward is complete)."""

@@ -5,7 +5,7 @@ Per forward (``with runtime.forward(has_history): ...``) the graph calls the pla
 layer's broadcast on the calling thread and returns at once; ``wait`` makes the compute stream wait for
 it and returns the view attention must read: persistent on the owner, the layer's scratch slot
 elsewhere. A broadcast-mode forward without history moves no bytes. Owner mode (``mode="owner"``):
-routed head-separable ops run on each layer's owner over every rank's heads (`owner_compute`), the
+routed head-separable ops run on each layer's owner over every rank's heads (its turn's `owner_compute`), the
 owner-local ops (the writes) on the owner only. ``mode="auto"`` picks per forward with the cost model,
 and owner mode only for layers known to be routed (`note_routing`); with ``requests=`` each request
 takes its own path, and a forward with both is hybrid (`request_paths`, `owner_tokens`).
@@ -26,7 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -48,7 +48,6 @@ from kvpp_fx.runtime.forward import Forward
 from kvpp_fx.runtime.parts import ForwardParts, Routing, collective_timeout, group_rank
 from kvpp_fx.runtime.path import ChosenPath, PathFacts, step_of
 from kvpp_fx.runtime.health import Health
-from kvpp_fx.runtime.owner_exchange import HeadRule
 from kvpp_fx.runtime.timeline import Timeline
 from kvpp_fx.runtime.transport import BroadcastTransport
 from kvpp_fx.runtime.turn import LayerTurn
@@ -209,7 +208,7 @@ class KVPPRuntime:
         blocks it reads; each request then takes its own path (`kvpp_fx.cache.cost.choose_rows`):
         "broadcast" sends every request's blocks, "owner" every owner-capable request's rows to the
         owner, "auto" the cheaper per request. Requests of both kinds make a hybrid forward, in which
-        the layer's op sends its owner rows through `owner_compute` (`request_paths` says which).
+        the layer's op sends its owner rows through its turn's `owner_compute` (`request_paths` says which).
         """
         if self._closed:
             raise KVPPRuntimeClosed("this KVPPRuntime was closed.")
@@ -282,18 +281,8 @@ class KVPPRuntime:
         is a run-time value): the first layer's prefetch when no graph issued it, the layer's wait, the
         next layer's prefetch, each checked as the graph's own ops would be. False for a local draft
         layer, which has nothing to wait for. ``routed``: the layer's ops send their owner rows through
-        `owner_compute` themselves (a hook below the graph, as vLLM's MLA layers have)."""
+        their turn's `owner_compute` themselves (a hook below the graph, as vLLM's MLA layers have)."""
         return self._current().enter_layer(layer, routed)
-
-    def runs_owner_ops(self, layer: int) -> bool:
-        """In owner mode: whether this rank runs `layer`'s owner-local ops (it owns the layer)."""
-        return self.turn(layer).owned
-
-    def owner_compute(self, layer: int, rule: HeadRule, heads: Sequence[torch.Tensor],
-                      compute: Callable[[list[torch.Tensor]], torch.Tensor],
-                      output_like: torch.Tensor | None = None) -> torch.Tensor:
-        """`LayerTurn.owner_compute` of `layer`'s turn."""
-        return self.turn(layer).owner_compute(rule, heads, compute, output_like)
 
     @property
     def forwards(self) -> int:

@@ -1,14 +1,14 @@
 """`LayerTurn`: one target layer's turn in a forward, from its wait until the next layer's wait.
 
-`Forward.wait` opens the turn and hands it out; what runs inside the turn acts on it, never on the
-forward: a routed op (`RoutedOp`) or a vLLM attention hook asks the turn whether this rank runs the
-layer's owner-local ops (`owned`), which path the forward's requests take (`path`), and sends a
-head-separable op's rows to the layer's owner (`owner_compute`). The facade hands the open turn to
-whoever asks for it by layer (`KVPPRuntime.turn`).
+`Forward.wait` opens the turn, which `Forward.turn` hands out (built when first asked for); what runs
+inside the turn acts on it, never on the forward: a routed op (`RoutedOp`) or a vLLM attention hook
+asks the turn whether this rank runs the layer's owner-local ops (`owned`), which path the forward's
+requests take (`path`), and sends a head-separable op's rows to the layer's owner (`owner_compute`).
+The facade hands the open turn to whoever asks for it by layer (`KVPPRuntime.turn`).
 
 Invariant: a turn acts only while it is open. `Forward.turn` refuses a layer whose turn is not the open
-one (`OwnerRoutingError`), so an op that runs before its layer's wait or after the next layer's cannot
-reach another layer's owner.
+one, and a turn kept past the next layer's wait refuses to exchange (`OwnerRoutingError`), so an op that
+runs before its layer's wait or after the next layer's cannot reach another layer's owner.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ class LayerTurn:
     __slots__ = ("route", "path", "exchange", "before_exchange")
 
     def __init__(self, route: LayerRoute, path: ChosenPath, exchange: OwnerExchange | None,
-                 before_exchange: Callable[[], None]) -> None:
+                 before_exchange: Callable[[LayerTurn], None]) -> None:
         self.route = route
         self.path = path
         self.exchange = exchange  # None when no row of the forward goes to an owner
-        self.before_exchange = before_exchange  # what must hold before a collective of the forward (its agreement)
+        self.before_exchange = before_exchange  # the forward's checks before an exchange: still open, agreed
 
     @property
     def layer(self) -> int:
@@ -61,7 +61,7 @@ class LayerTurn:
         part (`OwnerExchange.compute`). ``rule`` is the op's declaration (its head operands' dimensions,
         token dimensions, output dimension and output-like operand); ``heads`` are this rank's head
         operands; ``output_like`` a tensor shaped as this rank's part of the output, when no head operand is."""
-        self.before_exchange()
+        self.before_exchange(self)
         route = self.route
         if self.exchange is None:
             raise OwnerRoutingError(f"a head-separable op of layer {route.layer} asked for owner mode's exchange in "

@@ -863,7 +863,7 @@ def test_under_breakable_cuda_graphs_the_waits_rerun_on_every_replay():
             BreakableCUDAGraphCapture._tls.active = None
         assert len(capture.segments) == 4
         for _ in range(3):  # three replayed steps: each awaits every layer, in plan order
-            state.step.awaited.clear()
+            state.step.begin()
             with runtime.forward(has_history=False):
                 capture.replay()
         assert runtime.stats()["forwards"] == 3
@@ -877,7 +877,7 @@ def test_under_breakable_cuda_graphs_the_waits_rerun_on_every_replay():
         finally:
             BreakableCUDAGraphCapture._tls.active = None
         assert plain.segments == []
-        state.step.awaited.clear()
+        state.step.begin()
         with pytest.raises(SkippedLayerError), runtime.forward(has_history=False):
             plain.replay()
 
@@ -1101,7 +1101,7 @@ def test_flashmla_owner_calls_share_one_fresh_scheduling_metadata_per_step():
     assert owner.decode.scheduler_metadata is not first.decode.scheduler_metadata
     assert owner.decode.block_table is first.decode.block_table and owner.num_decodes == 2
     assert state.step.owner_metadata("FLASHMLA", first) is owner  # every owner call of the step
-    state.step.owner_calls.clear()  # the next step (`step.step_forward`)
+    state.step.begin()  # the next step (`step.step_forward`)
     second = step_metadata()
     assert (state.step.owner_metadata("FLASHMLA", second).decode.scheduler_metadata
             is not owner.decode.scheduler_metadata)
@@ -1179,7 +1179,7 @@ def test_flashmla_owner_calls_pass_flashmlas_own_scheduling_and_head_count_check
 
     state = EngineState(KVPPConfig(enable_kvpp=True, tp=group), vllm_config=None)
     for _ in range(2):  # two steps
-        state.step.owner_calls.clear()
+        state.step.begin()
         metadata = step_metadata()
         own = forward_mqa(torch.zeros(2, heads, 576, dtype=torch.bfloat16), metadata)
         for _layer in range(2):  # the owner calls of two owned layers

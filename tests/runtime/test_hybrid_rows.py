@@ -51,7 +51,7 @@ def hybrid_forward(rt, rank, *, requests=REQUESTS, mode="owner", skip_exchange_o
                 return ATTENTION(full[0], full[1], rt.typed_views(layer)["kv"], table, OWNER_SEQ, OWNER_Q, SCALE,
                                  layer)
 
-            owner_rows = rt.owner_compute(layer, routed_attention(layer), [q_latent[:1], q_pe[:1]], on_owner)
+            owner_rows = rt.turn(layer).owner_compute(routed_attention(layer), [q_latent[:1], q_pe[:1]], on_owner)
         # the step's table, one row per request, as this rank reads the layer (remapped where packed)
         (table,) = rt.tables(layer, [torch.cat([OWNER_TABLE, LOCAL_TABLE])], ["block_table"])
         local_rows = ATTENTION(q_latent[1:], q_pe[1:], cache, table[1:], LOCAL_SEQ, LOCAL_Q, SCALE, layer)

@@ -434,8 +434,8 @@ def hybrid_group_ranks(rank: int, world: int, own_group: bool):
 
     def attend(layer, view):  # the owner request's rows, as vLLM's MLA hook sends them (`owner_rows`)
         query = torch.cat(queries(rank, layer), dim=-1)
-        rt.owner_compute(layer, rule, [query], lambda full: torch.zeros(3, HEADS_PER_RANK * world, RANK_WIDTH),
-                         output_like=like)
+        rt.turn(layer).owner_compute(rule, [query], lambda full: torch.zeros(3, HEADS_PER_RANK * world, RANK_WIDTH),
+                                     output_like=like)
 
     with rt.forward(True, mode="owner", requests=requests):
         assert rt.hybrid

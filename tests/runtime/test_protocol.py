@@ -60,17 +60,6 @@ def test_each_rule_raises_its_named_error(steps, error, message):
         run(state, steps[-1:])
 
 
-def test_a_layer_is_in_turn_from_its_wait_until_the_next_wait():
-    state = ProtocolState(ORDER)
-    state.prefetch(0, 0)
-    assert not state.in_turn(0)
-    state.wait(0, 0)
-    state.prefetch(1, 1)
-    assert state.in_turn(0) and not state.in_turn(1)
-    state.wait(1, 1)
-    assert state.in_turn(1) and not state.in_turn(0)
-
-
 def test_the_protocol_imports_no_torch():
     code = "import sys, kvpp_fx.runtime.protocol; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

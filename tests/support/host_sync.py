@@ -261,7 +261,6 @@ class VllmStep:
         tokens, heads = self.runtime.owner_tokens, attention.split(self.runtime.plan.group_size)
         query = torch.empty(tokens, heads, attention.q_width, device="meta")
         like = torch.empty(tokens, heads, attention.out_width, device="meta")
-        self.runtime.owner_compute(layer, self.rule, [query],
-                                   lambda full: torch.empty(tokens, heads * self.runtime.plan.group_size,
-                                                            attention.out_width, device="meta"),
-                                   output_like=like)
+        self.runtime.turn(layer).owner_compute(
+            self.rule, [query], lambda full: torch.empty(tokens, heads * self.runtime.plan.group_size,
+                                                         attention.out_width, device="meta"), output_like=like)

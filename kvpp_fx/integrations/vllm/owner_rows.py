@@ -9,7 +9,7 @@ under breakable CUDA graphs), so an exchange placed in ``forward_mqa`` serves ev
 change; the op's spec declares `RoutesItself`.
 
 In a forward whose decode rows go to the owner (`KVPPRuntime.owner_tokens` > 0), each target layer's
-``forward_mqa`` sends this rank's absorbed queries to the layer's owner (`KVPPRuntime.owner_compute`);
+``forward_mqa`` sends this rank's absorbed queries to the layer's owner (its turn's `owner_compute`);
 the owner concatenates every rank's heads in rank order, runs the backend's own ``forward_mqa`` for
 all heads against its persistent cache with the step's metadata, and returns each rank the latent of
 its heads; every rank then applies its own ``W_UV``. In a forward whose every row goes to the owner,

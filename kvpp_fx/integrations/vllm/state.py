@@ -145,8 +145,8 @@ class StepState:
     """What a target-model step builds for its layers, cleared when the next step opens (`begin`)."""
 
     awaited: set[int] = field(default_factory=set)  # layers the eager hooks waited for
-    owner_calls: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # vLLM's metadata -> the owner
-    #                                     calls' (`backends.owner_metadata`), one per metadata object
+    # the owner calls' metadata (`backends.owner_metadata`), by the id of vLLM's metadata object it is built from
+    owner_calls: dict[int, tuple[Any, Any]] = field(default_factory=dict)
 
     def begin(self) -> None:
         self.awaited.clear()
