@@ -9,11 +9,16 @@ fits the budget, the ratio taken at the worst rank, as the engine uses one block
   with its MTP layer (local on every rank), whole-layer slots (what the vLLM integration allocates with
   MTP) and the compact what-if at a max model length and budget of 256; without it, as the owner-mode
   tests run it (64 MiB, max model length 768, vLLM CPU's budget of 2048: S = 176), compact slots (what
-  the integration allocates there on CPU_MLA, `integrations/vllm/scratch.py`) and whole-layer ones. The vLLM ratios are against
-  vLLM's own replicated count (unpadded per-layer tensors, as the tests check).
+  the integration allocates there on CPU_MLA, `integrations/vllm/scratch.py`) and whole-layer ones;
+- the same model as the engines of vLLM's defaults run it in the tests (`streamed_runs`: chunked prefill
+  and prefix caching on, a 128-token budget, a max model length of 512, 64 MiB per rank: S = 40), with
+  its MTP layer and without: compact slots, since prefill history streams from the owners. The vLLM
+  ratios are against vLLM's own replicated count (unpadded per-layer tensors, as the tests check).
 
 Planned by `kvpp-fx plan` (TP 8, 64 GiB per rank, block 128, bf16, token budget 8192): DeepSeek-V3, Kimi-K2
 and DeepSeek-V3.2 at max model lengths of 32K and 128K, and without a bound; DeepSeek-V3 with MTP too.
+Beside each, what vLLM's defaults (chunked prefill, prefix caching, and MTP where planned) get on
+FLASHMLA and FLASH_ATTN_MLA (`vllm_defaults`).
 Each ratio is set next to the formula L / ceil(L/N) * (1 - depth * S * b / M) (whole-layer slots:
 L / (ceil(L/N) + depth)).
 
@@ -32,7 +37,7 @@ from kvpp_fx.cache.allocate import allocate_cache
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
 from kvpp_fx.cli.byte_sizes import format_bytes, parse_bytes
-from kvpp_fx.cli.plan_report import build_plan
+from kvpp_fx.cli.plan_report import build_plan, vllm_backends
 from kvpp_fx.reference.config import PRESETS
 
 REFERENCE_MAX_MODEL_LEN, REFERENCE_BUDGET = 8192, 512
@@ -40,6 +45,9 @@ VLLM_TINY_MAX_MODEL_LEN, VLLM_TINY_BUDGET = 256, 256
 # tests/integrations/test_vllm.py's compact engines: vLLM CPU sets CPU_MLA's token budget to
 # max(max_model_len, 2048), 64 MiB per rank
 VLLM_TINY_COMPACT_MAX_MODEL_LEN, VLLM_TINY_COMPACT_BUDGET, VLLM_TINY_COMPACT_MEMORY = 768, 2048, 64 << 20
+# tests/integrations/test_vllm.py's engines of vLLM's defaults (chunked prefill and prefix caching on)
+VLLM_TINY_DEFAULTS_MAX_MODEL_LEN, VLLM_TINY_DEFAULTS_BUDGET, VLLM_TINY_DEFAULTS_MEMORY = 512, 128, 64 << 20
+DEFAULTS_BACKENDS = ("FLASHMLA", "FLASH_ATTN_MLA")
 PLANS = ("deepseek-v3", "kimi-k2", "deepseek-v3.2-exp")
 PLAN_MEMORY = "64GiB"
 
@@ -87,9 +95,14 @@ def planned(model: str, max_model_len: int | None, mtp: bool = False) -> dict:
     budget = parse_bytes(PLAN_MEMORY)
     plan = build_plan(model, tp=8, block_size=128, mtp=mtp, max_model_len=max_model_len,
                       token_budget=8192 if max_model_len else None)
-    return {"model": model, "mtp": mtp, "max_model_len": max_model_len, "slot_blocks": plan.scratch_blocks,
-            "capacity_ratio": plan.capacity_ratio(budget), "formula_ratio": plan.formula_capacity_ratio(budget),
-            "whole_layer_ratio": plan.whole_layer().capacity_ratio(budget)}
+    row = {"model": model, "mtp": mtp, "max_model_len": max_model_len, "slot_blocks": plan.scratch_blocks,
+           "capacity_ratio": plan.capacity_ratio(budget), "formula_ratio": plan.formula_capacity_ratio(budget),
+           "whole_layer_ratio": plan.whole_layer().capacity_ratio(budget)}
+    if plan.compact:
+        backends = vllm_backends(plan, budget)
+        row["vllm_defaults"] = {name: {"slots": backends[name]["slots"], "capacity_ratio": backends[name]["capacity_ratio"]}
+                                for name in DEFAULTS_BACKENDS}
+    return row
 
 
 def main(argv=None):
@@ -115,13 +128,26 @@ def main(argv=None):
                             VLLM_TINY_COMPACT_BUDGET, replicated=VLLM_TINY_COMPACT_MEMORY // (6 * page))
     print(f"vLLM tiny DeepSeek TP2 in 64 MiB: compact {tiny_compact['compact']['measured_ratio']:.3f}x (S = "
           f"{tiny_compact['compact']['slot_blocks']}), whole-layer slots {tiny_compact['whole_layer']['measured_ratio']:.3f}x")
+    defaults = {}
+    for mtp in (True, False):
+        spec_ = vllm_tiny_spec(mtp=mtp)
+        defaults["mtp" if mtp else "no_mtp"] = measured(
+            spec_, 2, VLLM_TINY_DEFAULTS_MEMORY, VLLM_TINY_DEFAULTS_MAX_MODEL_LEN, VLLM_TINY_DEFAULTS_BUDGET,
+            replicated=VLLM_TINY_DEFAULTS_MEMORY // (len(spec_.layers) * page))
+    for name, row in defaults.items():
+        print(f"vLLM tiny DeepSeek {name} TP2 in 64 MiB with vLLM's defaults (chunked prefill, prefix caching): compact "
+              f"{row['compact']['measured_ratio']:.3f}x (S = {row['compact']['slot_blocks']}), whole-layer slots "
+              f"{row['whole_layer']['measured_ratio']:.3f}x")
     plans = [planned(model, length) for model in PLANS for length in (32768, 131072, None)]
     plans += [planned("deepseek-v3", length, mtp=True) for length in (131072, None)]
     for p in plans:
         print(f"kvpp-fx plan {p['model']}{' --mtp' if p['mtp'] else ''} TP8 {PLAN_MEMORY} max_model_len "
               f"{p['max_model_len']}: {p['capacity_ratio']:.3f}x (formula {p['formula_ratio']:.3f}x; whole-layer "
-              f"slots {p['whole_layer_ratio']:.3f}x)")
+              f"slots {p['whole_layer_ratio']:.3f}x)"
+              + "".join(f"; vLLM defaults {n} {d['capacity_ratio']:.3f}x" for n, d in p.get("vllm_defaults", {}).items()))
     write_result("capacity", {"kv_memory_bytes": budget, "reference": reference, "vllm_tiny": tiny, "vllm_tiny_compact": tiny_compact,
+                              "vllm_tiny_defaults": defaults,
+                              "vllm_tiny_defaults_kv_memory_bytes": VLLM_TINY_DEFAULTS_MEMORY,
                               "vllm_tiny_compact_kv_memory_bytes": VLLM_TINY_COMPACT_MEMORY,
                               "vllm_tiny_kv_memory_bytes": tiny_budget, "plans": plans,
                               "plan_kv_memory_bytes": parse_bytes(PLAN_MEMORY)}, args.out)

@@ -22,7 +22,8 @@ README = HERE.parent / "README.md"
 DOC = HERE.parent / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
 # The README's rows: the start of their "what" column.
-HEADLINES = ("capacity, deepseek-v3 TP 8", "transfer hidden, through the PIECEWISE-compiled model",
+HEADLINES = ("capacity, deepseek-v3 TP 8", "capacity, vLLM tests' tiny DeepSeek TP 2 under vLLM's defaults",
+             "vLLM prefill history", "transfer hidden, through the PIECEWISE-compiled model",
              "bytes per decode step, owner / broadcast mode", "vLLM OpenAI server",
              "vLLM decode step bytes per rank", "vLLM prefill instance of a PD pair",
              "host time KVPP adds to a vLLM decode step, 256 requests x 2000")
@@ -56,18 +57,38 @@ def rows() -> list[tuple[str, str, str]]:
                 f"{cap['vllm_tiny_compact']['max_model_len']}, token budget {cap['vllm_tiny_compact']['token_budget']}: "
                 "what vLLM runs on CPU_MLA), "
                 f"{cap['vllm_tiny_compact']['whole_layer']['measured_ratio']:.3f}x with whole-layer slots", "same"))
+    defaults = cap["vllm_tiny_defaults"]
+    out.append((f"capacity, vLLM tests' tiny DeepSeek TP 2 under vLLM's defaults (chunked prefill, prefix caching), "
+                f"{cap['vllm_tiny_defaults_kv_memory_bytes'] // 2**20} MiB, real allocator",
+                f"with MTP {defaults['mtp']['compact']['measured_ratio']:.3f}x, without "
+                f"{defaults['no_mtp']['compact']['measured_ratio']:.3f}x with compact slots of "
+                f"{defaults['mtp']['compact']['slot_blocks']} blocks (max model length {defaults['mtp']['max_model_len']}, "
+                f"token budget {defaults['mtp']['token_budget']}; prefill history streams from the owners); whole-layer "
+                f"slots {defaults['mtp']['whole_layer']['measured_ratio']:.3f}x / "
+                f"{defaults['no_mtp']['whole_layer']['measured_ratio']:.3f}x", "same"))
     for model in dict.fromkeys(p["model"] for p in cap["plans"]):
         for mtp in (False, True):
             plans = [p for p in cap["plans"] if p["model"] == model and p["mtp"] == mtp]
             if not plans:
                 continue
-            bounded = "; ".join(f"{p['capacity_ratio']:.3f}x at {p['max_model_len'] // 1024}K (S = {p['slot_blocks']})"
+            bounded = "; ".join(f"{p['capacity_ratio']:.3f}x at {p['max_model_len'] // 1024}K (S = {p['slot_blocks']}"
+                                + "".join(f", vLLM defaults on {n} {d['capacity_ratio']:.3f}x"
+                                          for n, d in p.get("vllm_defaults", {}).items()) + ")"
                                 for p in plans if p["max_model_len"])
             whole = next(p for p in plans if not p["max_model_len"])
             out.append((f"capacity, {model}{' with MTP' if mtp else ''} TP 8, "
                         f"{cap['plan_kv_memory_bytes'] // 2**30} GiB, `kvpp-fx plan`",
                         f"{bounded}; {whole['capacity_ratio']:.3f}x without a bound (whole-layer slots, formula "
                         f"{whole['formula_ratio']:.3f}x)", "same"))
+    ph = _load("vllm_prefill_history")
+    chunked, hit = ph["workloads"]["chunked"], ph["workloads"]["prefix_hit"]
+    out.append((f"vLLM prefill history, tiny DeepSeek-V3 TP 2, a {chunked['prompt_tokens']}-token prompt in "
+                f"{ph['token_budget']}-token chunks / a {hit['prefix_hit_tokens']}-token prefix hit, KVPP off / on",
+                f"bytes per rank {_mib(max(chunked['bytes_per_rank']))} / {_mib(max(hit['bytes_per_rank']))} "
+                f"({'equal to' if ph['bytes_match_formula'] else 'NOT equal to'} the history read, once per layer; "
+                f"whole-layer slots would move {_mib(chunked['whole_layer_slots_bytes_per_rank'])} / "
+                f"{_mib(hit['whole_layer_slots_bytes_per_rank'])}); prefill time on / off "
+                f"{chunked['on_over_off']:.2f}x / {hit['on_over_off']:.2f}x", "`python benchmarks/vllm_prefill_history.py`"))
     ovl = _load("overlap")
     out.append((f"transfer hidden, runtime only, {ovl['layers']} x {ovl['layer_bytes'] // 2**20} MiB layers, "
                 "sleep stand-in", f"{ovl['hidden_fraction_vs_compute']:.3f} (1 - exposed/transfer); "

@@ -28,5 +28,6 @@ def pytest_terminal_summary(terminalreporter):
     if torch.cpu._is_amx_tile_supported():
         kind = "AMX_MLA (this host has AMX: bfloat16, block 128, chunked prefill and prefix caching)"
     else:
-        kind = "CPU_MLA (this host has no AMX: block 16, no chunked prefill or prefix caching for MLA)"
+        kind = ("CPU_MLA (this host has no AMX: block 16; vLLM CPU turns chunked prefill and prefix caching off for "
+                "MLA, and the checks of both restore them with tests/integrations/cpu_chunked_prefill.py)")
     terminalreporter.write_line(f"vLLM CPU's own MLA backend here: {kind}")

@@ -317,6 +317,27 @@ def test_plan_says_per_vllm_backend_whether_compact_slots_apply(capsys):
     assert "vllm_backends" not in plan_report_json(capsys, *common[:-2])  # whole-layer slots: nothing to choose
 
 
+@pytest.mark.parametrize("mtp,least", [(True, 6.8), (False, 7.5)])
+def test_plan_prints_vllms_defaults_with_compact_slots(capsys, mtp, least):
+    """DeepSeek-V3, TP 8, 64 GiB, 128K: under vLLM's defaults (chunked prefill and prefix caching on, MTP
+    or not) FLASHMLA and FLASH_ATTN_MLA take compact slots, since prefill history streams from the owners:
+    at least 6.8x with MTP and 7.5x without, above what whole-layer slots give (the control)."""
+    args = ("--model", "deepseek-v3", "--tp", "8", "--kv-memory", "64GiB", "--max-model-len", "131072",
+            *(("--mtp",) if mtp else ()))
+    report = plan_report_json(capsys, *args)
+    assert report["vllm_config"] == {"chunked_prefill": True, "prefix_caching": True,
+                                     "speculative": "mtp" if mtp else None,
+                                     "prefill_history": "streamed from each layer's owner"}
+    for name in ("FLASHMLA", "FLASH_ATTN_MLA"):
+        backend = report["vllm_backends"][name]
+        assert backend["slots"] == "compact" and backend["capacity_ratio"] >= least, (name, backend)
+        assert backend["capacity_ratio"] > report["capacity_ratio_whole_layer_slots"] + 1.0
+    assert main(["plan", *args]) == 0
+    text = capsys.readouterr().out
+    assert f"in vLLM with its defaults (chunked prefill and prefix caching on{', MTP' if mtp else ''})" in text
+    assert "streams from each layer's owner into vLLM's context workspace" in text
+
+
 @pytest.mark.parametrize("model,pcp,reason", [("deepseek-v3.2-exp", 1, "SFA: "), ("deepseek-v3", 2, "PCP: "),
                                               ("deepseek-v3", 1, None)])
 def test_plan_says_where_vllm_broadcasts_whole_layers_on_every_step(capsys, model, pcp, reason):

@@ -135,12 +135,17 @@ def plan_report(plan: KVPPPlan, available_bytes: int, *, max_model_len: int | No
         report["draft_sharding_gain"] = blocks / base if base else None
     if plan.compact:
         report["vllm_backends"] = vllm_backends(plan, available_bytes)
+        # What the per-backend rows assume: vLLM's defaults, whose prefill history streams from the owners.
+        report["vllm_config"] = {"chunked_prefill": True, "prefix_caching": True,
+                                 "speculative": "mtp" if plan.spec.draft_layers else None,
+                                 "prefill_history": "streamed from each layer's owner"}
     return report
 
 
 def vllm_backends(plan: KVPPPlan, available_bytes: int) -> dict[str, dict[str, Any]]:
     """Per vLLM MLA backend: whether its decode rows go to their owners, hence the slots vLLM takes with it
-    (compact only where every history row can go to its owner) and the capacity at this plan's block size.
+    (compact where they can: prefill history streams from the owners, under vLLM's defaults too) and the
+    capacity at this plan's block size.
     An fp8 cache keeps whole-layer slots on the backends that quantize their queries for it."""
     # The command line sits above the integrations (docs/design.md's layers), so it may import one.
     from kvpp_fx.integrations.vllm.backends import BACKENDS, owner_blocker

@@ -88,8 +88,10 @@ def format_plan_table(report: dict[str, Any]) -> str:
         lines.append(f"draft sharding gain over local drafts: {report['draft_sharding_gain']:.3f}x")
     backends = report.get("vllm_backends")
     if backends:
-        lines += ["", f"in vLLM, per MLA backend (compact slots need decode rows on their owners; at block size "
-                      f"{report['block_size']}; the backend's own block size in brackets):"]
+        lines += ["", f"in vLLM with its defaults (chunked prefill and prefix caching on"
+                      f"{', MTP' if report['draft_layers'] else ''}), per MLA backend (compact slots need "
+                      f"decode rows on their owners; at block size {report['block_size']}; the backend's own block "
+                      "size in brackets):"]
         for name, b in backends.items():
             if b["slots"] is None:
                 lines.append(f"  {name:<15} [{b['vllm_block_size']:>3}] {'-':>11}       {'-':>7}   {b['why']}")
@@ -98,9 +100,8 @@ def format_plan_table(report: dict[str, Any]) -> str:
                          f"  {'owner rows: ' if b['owner_rows'] else 'no owner rows: '}{b['why']}")
         lines.append("  a block size the backend reads as smaller kernel blocks (vLLM's virtual block splitting) is "
                      "refused by KVPP: plan at the size in brackets")
-        lines.append("  and only where no prefill row reads history: vLLM's CUDA defaults (chunked prefill, prefix "
-                     "caching on) keep whole-layer slots; set enable_chunked_prefill=False, "
-                     "enable_prefix_caching=False, and no speculative decoding, for compact ones")
+        lines.append("  a prefill row's history (later chunks, prefix-cache hits, verification rows run as prefill) "
+                     "streams from each layer's owner into vLLM's context workspace: it needs no slot")
     return "\n".join(lines)
 
 

@@ -88,3 +88,8 @@ class OwnerModeUnsupportedError(KVPPRuntimeError):
 
 class OwnerRoutingError(KVPPRuntimeError):
     """A routed cache op ran outside its layer's turn, or its head operands do not split as declared."""
+
+
+class ContextStreamError(KVPPRuntimeError):
+    """A prefill row's history was to stream from its layer's owner, and a chunk of it did not (or could
+    not): attention would have read rows this rank does not hold."""

@@ -231,7 +231,8 @@ class Forward:
         if position is None or self.routes[position].layer != layer:
             raise self._outside_turn(layer)
         if self._turn is None:
-            self._turn = LayerTurn(self.routes[position], self.path, self.exchange, self._before_exchange)
+            self._turn = LayerTurn(self.routes[position], self.path, self.exchange, self.parts.context_rows,
+                                   self._before_exchange)
         return self._turn
 
     def _before_exchange(self, turn: LayerTurn) -> None:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from kvpp_fx.runtime.active_blocks import Shape
 from kvpp_fx.runtime.agreement import Agreement
+from kvpp_fx.runtime.context_rows import ContextRows
 from kvpp_fx.runtime.pending import PendingChecks
 from kvpp_fx.runtime.stats import TransferStats
 from kvpp_fx.schedule import LayerSchedule
@@ -65,6 +66,7 @@ class ForwardParts:
     attention: AttentionShape | None
     exchange_group: dist.ProcessGroup | None  # owner mode's gathers and scatters: `group`'s ranks, its own communicator
     checks: PendingChecks  # a device's checks of earlier forwards, read later
+    context_rows: ContextRows  # prefill history streamed from each layer's owner, inside its turn
 
     @classmethod
     def assemble(cls, plan: Any, storage: CacheStorage, group: Any, rank: int, api: DeviceAPI, health: Health,
@@ -77,9 +79,12 @@ class ForwardParts:
         if transport is not None:
             agreement = Agreement(api, transport.collectives, agreement_group if agreement_group is not None else group,
                                   agreement_group is not None, storage.device)
-        return cls(plan.schedule(), routes, storage, api, transport, agreement, health,
-                   TransferStats(plan.target_layers), timeline, overlap, group, plan.group_size, attention,
-                   exchange_group if exchange_group is not None else group, PendingChecks(health))
+        stats = TransferStats(plan.target_layers)
+        exchange_group = exchange_group if exchange_group is not None else group
+        context_rows = ContextRows(api, transport.collectives if transport is not None else None, exchange_group,
+                                   plan.group_size, stats, timeline)
+        return cls(plan.schedule(), routes, storage, api, transport, agreement, health, stats, timeline, overlap,
+                   group, plan.group_size, attention, exchange_group, PendingChecks(health), context_rows)
 
 
 def group_rank(plan: Any, storage: CacheStorage, group: Any, **others: Any) -> int:

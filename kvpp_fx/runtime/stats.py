@@ -13,7 +13,7 @@ class ForwardRecord:
     """What one forward moved."""
 
     __slots__ = ("has_history", "mode", "broadcasts", "layers", "exchanges", "choice", "rows", "broadcast_bytes",
-                 "exchange_bytes")
+                 "exchange_bytes", "context_chunks", "context_bytes")
 
     def __init__(self, has_history: bool, mode: str = "broadcast", choice: dict[str, Any] | None = None,
                  rows: dict[str, int] | None = None) -> None:
@@ -24,17 +24,19 @@ class ForwardRecord:
         self.exchange_bytes = 0
         self.layers: list[int] = []  # broadcast layers, in completion order
         self.exchanges = 0  # owner-mode query/output exchanges
+        self.context_chunks = 0  # prefill history chunks streamed from their owners
+        self.context_bytes = 0
         self.choice = choice  # the "auto" cost comparison, when the mode was chosen
         self.rows = rows  # query tokens by path, when the forward named its requests
 
     @property
     def bytes(self) -> int:
-        return self.broadcast_bytes + self.exchange_bytes
+        return self.broadcast_bytes + self.exchange_bytes + self.context_bytes
 
     def as_dict(self) -> dict[str, Any]:
         return {"has_history": self.has_history, "mode": self.mode, "broadcasts": self.broadcasts,
                 "bytes": self.bytes, "broadcast_bytes": self.broadcast_bytes, "exchange_bytes": self.exchange_bytes,
-                "layers": list(self.layers), "exchanges": self.exchanges, "choice": self.choice, "rows": self.rows}
+                "context_chunks": self.context_chunks, "context_bytes": self.context_bytes, "layers": list(self.layers), "exchanges": self.exchanges, "choice": self.choice, "rows": self.rows}
 
 
 class TransferStats:
@@ -43,6 +45,8 @@ class TransferStats:
         self._broadcasts = [0] * len(layers)
         self._bytes = [0] * len(layers)
         self._exchanges = [0] * len(layers)
+        self._context_chunks = [0] * len(layers)
+        self.context_bytes = 0
         self.forwards = 0
         self.modes = {"broadcast": 0, "owner": 0, "hybrid": 0}
         self.rows = {"broadcast": 0, "owner": 0}  # query tokens by path, over forwards that named requests
@@ -94,6 +98,20 @@ class TransferStats:
             current.exchange_bytes += nbytes
             current.exchanges += 1
 
+    @property
+    def context_chunks(self) -> int:
+        return sum(self._context_chunks)
+
+    def record_context(self, position: int, nbytes: int) -> None:
+        """One chunk of prefill history streamed from the owner of the layer at `position`."""
+        self._bytes[position] += nbytes
+        self._context_chunks[position] += 1
+        self.context_bytes += nbytes
+        current = self.current
+        if current is not None:
+            current.context_bytes += nbytes
+            current.context_chunks += 1
+
     def snapshot(self, **extra: Any) -> dict[str, Any]:
         """Everything above as one new dict, plus `extra` keys (the runtime's allocation and state)."""
         return {
@@ -101,10 +119,12 @@ class TransferStats:
             "broadcasts": self.broadcasts,
             "bytes": self.bytes,
             "exchanges": self.exchanges,
+            "context_chunks": self.context_chunks,
+            "context_bytes": self.context_bytes,
             "modes": dict(self.modes),
             "rows": dict(self.rows),
             "per_layer": {layer: {"broadcasts": self._broadcasts[k], "exchanges": self._exchanges[k],
-                                  "bytes": self._bytes[k]} for k, layer in enumerate(self._layers)},
+                                  "context_chunks": self._context_chunks[k], "bytes": self._bytes[k]} for k, layer in enumerate(self._layers)},
             "last_forward": self.last.as_dict() if self.last is not None else None,
             **extra,
         }

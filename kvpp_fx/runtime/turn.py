@@ -3,7 +3,8 @@
 `Forward.wait` opens the turn, which `Forward.turn` hands out (built when first asked for); what runs
 inside the turn acts on it, never on the forward: a routed op (`RoutedOp`) or a vLLM attention hook
 asks the turn whether this rank runs the layer's owner-local ops (`owned`), which path the forward's
-requests take (`path`), and sends a head-separable op's rows to the layer's owner (`owner_compute`).
+requests take (`path`), sends a head-separable op's rows to the layer's owner (`owner_compute`), and
+streams a chunk of prefill history from the owner (`stream_history`).
 The facade hands the open turn to whoever asks for it by layer (`KVPPRuntime.turn`).
 
 Invariant: a turn acts only while it is open. `Forward.turn` refuses a layer whose turn is not the open
@@ -21,6 +22,7 @@ import torch
 from kvpp_fx.runtime.errors import OwnerRoutingError
 
 if TYPE_CHECKING:
+    from kvpp_fx.runtime.context_rows import ContextRows
     from kvpp_fx.runtime.owner_exchange import HeadRule, OwnerExchange
     from kvpp_fx.runtime.parts import LayerRoute
     from kvpp_fx.runtime.path import ChosenPath
@@ -31,13 +33,14 @@ class LayerTurn:
 
     A plain class with slots: a forward opens one per target layer, on the host's path of every step."""
 
-    __slots__ = ("route", "path", "exchange", "before_exchange")
+    __slots__ = ("route", "path", "exchange", "context_rows", "before_exchange")
 
     def __init__(self, route: LayerRoute, path: ChosenPath, exchange: OwnerExchange | None,
-                 before_exchange: Callable[[LayerTurn], None]) -> None:
+                 context_rows: ContextRows, before_exchange: Callable[[LayerTurn], None]) -> None:
         self.route = route
         self.path = path
         self.exchange = exchange  # None when no row of the forward goes to an owner
+        self.context_rows = context_rows
         self.before_exchange = before_exchange  # the forward's checks before an exchange: still open, agreed
 
     @property
@@ -68,3 +71,9 @@ class LayerTurn:
                                     f"a {self.path.mode}-mode forward.")
         return self.exchange.compute(route.layer, route.position, route.owned, route.src, rule, heads, compute,
                                      output_like)
+
+    def stream_history(self, rows: torch.Tensor, gather: Callable[[], object]) -> None:
+        """Fill ``rows`` with one chunk of a prefill row's history from the layer's owner: ``gather()``
+        writes it there on the owner, one broadcast brings it to every rank (`ContextRows.stream`)."""
+        self.before_exchange(self)
+        self.context_rows.stream(self.route, rows, gather)

@@ -28,7 +28,7 @@ from kvpp_fx.integrations.vllm.config import (KVPP_CONNECTOR_MODULE, MSG_DCP, MS
                                               MSG_NOT_KVPP_CONNECTOR, MSG_PRODUCER_ONLY, MSG_SPEC_METHOD,
                                               MSG_SPEC_TOKENS, MSG_VLLM_CONNECTOR)
 from kvpp_fx.integrations.vllm.compile_modes import KVPP_BACKEND, MSG_BACKEND, TORCH_BACKENDS, compile_digest
-from tests.integrations import triton_mla_on_cpu
+from tests.integrations import cpu_chunked_prefill, triton_mla_on_cpu
 from tests.integrations.tiny_model import NUM_LAYERS, make_tiny_deepseek
 
 pytestmark = pytest.mark.vllm
@@ -691,18 +691,124 @@ def test_pcp_groups_give_the_tokens_of_kvpp_off(runner_runs):
     assert on["faulty"] != on["tokens"]
 
 
+# vLLM's defaults on CUDA, on any CPU: chunked prefill and prefix caching on (restored after vLLM CPU turns
+# them off for MLA, `cpu_chunked_prefill`), a 128-token budget so that the 340- to 390-token prompts of
+# `shared_prefixes` prefill in chunks, and their second wave hits the first's 300-token prefix. 64 MiB
+# of KV per rank, float32, blocks of 16: compact slots of 512 / 16 + 128 / 16 = 40 blocks.
+CHUNKED_ENV = {cpu_chunked_prefill.ENV: "1"}
+HISTORY_ROWS = {"dtype": "float32", "block_size": 16, "max_model_len": 512, "enable_chunked_prefill": True,
+                "enable_prefix_caching": True, "max_num_batched_tokens": 128, "kv_cache_memory_bytes": 64 << 20,
+                "disable_log_stats": False}
+WRONG_RANK_HISTORY = "tests.support.faults:WrongRankHistory"
+SKIPPED_HISTORY = "tests.support.faults:SkippedHistory"
+
+
+@pytest.fixture(scope="module")
+def streamed_runs(tiny_deepseek):
+    """CPU_MLA at TP 2 with chunked prefill and prefix caching on: with MTP in eager mode (CPU_MLA runs its
+    verification rows as prefill rows, so their history streams too), and without MTP in mode 3; KVPP off
+    and on each. Negative controls on the MTP engine: each history chunk broadcast from the rank that
+    gathered nothing, then no chunk broadcast at all."""
+    mtp = {**HISTORY_ROWS, **EAGER, "attention_backend": "CPU_MLA", "speculative_config": MTP_CPU_MLA}
+    plain = {**HISTORY_ROWS, "attention_backend": "CPU_MLA"}
+    shared = {"env": CHUNKED_ENV, "workload": "shared_prefixes"}
+    variants = {
+        "mtp-off": {"args": mtp, **shared},
+        "mtp-on": {"kvpp": True, "args": mtp, **shared, "fault": WRONG_RANK_HISTORY,
+                   "phases": [{"name": "skipped", "workload": "shared_prefixes", "fault": SKIPPED_HISTORY}]},
+        "off": {"args": plain, "mode3": True, **shared},
+        "on": {"kvpp": True, "args": plain, "mode3": True, **shared},
+    }
+    return run_engines(tiny_deepseek, variants)
+
+
+def _streamed_pairs(runs):
+    return [("MTP, eager", runs["mtp-off"], runs["mtp-on"], 1.5), ("mode 3", runs["off"], runs["on"], 1.7)]
+
+
+def test_chunked_prefill_prefix_caching_and_mtp_keep_compact_slots_with_the_tokens_of_kvpp_off(streamed_runs):
+    """vLLM's defaults keep compact slots: later chunks, prefix hits and CPU_MLA's verification rows read
+    their history from chunks the owners stream; the tokens of KVPP off over two waves, and at least
+    1.5x the blocks of KVPP off with MTP (one local draft layer next to 3 owned), 1.7x without."""
+    for name, off, on, ratio in _streamed_pairs(streamed_runs):
+        assert on["config"]["chunked_prefill"] and on["config"]["prefix_caching"], name
+        assert on["config"]["max_num_batched_tokens"] == 128 and on["config"]["mode"] == (0 if "MTP" in name else 3)
+        assert on["tokens"] == off["tokens"] and len(on["tokens"]) == 3, name
+        assert all(len(t) == 16 for t in on["tokens"]) and len(set(on["tokens"][1])) > 1, name
+        assert on["prefix_cache_hits"] == off["prefix_cache_hits"] >= 288, name  # 18 blocks of the shared prefix
+        assert on["num_blocks"][0] >= ratio * off["num_blocks"][0], (name, on["num_blocks"], off["num_blocks"])
+        for stats in on["stats"]:
+            assert (stats["scratch_blocks"], stats["compact_blocker"], stats["streams_history"]) == (40, None, True)
+            assert stats["prefill_rows_with_history"] > 0 and stats["context_chunks"] > 0, (name, stats)
+            assert stats["packed_layers"] > 0, (name, stats)
+
+
+def test_streamed_history_moves_what_it_reads_never_whole_layers(streamed_runs):
+    """Bytes: each streamed chunk is its tokens' latent rows (576 float32 values each); nothing travels as
+    a whole layer, and no prefill row's block takes a slot position (the packed lists hold decode rows'
+    blocks only, fewer than the history read)."""
+    page = 16 * 576 * 4
+    for name, _, on, _ in _streamed_pairs(streamed_runs):
+        for stats in on["stats"]:
+            assert stats["context_bytes"] % (576 * 4) == 0 and stats["context_bytes"] > 0, (name, stats)
+            assert stats["bytes"] - stats["context_bytes"] < stats["num_blocks"] * page * stats["forwards"], name
+
+
+def test_history_chunks_from_the_wrong_rank_or_none_change_the_tokens(streamed_runs):
+    on = streamed_runs["mtp-on"]
+    assert on["faulty"] != on["tokens"]
+    assert all(s["device_api"] == WRONG_RANK_HISTORY for s in on["faulty_stats"])
+    skipped = on["phases"]["skipped"]
+    assert skipped["tokens"] != on["tokens"]
+    assert all(s["device_api"] == SKIPPED_HISTORY and s["context_chunks"] > 0 for s in skipped["stats"])
+
+
+@pytest.fixture(scope="module")
+def triton_streamed_runs(tiny_deepseek):
+    """TRITON_MLA (its Triton decode kernel interpreted, `triton_mla_on_cpu`) with MTP and chunked prefill
+    and prefix caching on, eager: its metadata takes MTP's verification rows as decode rows (two queries
+    each), which read compact slots by broadcast in "auto" and go to their owners in owner mode; later
+    chunks and prefix hits stream. KVPP off, then on ("auto", then owner mode)."""
+    env = {**CHUNKED_ENV, triton_mla_on_cpu.ENV: "1"}
+    args = {**HISTORY_ROWS, **EAGER, "attention_backend": "TRITON_MLA",
+            "speculative_config": {**MTP, "attention_backend": "TRITON_MLA"}}
+    eight = {"max_tokens": 8}  # the interpreted decode kernel costs per step: fewer steps
+    common = {"args": args, "env": env, "workload": "shared_prefixes", "sampling": eight}
+    variants = {"off": common,
+                "on": {"kvpp": True, **common, "phases": [{"name": "owner", "mode": "owner",
+                                                           "workload": "shared_prefixes"}]}}
+    return run_engines(tiny_deepseek, variants)
+
+
+def test_triton_mla_with_mtp_and_chunked_prefill_keeps_compact_slots_with_the_tokens_of_kvpp_off(
+        triton_streamed_runs):
+    off, on = triton_streamed_runs["off"], triton_streamed_runs["on"]
+    assert on["config"]["chunked_prefill"] and on["config"]["prefix_caching"] and on["config"]["model_runner"] == "V2"
+    assert on["tokens"] == off["tokens"] and len(set(off["tokens"][1])) > 1
+    assert on["prefix_cache_hits"] == off["prefix_cache_hits"] >= 288
+    assert on["num_blocks"][0] >= 1.5 * off["num_blocks"][0], (on["num_blocks"], off["num_blocks"])
+    for stats in on["stats"]:
+        assert stats["attention_backends"] == ["TRITON_MLA"] and stats["compact_blocker"] is None, stats
+        assert stats["context_chunks"] > 0 and stats["broadcasts"] > 0, stats  # verification rows read by broadcast
+    owner = on["phases"]["owner"]
+    assert owner["tokens"] == off["tokens"]
+    for stats in owner["stats"]:  # each verification step's two queries per request ran on the owners
+        assert stats["exchanges"] > 0 and stats["rows"]["owner"] > 0 and stats["context_chunks"] > 0, stats
+
+
 @pytest.fixture(scope="module")
 def platform_backend_runs(tiny_deepseek):
-    """vLLM CPU's own choice of MLA backend, in bfloat16 with MTP, eager: AMX_MLA on AMX hosts (block
-    128, chunked prefill, prefix caching), CPU_MLA elsewhere. Prompts sharing a 300-token prefix, in two
-    waves (the second hits the first's prefix); on AMX hosts longer than a 256-token budget."""
-    common = {"dtype": "bfloat16", "speculative_config": MTP, **EAGER}
-    if HOST_HAS_AMX:  # without chunked prefill (CPU_MLA), a prompt longer than the budget never runs
-        common["max_num_batched_tokens"] = 256
-    variants = {
-        "off": {"args": common, "workload": "shared_prefixes"},
-        "on": {"kvpp": True, "args": common, "workload": "shared_prefixes", "fault": FAULT},
-    }
+    """vLLM CPU's own choice of MLA backend, in bfloat16 with MTP, eager, with chunked prefill and prefix
+    caching on and a 256-token budget: AMX_MLA on AMX hosts (block 128; vLLM keeps both on), CPU_MLA
+    elsewhere (block 16; both restored by `cpu_chunked_prefill`). Prompts sharing a 300-token prefix,
+    longer than the budget, in two waves (the second hits the first's prefix). The negative control fits
+    the path the history takes: broadcast whole-layer or packed slots on AMX_MLA (read through tables as
+    given), streamed from the owners on CPU_MLA (broadcast from the wrong rank)."""
+    common = {"dtype": "bfloat16", "speculative_config": MTP, "max_num_batched_tokens": 256,
+              "enable_chunked_prefill": True, "enable_prefix_caching": True, **EAGER}
+    fault = FAULT if HOST_HAS_AMX else WRONG_RANK_HISTORY
+    shared = {"env": CHUNKED_ENV, "workload": "shared_prefixes"}
+    variants = {"off": {"args": common, **shared}, "on": {"kvpp": True, "args": common, **shared, "fault": fault}}
     return run_engines(tiny_deepseek, variants)
 
 
@@ -714,17 +820,23 @@ def test_the_platforms_own_mla_backend_gives_the_tokens_of_kvpp_off(platform_bac
     assert all(len(t) == 16 for t in on["tokens"]) and len(set(on["tokens"][1])) > 1
     # The negative control on this backend.
     assert on["faulty"] != on["tokens"]
-    assert all(s["broadcasts"] > 0 for s in on["stats"])
+    assert all(s["broadcasts"] + s["context_chunks"] > 0 for s in on["stats"])
 
 
-@pytest.mark.skipif(not HOST_HAS_AMX, reason="this host has no AMX: vLLM CPU runs MLA on CPU_MLA, with chunked "
-                    "prefill and prefix caching off, so no prefill reads computed blocks")
-def test_amx_chunked_prefill_and_prefix_hits_read_broadcast_history(platform_backend_runs):
+def test_chunked_prefill_and_prefix_hits_read_history_from_the_owners(platform_backend_runs):
+    """On every host: later chunks and prefix-cache hits read history the other ranks do not hold. AMX_MLA
+    (no owner rows) keeps whole-layer slots, into which the history is broadcast; CPU_MLA takes compact
+    slots, and the owners stream the history into vLLM's context workspace."""
     on = platform_backend_runs["on"]
     assert on["config"]["chunked_prefill"] and on["config"]["prefix_caching"]
-    # Later prefill chunks and prefix-cache hits attended over blocks that other ranks broadcast.
     assert all(s["prefill_rows_with_history"] > 0 for s in on["stats"])
     assert on["tokens"] == platform_backend_runs["off"]["tokens"]
+    for stats in on["stats"]:
+        if HOST_HAS_AMX:
+            assert stats["compact_blocker"] is not None and stats["broadcasts"] > 0, stats
+        else:
+            assert (stats["compact_blocker"], stats["streams_history"]) == (None, True), stats
+            assert stats["context_chunks"] > 0, stats
 
 
 # --- online serving -------------------------------------------------------------------------------------

@@ -139,7 +139,9 @@ def test_vllm_takes_compact_slots_where_they_hold_more_blocks():
     assert choose_plan(small, whole, 20 * mib, explicit=True)[0] is small
 
 
-def test_compact_slots_need_every_history_row_to_be_sheddable():
+def test_compact_slots_need_every_history_row_to_be_sheddable_or_streamed():
+    """Where prefill history streams from the owners, chunked prefill, prefix caching, a long-prefill
+    threshold and speculative decoding keep compact slots; where it cannot, each is named as the blocker."""
     from types import SimpleNamespace as NS
 
     from kvpp_fx.integrations.vllm.scratch import compact_blocker
@@ -150,17 +152,26 @@ def test_compact_slots_need_every_history_row_to_be_sheddable():
                     parallel_config=NS(use_ubatching=False))
         return NS(**{**base, **changes})
 
-    assert compact_blocker(config(), None) is None
-    cases = {
+    defaults = config(speculative_config=NS(method="mtp"), scheduler_config=NS(enable_chunked_prefill=True,
+                      long_prefill_token_threshold=256), cache_config=NS(enable_prefix_caching=True))
+    assert compact_blocker(config(), None, streams_history=False) is None
+    assert compact_blocker(defaults, None, streams_history=True) is None
+    history = {
+        "speculative decoding is on": config(speculative_config=NS(method="mtp")),
+        "chunked prefill is on": config(scheduler_config=NS(enable_chunked_prefill=True)),
+        "long_prefill_token_threshold is set": config(scheduler_config=NS(enable_chunked_prefill=False,
+                                                                          long_prefill_token_threshold=256)),
+        "prefix caching is on": config(cache_config=NS(enable_prefix_caching=True)),
+    }
+    for reason, vllm_config in history.items():
+        why = compact_blocker(vllm_config, None, streams_history=False)
+        assert reason in why and "reads prefill history only from its cache" in why, reason
+        assert compact_blocker(vllm_config, None, streams_history=True) is None, reason
+    always = {
         "decode rows cannot go to their owners (backend X)": (config(), "backend X"),
         "the model is SFA": (config(model_config=NS(use_mla=True, is_hybrid=False, hf_config=NS(index_topk=8))), None),
-        "speculative decoding is on": (config(speculative_config=NS(method="mtp")), None),
-        "chunked prefill is on": (config(scheduler_config=NS(enable_chunked_prefill=True)), None),
-        "long_prefill_token_threshold is set": (config(scheduler_config=NS(enable_chunked_prefill=False,
-                                                                           long_prefill_token_threshold=256)), None),
-        "prefix caching is on": (config(cache_config=NS(enable_prefix_caching=True)), None),
         "a KV connector is set": (config(kv_transfer_config=NS(kv_connector="MooncakeConnectorV2")), None),
         "micro-batching (DBO) is on": (config(parallel_config=NS(use_ubatching=True)), None),
     }
-    for reason, (vllm_config, owner_blocker) in cases.items():
-        assert reason in compact_blocker(vllm_config, owner_blocker), reason
+    for reason, (vllm_config, owner_blocker) in always.items():
+        assert reason in compact_blocker(vllm_config, owner_blocker, streams_history=True), reason

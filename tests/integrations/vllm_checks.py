@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import tests.integrations.triton_interpreter  # noqa: F401, I001  (before vLLM is imported)
 from tests.integrations import triton_mla_on_cpu  # noqa: I001  (TRITON_MLA on CPU, where an engine's env asks)
+from tests.integrations import cpu_chunked_prefill  # noqa: I001  (MLA's chunked prefill on CPU, where asked)
 
 import contextlib
 import dataclasses
@@ -199,6 +200,8 @@ def generate(model_dir: str, variant: dict) -> dict:
     with _environment(variant.get("env", {})):
         if os.environ.get(triton_mla_on_cpu.ENV):
             triton_mla_on_cpu.apply()
+        if os.environ.get(cpu_chunked_prefill.ENV):
+            cpu_chunked_prefill.apply()
         with keep_mode_3() if variant.get("mode3") else contextlib.nullcontext():
             llm = LLM(**args)
         try:
@@ -240,6 +243,8 @@ def _drive(llm, variant: dict, worker_stats, SamplingParams) -> dict:
     warm_up = llm.collective_rpc(v2_warm_up) if variant.get("v2_warm_up") else None
     result = {"v2_warm_up": warm_up, "tokens": run(), "stats": llm.collective_rpc(worker_stats),
               "num_blocks": llm.collective_rpc(vllm_num_blocks), "config": _config_summary(llm)}
+    if variant.get("args", {}).get("disable_log_stats") is False:
+        result["prefix_cache_hits"] = _counter(llm, "vllm:prefix_cache_hits")
     if variant.get("fault"):
         llm.reset_prefix_cache()
         llm.collective_rpc("kvpp_set_device_api", args=(variant["fault"],))
@@ -404,6 +409,11 @@ def split(_: str = "") -> dict:
                            "inputs": inputs})
         out[first_prefetch] = pieces
     return out
+
+
+def _counter(llm, name: str) -> int:
+    """One of vLLM's counters, summed (log stats on)."""
+    return sum(int(m.value) for m in llm.get_metrics() if m.name == name)
 
 
 def _external_hits(llm) -> int:

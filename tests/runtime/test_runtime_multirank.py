@@ -86,7 +86,7 @@ def test_every_rank_reads_the_owners_bytes(world, tp, pp):
                 assert record["bytes"] == len(stage_layers) * bytes_per_layer
         with_history = sum(1 for f in range(forwards) if f % 3)
         assert res["stats"]["bytes"] == with_history * len(stage_layers) * bytes_per_layer
-        assert all(v == {"broadcasts": with_history, "exchanges": 0, "bytes": with_history * bytes_per_layer}
+        assert all(v == {"broadcasts": with_history, "exchanges": 0, "context_chunks": 0, "bytes": with_history * bytes_per_layer}
                    for v in res["stats"]["per_layer"].values())
         # each rank keeps only its own layers, plus two scratch buffers
         assert res["stats"]["persistent_layers"] == res["owned"]

@@ -152,3 +152,29 @@ class SkewedBroadcasts(DeviceAPI):
         time.sleep(self._rng.uniform(0.0, self.max_s))
         return super().broadcast(tensor, src, group)
 
+
+
+def _history_chunk(tensor) -> bool:
+    """A prefill history chunk (`ContextRows`): the only broadcast of values; a slot's blocks travel as bytes."""
+    return tensor.dtype.is_floating_point
+
+
+class WrongRankHistory(DeviceAPI):
+    """Every prefill history chunk is broadcast from the rank after the layer's owner, which gathered
+    nothing: every rank attends over another rank's stale workspace."""
+
+    def broadcast(self, tensor, src, group):
+        if _history_chunk(tensor):
+            ranks = dist.get_process_group_ranks(group)
+            src = ranks[(ranks.index(src) + 1) % len(ranks)]
+        return super().broadcast(tensor, src, group)
+
+
+class SkippedHistory(DeviceAPI):
+    """No prefill history chunk is broadcast: the owner's gather stays on the owner, and the other ranks
+    attend over what their workspace held before."""
+
+    def broadcast(self, tensor, src, group):
+        if _history_chunk(tensor):
+            return _DoneWork()
+        return super().broadcast(tensor, src, group)

@@ -27,7 +27,7 @@ import torch
 
 from kvpp_fx.cache.cost import Mode
 from kvpp_fx.integrations.vllm.config import model_kind_of, parse_kvpp_mode
-from kvpp_fx.integrations.vllm import owner_rows, scratch
+from kvpp_fx.integrations.vllm import context_stream, owner_rows, scratch
 from kvpp_fx.integrations.vllm.layout import plan_loaded_model
 from kvpp_fx.integrations.vllm.specs import INDEXER_COMPONENT
 from kvpp_fx.integrations.vllm.state import EngineState, hook_error
@@ -44,7 +44,8 @@ def prepare_model(runner: Any, state: EngineState) -> None:
     plan_loaded_model(runner, state)
     hooked = hook_attention(runner, state)
     choices = state.attention
-    choices.compact_blocker = (scratch.compact_blocker(state.vllm_config, choices.owner_blocker)
+    choices.compact_blocker = (scratch.compact_blocker(state.vllm_config, choices.owner_blocker,
+                                                       choices.streams_history)
                                if state.config.size > 1 else "KVPP is off")
     if state.config.scratch_blocks is not None and choices.compact_blocker is not None:
         raise scratch.ScratchLayoutError(scratch.refusal(choices.compact_blocker))
@@ -187,7 +188,9 @@ def hook_attention(runner: Any, state: EngineState) -> int:
         choices.owner_blocker = own_cache_writes_under_capture({type(layer) for layer in mla}, breakable_cudagraphs())
     if choices.mode == Mode.OWNER and choices.owner_blocker is not None:
         raise owner_rows.OwnerRowsUnsupportedError(owner_refusal(choices.owner_blocker))
-    hooked = 0
+    hooked, streaming = 0, []
+    if choices.owner_blocker is None:
+        context_stream.wrap_gathers()
     for name, index in vplan.layer_index.items():
         if index not in targets:
             continue
@@ -200,11 +203,13 @@ def hook_attention(runner: Any, state: EngineState) -> int:
             choices.metadata_layer = choices.metadata_layer or name
             if choices.owner_blocker is None:
                 owner_rows.hook_impl(reader, state, index)
+                streaming.append(context_stream.hook_impl(reader))
         if reader is None:
             raise hook_error(f"cache reader of {name!r}", "no module of the model reads this cache.")
         reader._kvpp_engine, reader._kvpp_layer = state, index
         reader.__class__ = waiting_class(type(reader), isinstance(reader, MLAAttention))
         hooked += 1
+    choices.streams_history = bool(streaming) and all(streaming)
     return hooked
 
 

@@ -87,11 +87,14 @@ def why_not_owner_capable(backends: set[str], model_kind: str, pcp: int,
     return None
 
 
-def step_requests(attn_metadata: Any, layer_name: str, batch: StepBatch,
-                  owner_capable: bool) -> tuple[tuple[RequestRows, ...], int] | None:
+def step_requests(attn_metadata: Any, layer_name: str, batch: StepBatch, owner_capable: bool,
+                  streams_history: bool = False) -> tuple[tuple[RequestRows, ...], int] | None:
     """The step's requests for `KVPPRuntime.forward(requests=...)`: the decode rows (the first
     ``num_decodes`` requests of the layer's MLA metadata) as one group, then each prefill request; and
-    the number of decode requests. None when the step has no MLA metadata for the layer."""
+    the number of decode requests. None when the step has no MLA metadata for the layer.
+
+    ``streams_history``: the prefill rows' history streams from the owners (`context_stream`), so a
+    prefill row lists no block at all."""
     metadata = attn_metadata
     if isinstance(metadata, list):  # micro-batches (DBO): their rows are not the batch's; broadcast instead
         return None
@@ -110,9 +113,12 @@ def step_requests(attn_metadata: Any, layer_name: str, batch: StepBatch,
     # A prefill row without history attends over its own new keys, never the cache: on a rank reading
     # the layer from its scratch slot its blocks need no position there (their writes are dropped; the
     # owner's persistent copy is what later steps receive). So a step of fresh prompts packs nothing.
+    # With streamed history, its history is in no slot either, and its writes are read by no rank but
+    # the owner (whose gather follows the layer's cache write: a same-step prefix hit reads them there).
     resumed = computed > 0
-    requests += [RequestRows(int(query[i]), int(pairs[i]), history_blocks(batch, i, i + 1), False,
-                             written_blocks(batch, i, i + 1) if resumed[i] else EMPTY)
+    requests += [RequestRows(int(query[i]), int(pairs[i]),
+                             EMPTY if streams_history else history_blocks(batch, i, i + 1), False,
+                             written_blocks(batch, i, i + 1) if resumed[i] and not streams_history else EMPTY)
                  for i in range(num_decodes, batch.num_reqs)]
     return tuple(requests), num_decodes
 

@@ -2,23 +2,23 @@
 
 A compact slot (`KVPPPlan.scratch_blocks`) holds S blocks: those of a request of ``max_model_len``
 tokens plus those a full budget of ``max_num_batched_tokens`` fills (`scratch_blocks_for`), or
-``additional_config.kvpp_scratch_blocks``. A step whose broadcast set is wider sends rows to their
-owners (`cost.fit_rows`), and only decode rows can go there (`owner_rows`). So a compact slot holds
-every step only where each row that reads history is a decode row its owner can run:
+``additional_config.kvpp_scratch_blocks``. What a step puts there: the history of its decode rows that
+read by broadcast, and the blocks those rows write. A step whose decode rows read more sends them to
+their owners (`cost.fit_rows`, `owner_rows`). A prefill row's history never takes a slot position: its
+layer's owner streams each chunk of it into vLLM's context workspace (`context_stream`), whether the
+history is a later chunk (chunked prefill, ``long_prefill_token_threshold``), a prefix-cache hit, a
+speculative verification row that the backend runs as a prefill row (CPU_MLA), or a resumed
+streaming-input session. So a compact slot holds every step where:
 
 - the attention backend runs decode rows on the owner (`owner_rows.why_not_owner_capable`);
-- no prefill row reads history: neither chunked prefill (later chunks) nor prefix caching (hits);
-- no speculative decoding: its verification rows reach vLLM CPU's decode kernel as prefill rows
-  with history (one query per request there);
-- no ``long_prefill_token_threshold`` (it splits long prompts even without chunked prefill) and no KV
-  connector (external tokens arrive as history);
+- its MLA impl reads prefill history through vLLM's chunked context (`context_stream.hook_impl`);
+  elsewhere the older rule holds: no prefill row may read history (no chunked prefill, prefix caching,
+  ``long_prefill_token_threshold`` nor speculative decoding);
+- no KV connector: it saves and loads whole pools, and its external tokens are history no owner has;
 - no micro-batched (DBO) steps, whose per-micro-batch metadata KVPP does not remap.
 
-Prefill rows without history take no slot positions (`owner_rows.step_requests`), so a budget of
-fresh prompts packs nothing, however many requests share it. One source of prefill history stays
-outside what the configuration shows: a resumed streaming-input session (``AsyncLLM.generate`` with an
-async-generator prompt). Such a step still broadcasts its history, and one wider than a slot is
-refused on every rank before anything moves (`ScratchOverflowError`).
+Prefill rows take no slot positions (`owner_rows.step_requests`): a budget of prompts packs nothing,
+however many requests share it, and a step's packed list is its broadcast decode rows' alone.
 
 Elsewhere vLLM keeps whole-layer slots, and an explicit ``kvpp_scratch_blocks`` is refused naming
 the reason. Where compact slots can run, the worker takes whichever layout holds more blocks in its
@@ -43,24 +43,20 @@ class ScratchLayoutError(ValueError):
     """``additional_config.kvpp_scratch_blocks`` cannot be honoured by this engine."""
 
 
-def config_blocker(vllm_config: Any) -> str | None:
-    """Why, from the configuration alone, a step here may read more history than it can shed to owners."""
+def config_blocker(vllm_config: Any, streams_history: bool = True) -> str | None:
+    """Why, from the configuration alone, a step here may read more history than it can shed to owners
+    (`streams_history`: whether prefill history streams from the owners instead of a slot)."""
     scheduler = getattr(vllm_config, "scheduler_config", None)
     cache = getattr(vllm_config, "cache_config", None)
     parallel = getattr(vllm_config, "parallel_config", None)
     kind = model_kind_of(getattr(vllm_config, "model_config", None))
     if kind != "mla":
         return f"the model is {kind.upper()}: its decode rows do not go to the owner"
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        return ("speculative decoding is on: its verification rows read their history as prefill rows, which "
-                "never go to the owner")
-    if getattr(scheduler, "enable_chunked_prefill", False):
-        return "chunked prefill is on: a later chunk reads its history as a prefill row, which never goes to the owner"
-    if getattr(scheduler, "long_prefill_token_threshold", 0):
-        return ("long_prefill_token_threshold is set: a long prompt's later part reads its history as a prefill row, "
-                "which never goes to the owner")
-    if getattr(cache, "enable_prefix_caching", False):
-        return "prefix caching is on: a prefix hit is a prefill row's history, which never goes to the owner"
+    if not streams_history:
+        why = _prefill_history(vllm_config, scheduler, cache)
+        if why is not None:
+            return (f"{why}, and this attention backend reads prefill history only from its cache (not through "
+                    "vLLM's chunked context, which KVPP streams from the owners)")
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         return "a KV connector is set: its external tokens are a prefill row's history, and it reads whole pools"
     if getattr(parallel, "use_ubatching", False):
@@ -68,12 +64,25 @@ def config_blocker(vllm_config: Any) -> str | None:
     return None
 
 
-def compact_blocker(vllm_config: Any, owner_blocker: str | None) -> str | None:
+def _prefill_history(vllm_config: Any, scheduler: Any, cache: Any) -> str | None:
+    """Which setting lets a prefill row read history, or None."""
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return "speculative decoding is on: its verification rows may read their history as prefill rows"
+    if getattr(scheduler, "enable_chunked_prefill", False):
+        return "chunked prefill is on: a later chunk reads its history as a prefill row"
+    if getattr(scheduler, "long_prefill_token_threshold", 0):
+        return "long_prefill_token_threshold is set: a long prompt's later part reads its history as a prefill row"
+    if getattr(cache, "enable_prefix_caching", False):
+        return "prefix caching is on: a prefix hit is a prefill row's history"
+    return None
+
+
+def compact_blocker(vllm_config: Any, owner_blocker: str | None, streams_history: bool) -> str | None:
     """Why compact slots cannot run on this engine (`owner_blocker`: why its decode rows cannot go to
-    the owner), or None."""
+    the owner; `streams_history`: whether its prefill history streams from the owners), or None."""
     if owner_blocker is not None:
         return f"decode rows cannot go to their owners ({owner_blocker})"
-    return config_blocker(vllm_config)
+    return config_blocker(vllm_config, streams_history)
 
 
 def refusal(why: str) -> str:

@@ -124,6 +124,7 @@ class AttentionChoices:
     mode: Mode = Mode.AUTO
     owner_blocker: str | None = None  # why decode rows cannot go to the owner here, or None
     compact_blocker: str | None = None  # why scratch slots here must hold whole layers, or None
+    streams_history: bool = False  # every target MLA impl streams its prefill context from the owner
     metadata_layer: str | None = None  # a target MLA layer whose metadata names the step's decode rows
 
 

@@ -32,6 +32,7 @@ def worker_stats(worker: Any = None) -> dict[str, Any] | None:
     stats["scratch_blocks"] = state.layout.scratch_blocks
     stats["slot_blocks"] = runtime.storage.slot_blocks
     stats["compact_blocker"] = state.attention.compact_blocker
+    stats["streams_history"] = state.attention.streams_history
     stats["kvpp_mode"] = state.attention.mode
     stats["owner_blocker"] = state.attention.owner_blocker
     stats["prefill_rows_with_history"] = counters.prefill_rows_with_history

@@ -7,7 +7,8 @@ the metadata, never from a device read:
 
 - ``has_history``: any scheduled request with computed tokens (the seed's rule);
 - with owner-capable MLA metadata, the step's requests (`owner_rows.step_requests`), each taking its
-  path by the engine's mode; else the union of the blocks holding history (`batch.active_blocks`) and
+  path by the engine's mode (with compact slots, a prefill row's history streams from the owners
+  instead, `context_stream`, and lists no block); else the union of the blocks holding history (`batch.active_blocks`) and
   of those the step fills (`batch.written_blocks`), so a packed slot gives each a position;
 - whole layers where the metadata cannot be remapped to packed slots: micro-batched (DBO) steps, SFA
   models, and prefill context parallelism, whose metadata is each rank's part of the batch.
@@ -61,7 +62,8 @@ def step_rows(state: EngineState, metadata, batch: StepBatch):
     if choices.metadata_layer is None or metadata is None:
         return None
     return owner_rows.step_requests(metadata, choices.metadata_layer, batch,
-                                    owner_capable=choices.owner_blocker is None)
+                                    owner_capable=choices.owner_blocker is None,
+                                    streams_history=state.layout.scratch_blocks is not None)
 
 
 def packs(state: EngineState, metadata) -> bool:

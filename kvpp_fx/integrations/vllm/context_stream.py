@@ -1,0 +1,140 @@
+"""Prefill history in vLLM's MLA: each context chunk streamed from the layer's owner into vLLM's workspace.
+
+vLLM's MLA prefill reads a prefill row's history (a later chunk of a long prompt, a prefix-cache hit,
+a speculative verification row that the backend runs as a prefill row, as CPU_MLA does) in bounded
+chunks: ``MLACommonImpl._compute_prefill_context`` gathers each chunk of context out of the paged cache
+into ``chunked_context.workspace`` with one of vLLM's gather ops, up-projects it with ``kv_b_proj`` and
+merges the partial attentions by LSE. On an engine with compact scratch slots a prefill row's history
+takes no position in the slot (`owner_rows.step_requests`). Instead, for each chunk of a target layer,
+the layer's owner runs vLLM's own gather over its persistent cache and broadcasts the gathered rows
+into every rank's workspace (`LayerTurn.stream_history`); the other ranks gather nothing. What follows
+the gather runs as vLLM wrote it, on every rank.
+
+How: the impl's ``_compute_prefill_context`` marks its call (`STREAMING` holds the layer's turn), and
+vLLM's gather ops, wrapped where mla_attention calls them (attributes of ``vllm._custom_ops``), stream
+instead of gathering while the mark is set. Unmarked, they are vLLM's own.
+
+Invariants:
+- Streaming runs in every forward of a compact-slot engine, and only there: a whole-layer slot holds the
+  history, a compact one never does. A compact-slot forward that does not pack (none should carry a
+  prefill row) raises `ContextStreamError` rather than read its slot.
+- Every chunk of a marked call streams: the streamed chunks must number the metadata's chunks, else
+  `ContextStreamError` (a gather KVPP does not wrap would have read a slot that does not hold the rows).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvpp_fx.integrations.vllm.state import EngineState, wrap_module_function
+from kvpp_fx.runtime.errors import ContextStreamError
+from kvpp_fx.runtime.runtime import active_runtime
+
+OPS_MODULE = "vllm._custom_ops"
+
+
+def _rows_up_to_num_tokens(arguments: dict[str, Any]) -> torch.Tensor:
+    return arguments["dst"][: arguments["num_tokens"]]
+
+
+def _all_rows(arguments: dict[str, Any]) -> torch.Tensor:
+    return arguments["dst"]
+
+
+# vLLM's context gathers in ``_compute_prefill_context`` and the rows of the destination each one fills:
+# CPU's fallback and the fp8 ones are given ``workspace[:toks]``, the CUDA one the whole workspace.
+GATHERS: dict[str, Callable[[dict[str, Any]], torch.Tensor]] = {
+    "gather_mla_context_cache_cpu": _all_rows,
+    "gather_and_maybe_dequant_cache": _rows_up_to_num_tokens,
+    "cp_gather_cache": _all_rows,
+    "cp_gather_and_upconvert_fp8_kv_cache": _all_rows,
+}
+
+
+class ChunkStream:
+    """One marked ``_compute_prefill_context`` call: the layer's turn, and the chunks streamed so far."""
+
+    __slots__ = ("turn", "streamed")
+
+    def __init__(self, turn: Any) -> None:
+        self.turn = turn
+        self.streamed = 0
+
+    def stream(self, rows: torch.Tensor, gather: Callable[[], Any]) -> None:
+        self.streamed += 1
+        self.turn.stream_history(rows, gather)
+
+
+STREAMING: contextvars.ContextVar[ChunkStream | None] = contextvars.ContextVar("kvpp_context_stream", default=None)
+
+
+def wrap_gathers() -> None:
+    """vLLM's context gathers, streaming inside a marked call (idempotent)."""
+    for name, rows_of in GATHERS.items():
+        wrap_module_function(OPS_MODULE, name, functools.partial(_streaming_gather, name, rows_of))
+
+
+def _streaming_gather(name: str, rows_of: Callable[[dict[str, Any]], torch.Tensor], original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
+    def gather(*args: Any, **kwargs: Any) -> Any:
+        stream = STREAMING.get()
+        if stream is None:
+            return original(*args, **kwargs)
+        try:
+            arguments = signature.bind(*args, **kwargs).arguments
+        except TypeError as exc:
+            raise ContextStreamError(f"vLLM's {name} was called with arguments KVPP does not read ({exc}).") from None
+        stream.stream(rows_of(arguments), lambda: original(*args, **kwargs))
+        return None
+
+    return gather
+
+
+@functools.cache
+def streaming_impl_class(cls: type) -> type:
+    """A subclass of an MLA impl class whose prefill context streams from each target layer's owner in a
+    compact-slot engine's forwards."""
+
+    def _compute_prefill_context(self, q: torch.Tensor, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: Any,
+                                 k_scale: Any) -> Any:
+        engine: EngineState = self._kvpp_engine
+        runtime = active_runtime()
+        if runtime is None or runtime is not engine.comm.runtime or engine.layout.scratch_blocks is None:
+            return cls._compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
+        layer = self._kvpp_layer
+        if not runtime.packed:
+            raise ContextStreamError(
+                f"layer {layer}: a prefill row reads history in a {runtime.path.mode}-mode forward that packs "
+                "nothing; its compact scratch slot does not hold that history.")
+        chunks = len(attn_metadata.prefill.chunked_context.chunks)
+        stream = ChunkStream(runtime.turn(layer))
+        token = STREAMING.set(stream)
+        try:
+            result = cls._compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
+        finally:
+            STREAMING.reset(token)
+        if stream.streamed != chunks:
+            raise ContextStreamError(
+                f"layer {layer}: {stream.streamed} of the prefill context's {chunks} chunks streamed from the "
+                "owner; the others were read from a scratch slot that does not hold them.")
+        return result
+
+    return type(f"KVPPStreaming{cls.__name__}", (cls,),
+                {"_compute_prefill_context": _compute_prefill_context, "__module__": __name__})
+
+
+def hook_impl(layer: Any) -> bool:
+    """`layer`'s MLA impl (given its engine and layer by `owner_rows.hook_impl`) streams its prefill
+    context; False where the impl reads its context some other way (its prefill history then needs a slot)."""
+    impl = layer.impl
+    if not callable(getattr(impl, "_compute_prefill_context", None)):
+        return False
+    impl.__class__ = streaming_impl_class(type(impl))
+    return True
