@@ -105,6 +105,10 @@ def planned(model: str, max_model_len: int | None, mtp: bool = False) -> dict:
     return row
 
 
+def _ratio(backend: dict) -> str:
+    return "-" if backend["capacity_ratio"] is None else f"{backend['capacity_ratio']:.3f}x ({backend['slots']} slots)"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kv-memory", default="1GiB")
@@ -144,7 +148,7 @@ def main(argv=None):
         print(f"kvpp-fx plan {p['model']}{' --mtp' if p['mtp'] else ''} TP8 {PLAN_MEMORY} max_model_len "
               f"{p['max_model_len']}: {p['capacity_ratio']:.3f}x (formula {p['formula_ratio']:.3f}x; whole-layer "
               f"slots {p['whole_layer_ratio']:.3f}x)"
-              + "".join(f"; vLLM defaults {n} {d['capacity_ratio']:.3f}x" for n, d in p.get("vllm_defaults", {}).items()))
+              + "".join(f"; vLLM defaults {n} {_ratio(d)}" for n, d in p.get("vllm_defaults", {}).items()))
     write_result("capacity", {"kv_memory_bytes": budget, "reference": reference, "vllm_tiny": tiny, "vllm_tiny_compact": tiny_compact,
                               "vllm_tiny_defaults": defaults,
                               "vllm_tiny_defaults_kv_memory_bytes": VLLM_TINY_DEFAULTS_MEMORY,

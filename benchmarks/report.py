@@ -22,6 +22,7 @@ README = HERE.parent / "README.md"
 DOC = HERE.parent / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
 # The README's rows: the start of their "what" column.
+SPARSE = "deepseek-v3.2"  # SFA: vLLM keeps whole-layer slots whatever the backend (planned per step elsewhere)
 HEADLINES = ("capacity, deepseek-v3 TP 8", "capacity, vLLM tests' tiny DeepSeek TP 2 under vLLM's defaults",
              "vLLM prefill history", "transfer hidden, through the PIECEWISE-compiled model",
              "bytes per decode step, owner / broadcast mode", "vLLM OpenAI server",
@@ -35,6 +36,15 @@ def _load(name: str) -> dict:
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _defaults(plan: dict) -> str:
+    """What vLLM's defaults (chunked prefill, prefix caching) get on the planned backends, each ratio once."""
+    by_ratio: dict[str, list[str]] = {}
+    for name, backend in plan.get("vllm_defaults", {}).items():
+        if backend["capacity_ratio"] is not None and not plan["model"].startswith(SPARSE):
+            by_ratio.setdefault(f"{backend['capacity_ratio']:.3f}x", []).append(name)
+    return "".join(f"; vLLM's defaults on {' and '.join(names)}: {ratio}" for ratio, names in by_ratio.items())
 
 
 def rows() -> list[tuple[str, str, str]]:
@@ -72,9 +82,7 @@ def rows() -> list[tuple[str, str, str]]:
             if not plans:
                 continue
             bounded = "; ".join(f"{p['capacity_ratio']:.3f}x at {p['max_model_len'] // 1024}K (S = {p['slot_blocks']}"
-                                + "".join(f", vLLM defaults on {n} {d['capacity_ratio']:.3f}x"
-                                          for n, d in p.get("vllm_defaults", {}).items()) + ")"
-                                for p in plans if p["max_model_len"])
+                                f"{_defaults(p)})" for p in plans if p["max_model_len"])
             whole = next(p for p in plans if not p["max_model_len"])
             out.append((f"capacity, {model}{' with MTP' if mtp else ''} TP 8, "
                         f"{cap['plan_kv_memory_bytes'] // 2**30} GiB, `kvpp-fx plan`",
@@ -83,7 +91,7 @@ def rows() -> list[tuple[str, str, str]]:
     ph = _load("vllm_prefill_history")
     chunked, hit = ph["workloads"]["chunked"], ph["workloads"]["prefix_hit"]
     out.append((f"vLLM prefill history, tiny DeepSeek-V3 TP 2, a {chunked['prompt_tokens']}-token prompt in "
-                f"{ph['token_budget']}-token chunks / a {hit['prefix_hit_tokens']}-token prefix hit, KVPP off / on",
+                f"{ph['token_budget']}-token chunks / a {hit['prefix_hit_tokens']}-token prefix hit, KVPP on against off",
                 f"bytes per rank {_mib(max(chunked['bytes_per_rank']))} / {_mib(max(hit['bytes_per_rank']))} "
                 f"({'equal to' if ph['bytes_match_formula'] else 'NOT equal to'} the history read, once per layer; "
                 f"whole-layer slots would move {_mib(chunked['whole_layer_slots_bytes_per_rank'])} / "

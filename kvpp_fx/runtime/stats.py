@@ -36,7 +36,8 @@ class ForwardRecord:
     def as_dict(self) -> dict[str, Any]:
         return {"has_history": self.has_history, "mode": self.mode, "broadcasts": self.broadcasts,
                 "bytes": self.bytes, "broadcast_bytes": self.broadcast_bytes, "exchange_bytes": self.exchange_bytes,
-                "context_chunks": self.context_chunks, "context_bytes": self.context_bytes, "layers": list(self.layers), "exchanges": self.exchanges, "choice": self.choice, "rows": self.rows}
+                "context_chunks": self.context_chunks, "context_bytes": self.context_bytes,
+                "layers": list(self.layers), "exchanges": self.exchanges, "choice": self.choice, "rows": self.rows}
 
 
 class TransferStats:
@@ -124,7 +125,8 @@ class TransferStats:
             "modes": dict(self.modes),
             "rows": dict(self.rows),
             "per_layer": {layer: {"broadcasts": self._broadcasts[k], "exchanges": self._exchanges[k],
-                                  "context_chunks": self._context_chunks[k], "bytes": self._bytes[k]} for k, layer in enumerate(self._layers)},
+                                  "context_chunks": self._context_chunks[k], "bytes": self._bytes[k]}
+                          for k, layer in enumerate(self._layers)},
             "last_forward": self.last.as_dict() if self.last is not None else None,
             **extra,
         }

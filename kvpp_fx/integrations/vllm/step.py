@@ -8,8 +8,9 @@ the metadata, never from a device read:
 - ``has_history``: any scheduled request with computed tokens (the seed's rule);
 - with owner-capable MLA metadata, the step's requests (`owner_rows.step_requests`), each taking its
   path by the engine's mode (with compact slots, a prefill row's history streams from the owners
-  instead, `context_stream`, and lists no block); else the union of the blocks holding history (`batch.active_blocks`) and
-  of those the step fills (`batch.written_blocks`), so a packed slot gives each a position;
+  instead, `context_stream`, and lists no block); else the union of the blocks holding history
+  (`batch.active_blocks`) and of those the step fills (`batch.written_blocks`), so a packed slot gives
+  each a position;
 - whole layers where the metadata cannot be remapped to packed slots: micro-batched (DBO) steps, SFA
   models, and prefill context parallelism, whose metadata is each rank's part of the batch.
 
@@ -61,9 +62,9 @@ def step_rows(state: EngineState, metadata, batch: StepBatch):
     choices = state.attention
     if choices.metadata_layer is None or metadata is None:
         return None
+    streams = choices.streams_history and state.layout.scratch_blocks is not None
     return owner_rows.step_requests(metadata, choices.metadata_layer, batch,
-                                    owner_capable=choices.owner_blocker is None,
-                                    streams_history=state.layout.scratch_blocks is not None)
+                                    owner_capable=choices.owner_blocker is None, streams_history=streams)
 
 
 def packs(state: EngineState, metadata) -> bool:
