@@ -60,7 +60,8 @@ class ContextRows:
                                      f"{type(rows).__name__} {tuple(getattr(rows, 'shape', ()))}.")
         if route.owned:
             gather()
-        if self.collectives is None:
+        if self.collectives is None:  # a group of one: nothing moves
+            self.stats.record_context(route.position, 0)
             return
         start = time.perf_counter_ns()
         self.collectives.run(lambda: self.api.broadcast(rows, route.src, self.group), STREAMED, route.layer)

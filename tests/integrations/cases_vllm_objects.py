@@ -1428,3 +1428,73 @@ def test_amx_mlas_token_table_follows_the_remapped_block_table():
     original.block_ids_of_its_own = torch.tensor([9])  # an attribute KVPP does not know: refused by name
     with pytest.raises(PackedMetadataError, match="block_ids_of_its_own"):
         _with_backend_attributes(original, dataclasses.replace(original), runtime, 3)
+
+
+def _ops_calls(source: str) -> set[str]:
+    """The ``ops.<name>(...)`` calls in `source`."""
+    import ast
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(source))
+    return {node.func.attr for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "ops"}
+
+
+def test_every_context_gather_of_vllms_mla_prefill_is_one_kvpp_streams():
+    """The gathers ``_compute_prefill_context`` calls are the ones KVPP wraps (a vLLM that adds one would
+    read a slot on the non-owners: `ContextStreamError` then, and this test names it first), and each is
+    a function of ``vllm._custom_ops``. The control: the finder sees a call it is shown."""
+    import inspect
+
+    import vllm._custom_ops as custom_ops
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonImpl
+
+    from kvpp_fx.integrations.vllm.context_stream import GATHERS
+
+    calls = _ops_calls(inspect.getsource(MLACommonImpl._compute_prefill_context))
+    assert calls == set(GATHERS), calls
+    assert all(callable(getattr(custom_ops, name, None)) for name in GATHERS)
+    assert _ops_calls("def f():\n    ops.new_gather(dst=x)\n    torch.cat(y)\n") == {"new_gather"}
+
+
+def test_a_marked_gather_streams_from_the_owner_and_an_unmarked_one_is_vllms():
+    """vLLM's CPU context gather, wrapped: inside a marked call it fills its rows through the layer's turn
+    (a group of one: this rank owns the layer and gathers), counted as a streamed chunk; unmarked it is
+    vLLM's own; called with arguments it does not take, it raises `ContextStreamError`."""
+    import vllm._custom_ops as custom_ops
+
+    from kvpp_fx.integrations.vllm.context_stream import STREAMING, ChunkStream, wrap_gathers
+    from kvpp_fx.runtime.errors import ContextStreamError
+    from tests.support.specs import toy_spec
+    from tests.support.toy_runtime import toy_runtime
+
+    wrap_gathers()
+    cache = torch.arange(4 * 16 * 8, dtype=torch.float32).view(4, 16, 8)
+    table = torch.tensor([[2, 0]], dtype=torch.int32)
+    call = dict(src_cache=cache, block_table=table, starts=torch.tensor([0], dtype=torch.int32),
+                cu_seq_lens=torch.tensor([0, 20], dtype=torch.int32))
+    expected = torch.cat([cache[2], cache[0, :4]])
+    unmarked = torch.zeros(20, 8)
+    custom_ops.gather_mla_context_cache_cpu(dst=unmarked, **call)
+    assert torch.equal(unmarked, expected)
+    with toy_runtime(None, spec=toy_spec(3), num_blocks=4) as rt:
+        schedule = rt.plan.schedule()
+        with rt.forward(has_history=False):
+            rt.prefetch(schedule.first().layer, schedule.first().slot)
+            rt.wait(0, schedule.slot(0))
+            stream = ChunkStream(rt.turn(0))
+            token = STREAMING.set(stream)
+            try:
+                marked = torch.zeros(20, 8)
+                custom_ops.gather_mla_context_cache_cpu(dst=marked, **call)
+                with pytest.raises(ContextStreamError, match="arguments KVPP does not read"):
+                    custom_ops.gather_mla_context_cache_cpu(dst=marked, not_an_argument=1, **call)
+            finally:
+                STREAMING.reset(token)
+            for layer in schedule.target_layers[1:]:
+                rt.prefetch(layer, schedule.slot(layer))
+                rt.wait(layer, schedule.slot(layer))
+        assert torch.equal(marked, expected) and stream.streamed == 1  # the refused call streamed nothing
+        stats = rt.stats()
+        assert (stats["per_layer"][0]["context_chunks"], stats["context_bytes"]) == (1, 0)  # a group of one moves none
