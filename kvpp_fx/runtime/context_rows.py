@@ -10,8 +10,11 @@ token, never whole blocks nor whole layers.
 
 Invariants:
 - Every rank streams the same chunks in the same order: the chunks come from the step's metadata, which
-  every rank derives from the same scheduler output, and the forward's agreement (checked before the
-  first collective of a turn, as owner mode's exchanges are) covers the requests.
+  every rank derives from the same scheduler output, and the forward's agreement covers the requests
+  (on CPU checked before a turn's first collective, as before owner mode's exchanges; on a device read
+  when the forward ends, so that nothing waits for it).
+- A gather that raises on the owner breaks its runtime before anything is broadcast; the other ranks'
+  broadcast then expires (`TransferTimeoutError`), as a peer that stopped issuing collectives does.
 - ``rows`` is one contiguous buffer (`ContextStreamError` otherwise, before anything is issued), of the
   chunk's tokens: the same shape on every rank, since every rank reads the chunk from the same metadata.
 - The broadcast runs on the current stream, in program order, on the exchange group (its own
@@ -59,14 +62,21 @@ class ContextRows:
             raise ContextStreamError(f"layer {route.layer}: a history chunk streams into one contiguous buffer, got "
                                      f"{type(rows).__name__} {tuple(getattr(rows, 'shape', ()))}.")
         if route.owned:
-            gather()
+            try:
+                gather()
+            except Exception as exc:
+                failure = ContextStreamError(f"layer {route.layer}: the owner's gather of a history chunk failed "
+                                             f"({type(exc).__name__}: {exc}); the other ranks wait for it in vain.")
+                if self.collectives is not None:
+                    self.collectives.health.broken_by(failure)
+                raise failure from exc
         if self.collectives is None:  # a group of one: nothing moves
             self.stats.record_context(route.position, 0)
             return
         start = time.perf_counter_ns()
         self.collectives.run(lambda: self.api.broadcast(rows, route.src, self.group), STREAMED, route.layer)
         nbytes = rows.numel() * rows.element_size()
-        self.stats.record_context(route.position, nbytes * (self.group_size - 1) if route.owned else nbytes)
+        self.stats.record_context(route.position, nbytes)  # as a slot's broadcast: its payload, on every rank
         if self.timeline is not None:
             self.timeline.add(f"history L{route.layer}", "history", start, time.perf_counter_ns(),
                               track="kvpp transfer stream", layer=route.layer, bytes=nbytes, owner=route.src)

@@ -195,6 +195,10 @@ def test_step_requests_group_the_decode_rows_and_name_each_prefill():
     # fills 5 and 2, but attends over its own new keys: they take no slot position. The later prefill
     # reads its history from the slot, and its block 8 has a position.
     assert [r.written for r in requests] == [(), (), (8,)]
+    # With compact slots the prefill rows' history streams from the owners: the later prefill lists
+    # neither its history block nor the one it fills; the decode rows are as before.
+    streamed, _ = step_requests(metadata, "model.layers.0.self_attn.attn", batch, True, streams_history=True)
+    assert [(r.blocks, r.written) for r in streamed] == [((3, 4, 7, 9), ()), ((), ()), ((), ())]
     first_three = v1_batch(table, computed[:3], query[:3])
     assert step_requests({}, "model.layers.0.self_attn.attn", first_three, True) is None
     assert step_requests(metadata, "model.layers.0.self_attn.attn", first_three, False)[0][0].owner_capable is False
@@ -1498,3 +1502,22 @@ def test_a_marked_gather_streams_from_the_owner_and_an_unmarked_one_is_vllms():
         assert torch.equal(marked, expected) and stream.streamed == 1  # the refused call streamed nothing
         stats = rt.stats()
         assert (stats["per_layer"][0]["context_chunks"], stats["context_bytes"]) == (1, 0)  # a group of one moves none
+
+
+def test_only_impls_that_read_history_through_vllms_chunks_stream_it():
+    """CPU_MLA's, TRITON_MLA's and FlashMLA's impls read prefill history through ``MLACommonBaseImpl``'s
+    chunked context, which KVPP streams; an impl with a ``forward_mha`` of its own (as vLLM's dots3_note
+    attention has) does not, so its prefill history keeps slots (the control)."""
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+    from vllm.v1.attention.backends.mla.flashmla import FlashMLAImpl
+    from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
+
+    from kvpp_fx.integrations.vllm.context_stream import reads_history_through_vllms_chunks
+
+    assert all(reads_history_through_vllms_chunks(cls) for cls in (CPUMLAImpl, TritonMLAImpl, FlashMLAImpl))
+
+    class OwnPrefill(TritonMLAImpl):
+        def forward_mha(self, *args, **kwargs):
+            raise AssertionError("never called")
+
+    assert not reads_history_through_vllms_chunks(OwnPrefill)

@@ -749,14 +749,19 @@ def test_chunked_prefill_prefix_caching_and_mtp_keep_compact_slots_with_the_toke
 
 
 def test_streamed_history_moves_what_it_reads_never_whole_layers(streamed_runs):
-    """Bytes: each streamed chunk is its tokens' latent rows (576 float32 values each); nothing travels as
-    a whole layer, and no prefill row's block takes a slot position (the packed lists hold decode rows'
-    blocks only, fewer than the history read)."""
-    page = 16 * 576 * 4
-    for name, _, on, _ in _streamed_pairs(streamed_runs):
-        for stats in on["stats"]:
-            assert stats["context_bytes"] % (576 * 4) == 0 and stats["context_bytes"] > 0, (name, stats)
-            assert stats["bytes"] - stats["context_bytes"] < stats["num_blocks"] * page * stats["forwards"], name
+    """Bytes: each streamed chunk is its tokens' latent rows (576 float32 values each). With MTP on CPU_MLA
+    every row after a prompt's prefill is a verification row, which CPU_MLA runs as a prefill row: no prefill
+    row takes a slot position, so nothing is broadcast into the slots at all and every byte moved is
+    streamed history (a prefill row listing its history blocks would broadcast them). Without MTP the
+    decode rows read their blocks from the slots, at most S blocks per layer and forward."""
+    page = 16 * 576 * 4 + 8  # a block of one layer, with its id
+    mtp = streamed_runs["mtp-on"]
+    for stats in mtp["stats"]:
+        assert stats["context_bytes"] % (576 * 4) == 0 and stats["context_bytes"] > 0, stats
+        assert stats["broadcasts"] == 0 and stats["exchanges"] == 0 and stats["bytes"] == stats["context_bytes"], stats
+    for stats in streamed_runs["on"]["stats"]:
+        assert stats["broadcasts"] > 0 and stats["exchanges"] == 0, stats
+        assert 0 < stats["bytes"] - stats["context_bytes"] <= stats["broadcasts"] * 40 * page, stats
 
 
 def test_history_chunks_from_the_wrong_rank_or_none_change_the_tokens(streamed_runs):

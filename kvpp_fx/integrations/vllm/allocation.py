@@ -193,8 +193,9 @@ def connect(state: EngineState, device: Any) -> None:
     """This rank's KVPP groups, made once per engine, before vLLM measures the memory its KV cache may take
     (the worker's ``determine_available_memory``). A communicator allocates its buffers at its first
     collective (NCCL: per channel and peer; P2P connections per pair at the first send between them), so
-    each kind the runtime issues runs once here: a broadcast, and with owner rows a gather to and a
-    scatter from every rank, on the exchange group. vLLM's measurement then holds those buffers."""
+    each kind the runtime issues runs once here: a broadcast, and with owner rows, on the exchange group,
+    a gather to, a scatter from and a broadcast from every rank (owner mode's exchanges, prefill history
+    chunks). vLLM's measurement then holds those buffers."""
     comm = state.comm
     if comm.group is not None:
         return
@@ -211,6 +212,7 @@ def connect(state: EngineState, device: Any) -> None:
             parts = [torch.zeros_like(one) for _ in range(size)] if owner == me else None
             dist.gather(one, parts, dst=dist.get_global_rank(exchange, owner), group=exchange)
             dist.scatter(one, parts, src=dist.get_global_rank(exchange, owner), group=exchange)
+            dist.broadcast(one, src=dist.get_global_rank(exchange, owner), group=exchange)
 
 
 def kvpp_group(config: Any, exchanges: bool):

@@ -82,15 +82,21 @@ def wrap_gathers() -> None:
 
 def _streaming_gather(name: str, rows_of: Callable[[dict[str, Any]], torch.Tensor], original: Callable) -> Callable:
     signature = inspect.signature(original)
+    names = frozenset(signature.parameters)
 
     def gather(*args: Any, **kwargs: Any) -> Any:
         stream = STREAMING.get()
         if stream is None:
             return original(*args, **kwargs)
-        try:
-            arguments = signature.bind(*args, **kwargs).arguments
-        except TypeError as exc:
-            raise ContextStreamError(f"vLLM's {name} was called with arguments KVPP does not read ({exc}).") from None
+        # mla_attention passes every argument by keyword; anything else is bound (and checked) first, on
+        # every rank alike, since only the owner calls the gather itself
+        arguments = kwargs
+        if args or "dst" not in kwargs or not kwargs.keys() <= names:
+            try:
+                arguments = signature.bind(*args, **kwargs).arguments
+            except TypeError as exc:
+                raise ContextStreamError(f"vLLM's {name} was called with arguments KVPP does not read "
+                                         f"({exc}).") from None
         stream.stream(rows_of(arguments), lambda: original(*args, **kwargs))
         return None
 
@@ -130,11 +136,25 @@ def streaming_impl_class(cls: type) -> type:
                 {"_compute_prefill_context": _compute_prefill_context, "__module__": __name__})
 
 
+# The methods through which vLLM's MLA prefill reads history: an impl that overrides either reads it
+# some other way (vLLM's dots3_note attention gathers in its own ``forward_mha``).
+PREFILL_METHODS = ("forward_mha", "_compute_prefill_context")
+
+
+def reads_history_through_vllms_chunks(impl_class: type) -> bool:
+    """Whether `impl_class` reads prefill history only through ``MLACommonBaseImpl``'s chunked context."""
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonBaseImpl
+
+    return issubclass(impl_class, MLACommonBaseImpl) and all(
+        getattr(impl_class, name) is getattr(MLACommonBaseImpl, name) for name in PREFILL_METHODS)
+
+
 def hook_impl(layer: Any) -> bool:
     """`layer`'s MLA impl (given its engine and layer by `owner_rows.hook_impl`) streams its prefill
-    context; False where the impl reads its context some other way (its prefill history then needs a slot)."""
+    context; False where the impl reads its context some other way (its prefill history then needs a slot,
+    and compact slots need a configuration in which no prefill row reads history)."""
     impl = layer.impl
-    if not callable(getattr(impl, "_compute_prefill_context", None)):
+    if not reads_history_through_vllms_chunks(type(impl)):
         return False
     impl.__class__ = streaming_impl_class(type(impl))
     return True
