@@ -224,8 +224,12 @@ def test_configs_at_construction(tiny_deepseek):
         "expert-parallel": _on(**base, enable_expert_parallel=True),
         "v1": {**_on(**eager), "env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}},
         "scratch-zero": _on(**eager, additional_config={"enable_kvpp": True, "kvpp_scratch_blocks": 0}),
+        # vLLM's defaults with MTP: a prefill row's history streams from the owners, so S fits them
         "scratch-mtp": _on(**eager, speculative_config=MTP, additional_config={"enable_kvpp": True,
                                                                               "kvpp_scratch_blocks": 64}),
+        "scratch-connector": _on(**eager, kv_transfer_config={"kv_connector": "ExampleConnector",
+                                                              "kv_role": "kv_producer"},
+                                 additional_config={"enable_kvpp": True, "kvpp_scratch_blocks": 64}),
         "scratch-short": _on(**eager, **NO_HISTORY_ROWS, additional_config={"enable_kvpp": True,
                                                                              "kvpp_scratch_blocks": 47}),
         "scratch": _on(**eager, **NO_HISTORY_ROWS, additional_config={"enable_kvpp": True, "kvpp_scratch_blocks": 48}),
@@ -242,7 +246,7 @@ def test_configs_at_construction(tiny_deepseek):
         "unknown-key": "unknown KVPP key(s) in additional_config: ['kvpp_mod']; the known keys are "
                        "['enable_kvpp', 'kvpp_mode', 'kvpp_scratch_blocks']",
         "scratch-zero": "additional_config.kvpp_scratch_blocks must be a positive integer, got 0.",
-        "scratch-mtp": "additional_config.kvpp_scratch_blocks cannot run here: speculative decoding is on",
+        "scratch-connector": "additional_config.kvpp_scratch_blocks cannot run here: a KV connector is set",
         # 768 tokens in blocks of 16: 48 blocks
         "scratch-short": "additional_config.kvpp_scratch_blocks=47 holds fewer blocks than one request of "
                          "max_model_len=768 tokens needs (48 blocks of 16 tokens); set it to at least 48",
@@ -269,7 +273,8 @@ def test_configs_at_construction(tiny_deepseek):
     for name, inner in (("defaults", "inductor"), ("mode-3", "inductor"), ("aot-off", "inductor"),
                         ("mode-2-eager", "eager"), ("kvpp-backend", "inductor"), ("breakable-cudagraph", None),
                         ("expert-parallel", "inductor"), ("eager", None), ("eager-mtp", None), ("owner-mode", None),
-                        ("scratch", None), ("v1", None), ("example-producer", None), ("nixl-producer", None)):
+                        ("scratch", None), ("scratch-mtp", None), ("v1", None), ("example-producer", None),
+                        ("nixl-producer", None)):
         result = results[name]
         assert result["error"] is None, (name, result)
         assert result["worker_cls"] == KVPP_CPU_WORKER, name
@@ -291,6 +296,7 @@ def test_configs_at_construction(tiny_deepseek):
             assert results[name][key] == no_plugin[key]
     assert results["owner-mode"]["additional_config"]["kvpp_mode"] == "owner"
     assert results["scratch"]["additional_config"]["kvpp_scratch_blocks"] == 48
+    assert results["scratch-mtp"]["additional_config"]["kvpp_scratch_blocks"] == 64
     # vLLM's connector factory builds KVPP's class of vLLM's name: the plugin names its module.
     assert results["example-producer"]["kv_connector_module_path"] == KVPP_CONNECTOR_MODULE
     assert results["nixl-producer"]["kv_connector_module_path"] == KVPP_CONNECTOR_MODULE
@@ -393,8 +399,10 @@ def test_each_rank_holds_its_own_layers_the_mtp_layer_and_two_scratch(runs):
 
 def test_vllm_plans_the_kvpp_block_count(runs):
     """32 MiB per rank: 3 owned + 1 MTP buffers of n blocks (16 x 576 x 4 B each) and 2 whole-layer
-    scratch slots of n blocks with an 8-byte id each, every buffer 2 MiB aligned; nothing else. With MTP
-    the slots hold whole layers (`scratch.compact_blocker`)."""
+    scratch slots of n blocks with an 8-byte id each, every buffer 2 MiB aligned; nothing else. Compact
+    slots could run here (MTP's verification rows stream their history), but slots of the model's 1024
+    tokens plus vLLM CPU's budget hold no more blocks in 32 MiB, and a tie keeps whole-layer slots
+    (`scratch.choose_plan`)."""
     page, budget, align = 16 * 576 * 4, 32 << 20, 2 << 20
 
     def padded(nbytes):
@@ -407,9 +415,9 @@ def test_vllm_plans_the_kvpp_block_count(runs):
     assert runs["default"]["num_blocks"] == [expected, expected]
     assert [s["allocated_bytes"] for s in runs["default"]["stats"]] == [cost(expected)] * 2
     assert runs["off"]["num_blocks"][0] == budget // (7 * page)  # replicated: 6 layers + MTP, unpadded
-    for stats in runs["default"]["stats"]:  # MTP's verification rows read history as prefill rows
+    for stats in runs["default"]["stats"]:
         assert stats["scratch_blocks"] is None and stats["slot_blocks"] == expected
-        assert "speculative decoding is on" in stats["compact_blocker"]
+        assert stats["compact_blocker"] is None and stats["streams_history"]
 
 
 def test_broadcasts_on_decode_steps_never_on_the_first_prefill(runs):
