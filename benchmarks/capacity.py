@@ -6,8 +6,9 @@ fits the budget, the ratio taken at the worst rank, as the engine uses one block
 - the reference `small` preset (8 layers) at TP 2 and TP 4, 1 GiB per rank, with slots of S blocks from
   a max model length of 8192 and a token budget of 512 (S = 544), and with whole-layer slots;
 - the vLLM tests' tiny DeepSeek model (6 layers of fp32 latents, block 16) at TP 2 in 32 MiB per rank:
-  with its MTP layer (local on every rank), whole-layer slots (what the vLLM integration allocates with
-  MTP) and the compact what-if at a max model length and budget of 256; without it, as the owner-mode
+  with its MTP layer (local on every rank), whole-layer slots and compact ones at a max model length and
+  budget of 256 (the vLLM integration takes whichever holds more: MTP's verification rows stream their
+  history, `integrations/vllm/context_stream.py`); without it, as the owner-mode
   tests run it (64 MiB, max model length 768, vLLM CPU's budget of 2048: S = 176), compact slots (what
   the integration allocates there on CPU_MLA, `integrations/vllm/scratch.py`) and whole-layer ones;
 - the same model as the engines of vLLM's defaults run it in the tests (`streamed_runs`: chunked prefill

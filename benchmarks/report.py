@@ -58,8 +58,8 @@ def rows() -> list[tuple[str, str, str]]:
                     f"whole-layer slots (formula {w['formula_ratio']:.3f}x)", "`python benchmarks/capacity.py`"))
     tiny = cap["vllm_tiny"]
     out.append((f"capacity, vLLM tests' tiny DeepSeek TP 2, {cap['vllm_tiny_kv_memory_bytes'] // 2**20} MiB, real "
-                "allocator", f"with MTP: {tiny['whole_layer']['measured_ratio']:.3f}x with whole-layer slots (what vLLM "
-                f"runs with MTP), {tiny['compact']['measured_ratio']:.3f}x with compact slots of "
+                "allocator", f"with MTP: {tiny['whole_layer']['measured_ratio']:.3f}x with whole-layer slots, "
+                f"{tiny['compact']['measured_ratio']:.3f}x with compact slots of "
                 f"{tiny['compact']['slot_blocks']} blocks (max model length {tiny['max_model_len']}); without, in "
                 f"{cap['vllm_tiny_compact_kv_memory_bytes'] // 2**20} MiB: "
                 f"{cap['vllm_tiny_compact']['compact']['measured_ratio']:.3f}x with compact slots of "
