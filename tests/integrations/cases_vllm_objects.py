@@ -309,7 +309,8 @@ def test_connector_names_are_vllms():
 
 @pytest.mark.parametrize("name,role,message", [
     ("OffloadingConnector", "kv_both", MSG_VLLM_CONNECTOR.format(name="OffloadingConnector")),
-    ("MooncakeConnector", "kv_producer", MSG_VLLM_CONNECTOR.format(name="MooncakeConnector")),
+    ("MooncakeStoreConnector", "kv_producer", MSG_VLLM_CONNECTOR.format(name="MooncakeStoreConnector")),
+    ("MooncakeConnector", "kv_both", MSG_PRODUCER_ONLY.format(name="MooncakeConnector")),
     ("MooncakeConnectorV2", "kv_consumer", MSG_DECODE_NODE),
 ])
 def test_connector_rule_reads_kv_transfer_config(name, role, message):
@@ -319,6 +320,43 @@ def test_connector_rule_reads_kv_transfer_config(name, role, message):
     with pytest.raises(ValueError) as err:
         ON.validate(Deployment.from_vllm_config(config))
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,missed", [
+    (2, 1, [[]]), (2, 2, [[1], [0]]), (4, 2, [[2, 3], [0, 1]]), (2, 4, [[1], [1], [0], [0]]),
+])
+def test_mooncake_decode_ranks_that_would_miss_a_kvpp_prefill_ranks_layers(prefill_tp, decode_tp, missed):
+    from kvpp_fx.integrations.vllm.connectors import ranks_not_asked
+
+    # vLLM's MLA pairing: a decode rank asks every prefill rank only where the decode instance has TP 1.
+    assert [ranks_not_asked(prefill_tp, rank, decode_tp) for rank in range(decode_tp)] == missed
+
+
+def _mooncake_worker(tp_rank, tp_size, registered, owned):
+    from kvpp_fx.integrations.vllm.connectors import KVPPMooncakeWorker
+
+    worker = object.__new__(KVPPMooncakeWorker)  # no transfer engine: only the checks before vLLM's planning
+    worker.tp_rank, worker.tp_size, worker.registered_layer_names = tp_rank, tp_size, registered
+    worker._owned = frozenset(owned)
+    return worker
+
+
+def test_a_kvpp_mooncake_rank_refuses_a_decode_rank_that_asks_only_some_prefill_ranks():
+    worker = _mooncake_worker(0, 2, ["layer.0"], ["layer.0"])
+    meta = types.SimpleNamespace(remote_tp_rank=0, remote_tp_size=2)
+    local, remote, error = worker._prepare_transfer_regions(meta)
+    assert (local, remote) == ([], [])
+    assert error.startswith("KVPPConnectorError: decode rank 0 (TP 2) asks only some ranks") and "ranks [1]" in error
+    assert "Run the decode instance with TP 1" in error
+
+
+def test_a_kvpp_mooncake_rank_refuses_to_send_a_layer_it_does_not_own():
+    worker = _mooncake_worker(0, 2, ["layer.0", "layer.3"], ["layer.0"])
+    meta = types.SimpleNamespace(remote_tp_rank=0, remote_tp_size=1)
+    local, remote, error = worker._prepare_transfer_regions(meta)
+    assert (local, remote) == ([], [])
+    assert error == ("KVPPConnectorError: prefill rank 0 was about to send layers ['layer.3'], which it does not "
+                     "own: its binding of them is a scratch slot.")
 
 
 def _speculative(**fields):

@@ -8,6 +8,7 @@ layer and a locally trained tokenizer (`tiny_model`).
 
 import concurrent.futures
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -958,6 +959,50 @@ def test_nixl_decode_refuses_a_prefill_rank_that_exposes_a_layer_it_does_not_own
     # Layer 3 is named by both ranks: rank 0's copy is a scratch slot. The decode instance reads nothing.
     assert "tokens" not in faulty and "KVPPConnectorError" in faulty["error"], faulty.get("traceback")
     assert "'model.layers.3.self_attn.attn': [0, 1]" in faulty["error"], faulty["error"]
+
+
+@pytest.fixture(scope="module")
+def mooncake_runs(tmp_path_factory):
+    """Prefill/decode pairs over vLLM's MooncakeConnector, TCP on loopback (`vllm_checks.mooncake_pairs`),
+    on the dense tiny DeepSeek, eager: one TP 1 decode instance with KVPP off and vLLM's own connector
+    takes the prompts from, in turn, a TP 2 prefill instance with KVPP off (the reference: rank 0 writes
+    every layer), on (vLLM's connector name, which the plugin routes), and on with the fault connector
+    (rank 0 also registers its scratch slot of layer 3, which rank 1 owns)."""
+    model = make_tiny_deepseek(tmp_path_factory.mktemp("tiny_dense"), moe_layers=0)
+    args = {**NO_HISTORY_ROWS, **EAGER}
+    kvpp = {**args, "additional_config": {"enable_kvpp": True}}
+    producers = {"off": args, "kvpp": kvpp,
+                 "rank-0-sends-layer-3": {**kvpp, "kv_connector_module_path": "tests.support.connectors"}}
+    return run_check("mooncake_pairs", model, json.dumps({
+        "ports": _free_ports(len(producers)), "producers": producers, "decode": args, "prompts": NIXL_PROMPTS}),
+        timeout=600)
+
+
+def test_mooncake_decode_receives_each_layer_from_its_owner_with_the_tokens_and_rows_of_kvpp_off(mooncake_runs):
+    off, kvpp = mooncake_runs["off"], mooncake_runs["kvpp"]
+    assert off["errors"] == [] and kvpp["errors"] == [], off["errors"] + kvpp["errors"]
+    assert off["producer"]["connector_module"] is None
+    assert kvpp["producer"]["connector_module"] == KVPP_CONNECTOR_MODULE
+    assert [stats["owned_layers"] for stats in kvpp["producer"]["stats"]] == [[0, 1, 2], [3, 4, 5]]
+    assert off["finish_reasons"] == ["length"] * len(NIXL_PROMPTS)
+    assert all(len(t) == 12 for t in off["tokens"]) and len(set(off["tokens"][0])) > 1
+    assert kvpp["tokens"] == off["tokens"]
+    # Every layer's rows in the decode instance, byte for byte: layers 3-5 came from rank 1.
+    assert len(off["kv"]) == NUM_LAYERS and kvpp["kv"] == off["kv"]
+    # vLLM's MooncakeConnector loads every prompt token of an attention-only model.
+    assert off["external_hits"] == kvpp["external_hits"] == sum(len(p) for p in NIXL_PROMPTS)
+
+
+def test_mooncake_prefill_rank_refuses_to_send_a_layer_it_does_not_own(mooncake_runs):
+    faulty, off = mooncake_runs["rank-0-sends-layer-3"], mooncake_runs["off"]
+    assert faulty["producer"]["connector_module"] == "tests.support.connectors"
+    # Rank 0 registered its scratch slot of layer 3: it refuses each decode request by name, and the decode
+    # instance fails the requests (vLLM's kv_load_failure_policy "fail") with nothing written to its cache.
+    refusal = ("KVPPConnectorError: prefill rank 0 was about to send layers ['model.layers.3.self_attn.attn'], "
+               "which it does not own")
+    assert len(faulty["errors"]) == len(NIXL_PROMPTS) and all(refusal in e for e in faulty["errors"]), faulty["errors"]
+    assert faulty["finish_reasons"] == ["error"] * len(NIXL_PROMPTS) and faulty["tokens"] != off["tokens"]
+    assert set(faulty["kv"].values()) == {hashlib.sha256(b"").hexdigest()}
 
 
 def _free_ports(n: int) -> list[int]:

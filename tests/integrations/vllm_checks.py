@@ -10,6 +10,7 @@ from __future__ import annotations
 import tests.integrations.triton_interpreter  # noqa: F401, I001  (before vLLM is imported)
 from tests.integrations import triton_mla_on_cpu  # noqa: I001  (TRITON_MLA on CPU, where an engine's env asks)
 from tests.integrations import cpu_chunked_prefill  # noqa: I001  (MLA's chunked prefill on CPU, where asked)
+from tests.integrations import mooncake_on_cpu  # noqa: I001  (vLLM's MooncakeConnector on CPU, where asked)
 
 import contextlib
 import dataclasses
@@ -617,6 +618,160 @@ def nixl_pair(model_dir: str, spec_json: str) -> dict:
                 producer.kill()
 
 
+def _mooncake_env(bootstrap_port: int) -> dict:
+    """vLLM's MooncakeConnector over TCP on loopback, on CPU (`mooncake_on_cpu`); the prefill instance's
+    bootstrap server on its own port."""
+    return {**_nixl_env(0), "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap_port), mooncake_on_cpu.ENV: "1"}
+
+
+def _mooncake_transfer(role: str, module: str | None, engine_id: str | None = None) -> dict:
+    transfer = {"kv_connector": "MooncakeConnector", "kv_role": role,
+                "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+    if engine_id:
+        transfer["engine_id"] = engine_id
+    if module:
+        transfer["kv_connector_module_path"] = module
+    return transfer
+
+
+def mooncake_producer(model_dir: str, spec_json: str) -> None:
+    """A prefill instance of `mooncake_pairs`, in a process of its own: prefills the prompts (one token
+    each, ``do_remote_decode`` with the router's transfer ids), says so, then serves the decode instance's
+    requests for their KV until a line arrives on stdin."""
+    import select
+
+    spec = json.loads(spec_json)
+    os.environ.update(_mooncake_env(spec["port"]))
+    mooncake_on_cpu.apply()
+    from vllm import LLM, SamplingParams
+
+    from kvpp_fx.integrations.vllm.worker import worker_stats
+
+    args = dict(spec["args"])
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, tensor_parallel_size=2,
+              kv_transfer_config=_mooncake_transfer("kv_producer", args.pop("kv_connector_module_path", None),
+                                                    spec["engine_id"]), **args)
+    try:
+        requests = [({"prompt_token_ids": p}, SamplingParams(max_tokens=1, temperature=0, extra_args={
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": f"{spec['engine_id']}-{i}"}}))
+            for i, p in enumerate(spec["prompts"])]
+        llm.generate([r for r, _ in requests], [s for _, s in requests], use_tqdm=False)
+        kvpp = args.get("additional_config", {}).get("enable_kvpp")
+        print("KVPP-PRODUCED " + json.dumps({
+            "connector_module": llm.llm_engine.vllm_config.kv_transfer_config.kv_connector_module_path,
+            "stats": llm.collective_rpc(worker_stats) if kvpp else None}), flush=True)
+        # A finished request's blocks reach the workers' senders in the engine's next step, as a server's
+        # engine loop runs it; until then a decode rank's request for them waits.
+        while not select.select([sys.stdin], [], [], 0.05)[0]:
+            llm.llm_engine.step()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def kv_block_digests(worker) -> dict:
+    """name -> sha256 over the sorted digests of each non-zero block of the layer's KV cache: the rows
+    the worker holds, whichever block ids its allocator gave them."""
+    import hashlib
+
+    import torch
+
+    layers = worker.model_runner.compilation_config.static_forward_context
+    result = {}
+    for name, layer in sorted(layers.items()):
+        cache = getattr(layer, "kv_cache", None)
+        if cache is None:
+            continue
+        blocks = sorted(hashlib.sha256(block.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+                        for block in cache if bool(block.any()))
+        result[name] = hashlib.sha256("".join(blocks).encode()).hexdigest()
+    return result
+
+
+def zero_kv(worker) -> None:
+    layers = worker.model_runner.compilation_config.static_forward_context
+    for layer in layers.values():
+        if getattr(layer, "kv_cache", None) is not None:
+            layer.kv_cache.zero_()
+
+
+def mooncake_pairs(model_dir: str, spec_json: str) -> dict:
+    """Prefill/decode pairs over vLLM's MooncakeConnector (TCP on loopback): one TP 1 decode instance (KVPP
+    off, vLLM's own connector; ``spec["decode"]`` its LLM arguments) here, and in turn each prefill
+    instance of ``spec["producers"]`` (TP 2, `mooncake_producer`) in a process of its own. Per prefill
+    instance: the decode's tokens (one request at a time), the prompt tokens it loaded (vLLM's
+    ``vllm:external_prefix_cache_hits``), `kv_block_digests` of its cache afterwards, the connector errors
+    it logged, and the producer's report. The decode's cache is zeroed and its prefix cache reset between
+    prefill instances."""
+    import logging
+    import subprocess
+    import threading
+
+    spec = json.loads(spec_json)
+    os.environ.update(_mooncake_env(0))
+    mooncake_on_cpu.apply()
+    from vllm import LLM, SamplingParams
+
+    args = dict(spec["decode"])
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, disable_log_stats=False,
+              kv_transfer_config=_mooncake_transfer("kv_consumer", args.pop("kv_connector_module_path", None)),
+              **args)
+    errors: list[str] = []
+
+    class ConnectorErrors(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.name.endswith("mooncake_connector"):
+                errors.append(record.getMessage())
+
+    # On vLLM's own logger, once the engine is up: vLLM's logging set-up disables loggers made before it.
+    logging.getLogger("vllm").addHandler(ConnectorErrors(logging.ERROR))
+    results = {}
+    try:
+        for k, (name, producer_args) in enumerate(spec["producers"].items()):
+            engine_id, port = f"prefill-{name}", spec["ports"][k]
+            producer = subprocess.Popen(
+                [sys.executable, "-m", "tests.integrations.vllm_checks", "mooncake_producer", model_dir,
+                 json.dumps({"port": port, "args": producer_args, "prompts": spec["prompts"],
+                             "engine_id": engine_id})],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            try:
+                line = ""
+                while not line.startswith("KVPP-PRODUCED "):
+                    line = producer.stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"prefill instance {name} exited ({producer.wait()}) before its prefills")
+                produced = json.loads(line.removeprefix("KVPP-PRODUCED "))
+                # vLLM logs to stdout: a pipe nobody reads would stall the producer once full.
+                threading.Thread(target=producer.stdout.read, daemon=True).start()
+                hits_before, errors_before = _external_hits(llm), len(errors)
+                outputs = []
+                for i, prompt in enumerate(spec["prompts"]):
+                    # One request at a time: when each request's KV arrives decides which requests a decode
+                    # step batches, and the batch changes vLLM's numerics (the rows the decode writes).
+                    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, extra_args={
+                        "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": engine_id,
+                                               "remote_bootstrap_addr": f"http://127.0.0.1:{port}",
+                                               "transfer_id": f"{engine_id}-{i}"}})
+                    outputs.append(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0])
+                results[name] = {
+                    "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                    "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
+                    "external_hits": _external_hits(llm) - hits_before, "errors": errors[errors_before:],
+                    "kv": llm.collective_rpc(kv_block_digests)[0], "producer": produced}
+            finally:
+                if producer.poll() is None:
+                    producer.stdin.write("done\n")
+                    producer.stdin.flush()
+                    try:
+                        producer.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        producer.kill()
+            llm.reset_prefix_cache()
+            llm.collective_rpc(zero_kv)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return results
+
+
 def graph_checks(_: str = "") -> dict:
     """`spec_ops` and `split`, in one interpreter."""
     return {"spec_ops": spec_ops(), "split": split()}
@@ -625,8 +780,9 @@ def graph_checks(_: str = "") -> dict:
 if __name__ == "__main__":
     name, *args = sys.argv[1:]
     checks = {"plugin_off": plugin_off, "construct_many": construct_many, "graph_checks": graph_checks,
-              "generate_many": generate_many, "pd_example": pd_example, "nixl_pair": nixl_pair}
-    if name == "nixl_producer":
-        nixl_producer(*args)
+              "generate_many": generate_many, "pd_example": pd_example, "nixl_pair": nixl_pair,
+              "mooncake_pairs": mooncake_pairs}
+    if name in ("nixl_producer", "mooncake_producer"):
+        {"nixl_producer": nixl_producer, "mooncake_producer": mooncake_producer}[name](*args)
         sys.exit(0)
     print("KVPP-CHECK " + json.dumps(checks[name](*args)))

@@ -35,3 +35,11 @@ class NixlConnector(connectors.NixlConnector):
 
     def exposes(self, layer_name: str) -> bool:
         return super().exposes(layer_name) or layer_name == "model.layers.3.self_attn.attn"
+
+
+class MooncakeConnector(connectors.MooncakeConnector):
+    """Rank 0 also exposes layer 3, which rank 1 owns (TP 2, 6 layers), and so registers its scratch slot
+    for that layer with the transfer engine: a decode rank that asks rank 0 would be written its rows."""
+
+    def exposes(self, layer_name: str) -> bool:
+        return super().exposes(layer_name) or layer_name == "model.layers.3.self_attn.attn"

@@ -37,7 +37,7 @@ VLLM_CONNECTORS = (
 )
 # vLLM's connectors that run on a KVPP prefill node (kv_role "kv_producer"): each layer leaves the
 # instance from its owner (NixlConnector is vLLM's name of NixlPullConnector).
-KVPP_VLLM_CONNECTORS = ("ExampleConnector", "NixlConnector", "NixlPullConnector")
+KVPP_VLLM_CONNECTORS = ("ExampleConnector", "NixlConnector", "NixlPullConnector", "MooncakeConnector")
 # Where KVPP's subclasses of them live: the plugin names this module in kv_transfer_config's
 # kv_connector_module_path, so vLLM's connector factory builds KVPP's class under vLLM's own name.
 KVPP_CONNECTOR_MODULE = "kvpp_fx.integrations.vllm.connectors"
@@ -62,9 +62,9 @@ MSG_NOT_KVPP_CONNECTOR = (
 )
 MSG_DECODE_NODE = "KVPP must be disabled on the decode-only node."
 MSG_NIXL_PARALLEL = (
-    "KVPP with vLLM's {name} runs on a prefill instance of TP ranks only: NIXL's handshake and reads "
-    "address prefill ranks by TP rank, so the layers of PCP or PP ranks other than the first would never be "
-    "read. Set prefill_context_parallel_size=1 and pipeline_parallel_size=1, or run without "
+    "KVPP with vLLM's {name} runs on a prefill instance of TP ranks only: KVPP's connector finds each "
+    "layer's owner among the prefill instance's TP ranks, so the layers of PCP or PP ranks other than the "
+    "first would never be sent. Set prefill_context_parallel_size=1 and pipeline_parallel_size=1, or run without "
     "additional_config.enable_kvpp."
 )
 MSG_PRODUCER_ONLY = (
@@ -197,7 +197,7 @@ def check_connector(d: Deployment) -> None:
         raise ValueError(MSG_DECODE_NODE)
     if d.kv_connector != SUPPORTED_CONNECTOR and d.kv_role != "kv_producer":
         raise ValueError(MSG_PRODUCER_ONLY.format(name=d.kv_connector))
-    if d.kv_connector in ("NixlConnector", "NixlPullConnector") and (d.pcp > 1 or d.pp > 1):
+    if d.kv_connector in ("NixlConnector", "NixlPullConnector", "MooncakeConnector") and (d.pcp > 1 or d.pp > 1):
         raise ValueError(MSG_NIXL_PARALLEL.format(name=d.kv_connector))
 
 

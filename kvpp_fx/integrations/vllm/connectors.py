@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ExampleConnector as VllmExampleConnector,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as vllm_mooncake
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as VllmNixlConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlPullConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import ReadSpec
@@ -104,7 +105,8 @@ def route_connector(vllm_config: Any) -> None:
         connector = getattr(importlib.import_module(module), name, None)
     except ImportError as exc:
         raise ValueError(MSG_NOT_KVPP_CONNECTOR.format(name=name, module=module) + f" ({exc})") from exc
-    if not (isinstance(connector, type) and issubclass(connector, (ExampleConnector, NixlConnector))):
+    if not (isinstance(connector, type) and issubclass(connector, (ExampleConnector, NixlConnector,
+                                                                   MooncakeConnector))):
         raise ValueError(MSG_NOT_KVPP_CONNECTOR.format(name=name, module=module))
 
 
@@ -303,3 +305,85 @@ def padded_to(meta: Any, region_names: list[str]) -> Any:
         region_group_ids=pad(meta.region_group_ids), region_mem_types=pad(meta.region_mem_types),
         region_members=[[name] for name in region_names] if meta.region_members else [],
         region_names=list(region_names))
+
+
+class MooncakeConnector(KVPPConnector, vllm_mooncake.MooncakeConnector):
+    """vLLM's MooncakeConnector on a KVPP prefill instance: a decode instance (KVPP off, vLLM's own
+    connector) asks each prefill rank it pairs with for a request's blocks, and each rank writes the layers
+    it keeps. With vLLM's pairing for MLA every rank of a TP 2 prefill instance serves a TP 1 decode
+    instance; a decode instance whose ranks each pair with fewer than all prefill ranks would miss layers,
+    and is refused by name (`KVPPMooncakeWorker`)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+        # vLLM's MooncakeConnector.__init__ would build its own worker (and transfer engine) first.
+        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        self.engine_id = vllm_config.kv_transfer_config.engine_id
+        self.connector_scheduler = self.connector_worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = vllm_mooncake.MooncakeConnectorScheduler(vllm_config, self.engine_id,
+                                                                                kv_cache_config)
+        elif role == KVConnectorRole.WORKER:
+            worker_class = KVPPMooncakeWorker if self._kvpp_on else vllm_mooncake.MooncakeConnectorWorker
+            self.connector_worker = worker_class(vllm_config, self.engine_id, kv_cache_config)
+            if self._kvpp_on:
+                self.connector_worker.exposes = self.exposes
+
+
+class KVPPMooncakeWorker(vllm_mooncake.MooncakeConnectorWorker):
+    """`MooncakeConnector`'s worker on a KVPP rank.
+
+    Invariants:
+    - Only the layers `exposes` keeps are registered with the transfer engine; a rank that keeps none
+      raises `KVPPConnectorError`.
+    - Every rank writes its registered layers to each decode rank that asks (vLLM writes a replicated MLA
+      cache from one rank of the ones a decode rank pairs with).
+    - A decode rank is served only where every rank of this instance is among the ones it asks (each
+      layer leaves from its owner); otherwise the reply is an error that says what to run instead.
+    - Before any write, every layer about to leave this rank is one the plan says it owns: a scratch slot
+      never leaves (the reply is a `KVPPConnectorError`).
+    """
+
+    exposes: Callable[[str], bool]  # set by `MooncakeConnector`
+    _owned: frozenset[str] = frozenset()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        kept = {name: cache for name, cache in kv_caches.items() if self.exposes(name)}
+        if not kept:
+            raise KVPPConnectorError("this KVPP rank keeps no layer to register with Mooncake (more ranks than layers).")
+        # Read here, on the worker's thread, where the engine's plan is current; the sender threads check it.
+        self._owned = frozenset(name for name in kv_caches if kept_here(type(self).__name__, name))
+        super().register_kv_caches(kept)
+
+    def _get_sender_transfer_plan(self, local_kv_block_len: int, remote_kv_block_len: int, remote_tp_rank: int,
+                                  remote_tp_size: int) -> tuple[bool, int, int, int]:
+        _, remote_offset, local_offset, length = super()._get_sender_transfer_plan(
+            local_kv_block_len, remote_kv_block_len, remote_tp_rank, remote_tp_size)
+        return True, remote_offset, local_offset, length
+
+    def _prepare_transfer_regions(self, meta: Any) -> tuple[list, list, str | None]:
+        missed = ranks_not_asked(self.tp_size, meta.remote_tp_rank, meta.remote_tp_size)
+        if missed:
+            return [], [], (
+                f"{KVPPConnectorError.__name__}: decode rank {meta.remote_tp_rank} (TP {meta.remote_tp_size}) "
+                f"asks only some ranks of this KVPP prefill instance (TP {self.tp_size}) for a request's KV; "
+                f"it would miss the layers that ranks {missed} own. Run the decode instance with TP 1, or use "
+                f"NixlConnector with kv_connector_module_path={KVPP_CONNECTOR_MODULE!r} on the decode instance.")
+        # The registered names, not the regions: vLLM's coalescing names a span of layers by its first.
+        foreign = sorted(set(self.registered_layer_names) - self._owned)
+        if foreign:
+            return [], [], (
+                f"{KVPPConnectorError.__name__}: prefill rank {self.tp_rank} was about to send layers {foreign}, "
+                "which it does not own: its binding of them is a scratch slot.")
+        return super()._prepare_transfer_regions(meta)
+
+
+
+def ranks_not_asked(prefill_tp_size: int, decode_rank: int, decode_tp_size: int) -> list[int]:
+    """The ranks of an MLA prefill instance that vLLM's MooncakeConnector on a decode rank does not ask
+    for a request's KV (vLLM's pairing: `TransferTopology.handshake_target_ranks`)."""
+    decode_side = TransferTopology(tp_rank=decode_rank, tp_size=decode_tp_size, block_size=1, engine_id="decode",
+                                   is_mla=True, is_mamba=False, total_num_kv_heads=1, attn_backends=[])
+    asked = set(decode_side.handshake_target_ranks(prefill_tp_size))
+    return [rank for rank in range(prefill_tp_size) if rank not in asked]
