@@ -343,16 +343,16 @@ def _mooncake_worker(tp_rank, tp_size, registered, owned):
 
 def test_a_kvpp_mooncake_rank_refuses_a_decode_rank_that_asks_only_some_prefill_ranks():
     worker = _mooncake_worker(0, 2, ["layer.0"], ["layer.0"])
-    meta = types.SimpleNamespace(remote_tp_rank=0, remote_tp_size=2)
+    meta = types.SimpleNamespace(remote_tp_rank=0, remote_tp_size=2, asks_every_rank=False)
     local, remote, error = worker._prepare_transfer_regions(meta)
     assert (local, remote) == ([], [])
     assert error.startswith("KVPPConnectorError: decode rank 0 (TP 2) asks only some ranks") and "ranks [1]" in error
-    assert "Run the decode instance with TP 1" in error
+    assert "kv_connector_module_path='kvpp_fx.integrations.vllm.connectors' on the decode instance" in error
 
 
 def test_a_kvpp_mooncake_rank_refuses_to_send_a_layer_it_does_not_own():
     worker = _mooncake_worker(0, 2, ["layer.0", "layer.3"], ["layer.0"])
-    meta = types.SimpleNamespace(remote_tp_rank=0, remote_tp_size=1)
+    meta = types.SimpleNamespace(remote_tp_rank=0, remote_tp_size=1, asks_every_rank=False)
     local, remote, error = worker._prepare_transfer_regions(meta)
     assert (local, remote) == ([], [])
     assert error == ("KVPPConnectorError: prefill rank 0 was about to send layers ['layer.3'], which it does not "
@@ -1559,3 +1559,25 @@ def test_only_impls_that_read_history_through_vllms_chunks_stream_it():
             raise AssertionError("never called")
 
     assert not reads_history_through_vllms_chunks(OwnPrefill)
+
+
+def test_a_kvpp_mooncake_reader_marks_requests_it_asks_of_every_prefill_rank_and_vllm_ignores_the_mark():
+    import msgspec
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as vllm_mooncake
+
+    from kvpp_fx.integrations.vllm import connectors
+
+    meta = vllm_mooncake.MooncakeXferMetadata(
+        remote_hostname="127.0.0.1", remote_port=1, remote_tp_size=2, remote_tp_rank=1,
+        req_blocks={"r": ("t", [[3, 4]])}, kv_caches_base_addr=[64], block_lens=[8], kv_block_lens=[8])
+    encoder = connectors._EveryRankEncoder(msgspec.msgpack.Encoder())
+    kvpp_decoder = msgspec.msgpack.Decoder(connectors.EveryRankXferMetadata)
+    vllm_decoder = msgspec.msgpack.Decoder(vllm_mooncake.MooncakeXferMetadata)
+    assert kvpp_decoder.decode(encoder.encode(meta)).asks_every_rank is False
+    token = connectors._ASKS_EVERY_RANK.set(True)
+    try:
+        marked = encoder.encode(meta)
+    finally:
+        connectors._ASKS_EVERY_RANK.reset(token)
+    assert kvpp_decoder.decode(marked).asks_every_rank is True
+    assert vllm_decoder.decode(marked) == meta

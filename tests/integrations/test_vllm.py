@@ -6,9 +6,9 @@ test keeps vLLM's default engine-core process. The model is a tiny random DeepSe
 layer and a locally trained tokenizer (`tiny_model`).
 """
 
+import collections
 import concurrent.futures
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -927,13 +927,15 @@ def nixl_pairs(tmp_path_factory):
     dense tiny DeepSeek, eager, a TP 2 producer read by a TP 1 decode instance with KVPP off and KVPP's
     NixlConnector (named by module path): the producer with KVPP off (the reference: every rank names
     every layer), on (vLLM's connector name, which the plugin routes), and on with the fault connector
-    (rank 0 also exposes layer 3, which rank 1 owns)."""
+    (rank 0 also exposes layer 3, which rank 1 owns); and the producer with KVPP on read by vLLM's own
+    NixlConnector."""
     model = make_tiny_deepseek(tmp_path_factory.mktemp("tiny_dense"), moe_layers=0)
     args = {**NO_HISTORY_ROWS, **EAGER}
     kvpp = {**args, "additional_config": {"enable_kvpp": True}}
     kvpp_decode = {**args, "kv_connector_module_path": KVPP_CONNECTOR_MODULE}
     pairs = {"off": (args, kvpp_decode), "kvpp": (kvpp, kvpp_decode),
-             "rank-0-exposes-layer-3": ({**kvpp, "kv_connector_module_path": "tests.support.connectors"}, kvpp_decode)}
+             "rank-0-exposes-layer-3": ({**kvpp, "kv_connector_module_path": "tests.support.connectors"}, kvpp_decode),
+             "vllms-reader": (kvpp, args)}
     return {name: run_check("nixl_pair", model, json.dumps({
         "ports": _free_ports(2), "producer": producer, "decode": decode, "prompts": NIXL_PROMPTS}),
         timeout=600) for name, (producer, decode) in pairs.items()}
@@ -987,8 +989,11 @@ def test_mooncake_decode_receives_each_layer_from_its_owner_with_the_tokens_and_
     assert off["finish_reasons"] == ["length"] * len(NIXL_PROMPTS)
     assert all(len(t) == 12 for t in off["tokens"]) and len(set(off["tokens"][0])) > 1
     assert kvpp["tokens"] == off["tokens"]
-    # Every layer's rows in the decode instance, byte for byte: layers 3-5 came from rank 1.
-    assert len(off["kv"]) == NUM_LAYERS and kvpp["kv"] == off["kv"]
+    # Every row of every layer in the decode instance after each request, byte for byte: layers 3-5 came
+    # from rank 1. A request's rows: its prompt's and those of the 11 tokens fed back.
+    assert kvpp["kv"] == off["kv"]
+    for prompt, (rank_0,) in zip(NIXL_PROMPTS, off["kv"], strict=True):
+        assert len(rank_0) == NUM_LAYERS and all(len(rows) == len(prompt) + 11 for rows in rank_0.values())
     # vLLM's MooncakeConnector loads every prompt token of an attention-only model.
     assert off["external_hits"] == kvpp["external_hits"] == sum(len(p) for p in NIXL_PROMPTS)
 
@@ -997,12 +1002,54 @@ def test_mooncake_prefill_rank_refuses_to_send_a_layer_it_does_not_own(mooncake_
     faulty, off = mooncake_runs["rank-0-sends-layer-3"], mooncake_runs["off"]
     assert faulty["producer"]["connector_module"] == "tests.support.connectors"
     # Rank 0 registered its scratch slot of layer 3: it refuses each decode request by name, and the decode
-    # instance fails the requests (vLLM's kv_load_failure_policy "fail") with nothing written to its cache.
+    # instance fails the requests (vLLM's kv_load_failure_policy "fail"); none of rank 0's rows reached it.
     refusal = ("KVPPConnectorError: prefill rank 0 was about to send layers ['model.layers.3.self_attn.attn'], "
                "which it does not own")
     assert len(faulty["errors"]) == len(NIXL_PROMPTS) and all(refusal in e for e in faulty["errors"]), faulty["errors"]
     assert faulty["finish_reasons"] == ["error"] * len(NIXL_PROMPTS) and faulty["tokens"] != off["tokens"]
-    assert set(faulty["kv"].values()) == {hashlib.sha256(b"").hexdigest()}
+    assert all(rank_0[f"model.layers.{i}.self_attn.attn"] == [] for (rank_0,) in faulty["kv"] for i in range(3))
+
+
+@pytest.fixture(scope="module")
+def mooncake_tp2_runs(tmp_path_factory):
+    """`mooncake_runs` with a TP 2 decode instance, which names KVPP's MooncakeConnector by module path
+    (with vLLM's, decode rank 0 would ask prefill rank 0 only), against the prefill instances with KVPP
+    off and on."""
+    model = make_tiny_deepseek(tmp_path_factory.mktemp("tiny_dense"), moe_layers=0)
+    args = {**NO_HISTORY_ROWS, **EAGER}
+    producers = {"off": args, "kvpp": {**args, "additional_config": {"enable_kvpp": True}}}
+    decode = {**args, "tensor_parallel_size": 2, "kv_connector_module_path": KVPP_CONNECTOR_MODULE}
+    return run_check("mooncake_pairs", model, json.dumps({
+        "ports": _free_ports(len(producers)), "producers": producers, "decode": decode, "prompts": NIXL_PROMPTS}),
+        timeout=600)
+
+
+def test_mooncake_tp2_decode_asks_every_kvpp_prefill_rank_for_the_layers_it_owns(mooncake_tp2_runs):
+    off, kvpp = mooncake_tp2_runs["off"], mooncake_tp2_runs["kvpp"]
+    assert kvpp["producer"]["connector_module"] == KVPP_CONNECTOR_MODULE
+    assert off["finish_reasons"] == kvpp["finish_reasons"] == ["length"] * len(NIXL_PROMPTS)
+    assert all(len(t) == 12 for t in off["tokens"]) and kvpp["tokens"] == off["tokens"]
+    assert off["external_hits"] == kvpp["external_hits"] == sum(len(p) for p in NIXL_PROMPTS)
+    # Each decode rank holds every layer. The rows the prefill instance wrote (all but a prompt's last,
+    # which the decode recomputes) are the same bytes from the owners as from the replicated instance.
+    for prompt, off_ranks, kvpp_ranks in zip(NIXL_PROMPTS, off["kv"], kvpp["kv"], strict=True):
+        for off_rank, kvpp_rank in zip(off_ranks, kvpp_ranks, strict=True):
+            assert len(off_rank) == NUM_LAYERS
+            for name, rows in off_rank.items():
+                assert len(rows) == len(kvpp_rank[name]) == len(prompt) + 11
+                common = collections.Counter(rows) & collections.Counter(kvpp_rank[name])
+                assert sum(common.values()) >= len(prompt) - 1, name
+
+
+def test_nixl_decode_with_vllms_own_reader_is_told_to_name_kvpps_connector(nixl_pairs):
+    stock = nixl_pairs["vllms-reader"]
+    # vLLM's reader refuses the handshake in its own thread: the requests end without tokens (their prompts
+    # were counted as external hits when scheduled), and the error it logs shows the hash the KVPP prefill
+    # rank publishes, which says what to set.
+    assert stock["tokens"] == [[]] * len(NIXL_PROMPTS)
+    assert any("NIXL compatibility hash mismatch" in e and "a KVPP prefill instance" in e
+               and f"kv_connector_module_path={KVPP_CONNECTOR_MODULE!r}" in e for e in stock["errors"]), stock["errors"]
+    assert nixl_pairs["kvpp"]["errors"] == nixl_pairs["off"]["errors"] == []
 
 
 def _free_ports(n: int) -> list[int]:

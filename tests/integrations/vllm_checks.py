@@ -510,6 +510,22 @@ def pd_example(model_dir: str, spec_json: str) -> dict:
     return result
 
 
+def _connector_errors() -> list[str]:
+    """The messages of the errors vLLM's KV connectors log in this process from now on. (On vLLM's own
+    logger, once an engine is up: vLLM's logging set-up disables loggers made before it.)"""
+    import logging
+
+    errors: list[str] = []
+
+    class ConnectorErrors(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if ".kv_connector." in record.name:
+                errors.append(record.getMessage() + (f" {record.exc_info[1]}" if record.exc_info else ""))
+
+    logging.getLogger("vllm").addHandler(ConnectorErrors(logging.ERROR))
+    return errors
+
+
 def _nixl_env(port: int) -> dict:
     """NIXL over UCX on loopback: each instance's side channel on its own port."""
     return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
@@ -551,6 +567,34 @@ def nixl_producer(model_dir: str, spec_json: str) -> None:
         llm.llm_engine.engine_core.shutdown()
 
 
+@contextlib.contextmanager
+def _producer(check: str, model_dir: str, spec: dict):
+    """A prefill instance (`nixl_producer` or `mooncake_producer`) in a process of its own: yields its
+    report once its prefills are done, and tells it to stop on the way out."""
+    import subprocess
+    import threading
+
+    producer = subprocess.Popen([sys.executable, "-m", "tests.integrations.vllm_checks", check, model_dir,
+                                 json.dumps(spec)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = ""
+        while not line.startswith("KVPP-PRODUCED "):
+            line = producer.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the producer exited ({producer.wait()}) before its prefills were done")
+        # vLLM logs to stdout: a pipe nobody reads would stall the producer once full.
+        threading.Thread(target=producer.stdout.read, daemon=True).start()
+        yield json.loads(line.removeprefix("KVPP-PRODUCED "))
+    finally:
+        if producer.poll() is None:
+            producer.stdin.write("done\n")
+            producer.stdin.flush()
+            try:
+                producer.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                producer.kill()
+
+
 def kv_digests(worker) -> dict:
     """name -> sha256 of each attention layer's whole KV cache in this worker."""
     import hashlib
@@ -566,26 +610,13 @@ def nixl_pair(model_dir: str, spec_json: str) -> dict:
     """A prefill/decode pair over vLLM's NixlConnector (UCX on loopback): the producer (`nixl_producer`,
     TP 2, ``spec["producer"]`` its LLM arguments) in a process of its own, the decode instance (TP 1,
     ``spec["decode"]``) here. Returns the decode instance's tokens, the prompt tokens it loaded (vLLM's
-    ``vllm:external_prefix_cache_hits``), a digest of each of its layers' cache afterwards, and the
-    producer's report; or the decode's error (``error``: its type and message) and the producer's report."""
-    import subprocess
-    import threading
+    ``vllm:external_prefix_cache_hits``), a digest of each of its layers' cache afterwards, the connector
+    errors it logged, and the producer's report; or the decode's error (``error``: its type and message) and the producer's report."""
     import traceback
 
     spec = json.loads(spec_json)
-    producer = subprocess.Popen(
-        [sys.executable, "-m", "tests.integrations.vllm_checks", "nixl_producer", model_dir,
-         json.dumps({"port": spec["ports"][0], "args": spec["producer"], "prompts": spec["prompts"]})],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        line = ""
-        while not line.startswith("KVPP-PRODUCED "):
-            line = producer.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the producer exited ({producer.wait()}) before its prefills were done")
-        produced = json.loads(line.removeprefix("KVPP-PRODUCED "))
-        # vLLM logs to stdout: a pipe nobody reads would stall the producer once full.
-        threading.Thread(target=producer.stdout.read, daemon=True).start()
+    producer_spec = {"port": spec["ports"][0], "args": spec["producer"], "prompts": spec["prompts"]}
+    with _producer("nixl_producer", model_dir, producer_spec) as produced:
         os.environ.update(_nixl_env(spec["ports"][1]))
         from vllm import LLM, SamplingParams
 
@@ -593,6 +624,7 @@ def nixl_pair(model_dir: str, spec_json: str) -> dict:
         llm = LLM(model=model_dir, skip_tokenizer_init=True, disable_log_stats=False,
                   kv_transfer_config=_nixl_transfer("kv_consumer", args.pop("kv_connector_module_path", None)),
                   **args)
+        errors = _connector_errors()
         try:
             requests = [(prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                                                 extra_args={"kv_transfer_params": params}))
@@ -605,17 +637,9 @@ def nixl_pair(model_dir: str, spec_json: str) -> dict:
                 return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(),
                         "producer": produced}
             return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "external_hits": _external_hits(llm),
-                    "kv": llm.collective_rpc(kv_digests)[0], "producer": produced}
+                    "kv": llm.collective_rpc(kv_digests)[0], "producer": produced, "errors": errors}
         finally:
             llm.llm_engine.engine_core.shutdown()
-    finally:
-        if producer.poll() is None:
-            producer.stdin.write("done\n")
-            producer.stdin.flush()
-            try:
-                producer.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                producer.kill()
 
 
 def _mooncake_env(bootstrap_port: int) -> dict:
@@ -668,23 +692,17 @@ def mooncake_producer(model_dir: str, spec_json: str) -> None:
         llm.llm_engine.engine_core.shutdown()
 
 
-def kv_block_digests(worker) -> dict:
-    """name -> sha256 over the sorted digests of each non-zero block of the layer's KV cache: the rows
-    the worker holds, whichever block ids its allocator gave them."""
+def kv_row_digests(worker) -> dict:
+    """name -> the sorted digests (16 hex digits) of the non-zero token rows of the layer's KV cache: the
+    rows the worker holds, whichever block ids its allocator gave them."""
     import hashlib
 
     import torch
 
     layers = worker.model_runner.compilation_config.static_forward_context
-    result = {}
-    for name, layer in sorted(layers.items()):
-        cache = getattr(layer, "kv_cache", None)
-        if cache is None:
-            continue
-        blocks = sorted(hashlib.sha256(block.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-                        for block in cache if bool(block.any()))
-        result[name] = hashlib.sha256("".join(blocks).encode()).hexdigest()
-    return result
+    return {name: sorted(hashlib.sha256(row.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+                         for row in layer.kv_cache.reshape(-1, layer.kv_cache.shape[-1]) if bool(row.any()))
+            for name, layer in sorted(layers.items()) if getattr(layer, "kv_cache", None) is not None}
 
 
 def zero_kv(worker) -> None:
@@ -695,17 +713,13 @@ def zero_kv(worker) -> None:
 
 
 def mooncake_pairs(model_dir: str, spec_json: str) -> dict:
-    """Prefill/decode pairs over vLLM's MooncakeConnector (TCP on loopback): one TP 1 decode instance (KVPP
-    off, vLLM's own connector; ``spec["decode"]`` its LLM arguments) here, and in turn each prefill
+    """Prefill/decode pairs over vLLM's MooncakeConnector (TCP on loopback): one decode instance (KVPP
+    off; ``spec["decode"]`` its LLM arguments) here, and in turn each prefill
     instance of ``spec["producers"]`` (TP 2, `mooncake_producer`) in a process of its own. Per prefill
     instance: the decode's tokens (one request at a time), the prompt tokens it loaded (vLLM's
-    ``vllm:external_prefix_cache_hits``), `kv_block_digests` of its cache afterwards, the connector errors
-    it logged, and the producer's report. The decode's cache is zeroed and its prefix cache reset between
-    prefill instances."""
-    import logging
-    import subprocess
-    import threading
-
+    ``vllm:external_prefix_cache_hits``), per request `kv_row_digests` of its ranks' caches once it is done
+    (the cache is zeroed and the prefix cache reset after each), the connector errors it logged, and the
+    producer's report."""
     spec = json.loads(spec_json)
     os.environ.update(_mooncake_env(0))
     mooncake_on_cpu.apply()
@@ -715,35 +729,15 @@ def mooncake_pairs(model_dir: str, spec_json: str) -> dict:
     llm = LLM(model=model_dir, skip_tokenizer_init=True, disable_log_stats=False,
               kv_transfer_config=_mooncake_transfer("kv_consumer", args.pop("kv_connector_module_path", None)),
               **args)
-    errors: list[str] = []
-
-    class ConnectorErrors(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.name.endswith("mooncake_connector"):
-                errors.append(record.getMessage())
-
-    # On vLLM's own logger, once the engine is up: vLLM's logging set-up disables loggers made before it.
-    logging.getLogger("vllm").addHandler(ConnectorErrors(logging.ERROR))
+    errors = _connector_errors()
     results = {}
     try:
         for k, (name, producer_args) in enumerate(spec["producers"].items()):
             engine_id, port = f"prefill-{name}", spec["ports"][k]
-            producer = subprocess.Popen(
-                [sys.executable, "-m", "tests.integrations.vllm_checks", "mooncake_producer", model_dir,
-                 json.dumps({"port": port, "args": producer_args, "prompts": spec["prompts"],
-                             "engine_id": engine_id})],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            try:
-                line = ""
-                while not line.startswith("KVPP-PRODUCED "):
-                    line = producer.stdout.readline()
-                    if not line:
-                        raise RuntimeError(f"prefill instance {name} exited ({producer.wait()}) before its prefills")
-                produced = json.loads(line.removeprefix("KVPP-PRODUCED "))
-                # vLLM logs to stdout: a pipe nobody reads would stall the producer once full.
-                threading.Thread(target=producer.stdout.read, daemon=True).start()
+            producer_spec = {"port": port, "args": producer_args, "prompts": spec["prompts"], "engine_id": engine_id}
+            with _producer("mooncake_producer", model_dir, producer_spec) as produced:
                 hits_before, errors_before = _external_hits(llm), len(errors)
-                outputs = []
+                outputs, rows = [], []
                 for i, prompt in enumerate(spec["prompts"]):
                     # One request at a time: when each request's KV arrives decides which requests a decode
                     # step batches, and the batch changes vLLM's numerics (the rows the decode writes).
@@ -752,21 +746,14 @@ def mooncake_pairs(model_dir: str, spec_json: str) -> dict:
                                                "remote_bootstrap_addr": f"http://127.0.0.1:{port}",
                                                "transfer_id": f"{engine_id}-{i}"}})
                     outputs.append(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0])
+                    rows.append(llm.collective_rpc(kv_row_digests))
+                    llm.reset_prefix_cache()
+                    llm.collective_rpc(zero_kv)
                 results[name] = {
                     "tokens": [list(o.outputs[0].token_ids) for o in outputs],
                     "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
                     "external_hits": _external_hits(llm) - hits_before, "errors": errors[errors_before:],
-                    "kv": llm.collective_rpc(kv_block_digests)[0], "producer": produced}
-            finally:
-                if producer.poll() is None:
-                    producer.stdin.write("done\n")
-                    producer.stdin.flush()
-                    try:
-                        producer.wait(timeout=60)
-                    except subprocess.TimeoutExpired:
-                        producer.kill()
-            llm.reset_prefix_cache()
-            llm.collective_rpc(zero_kv)
+                    "kv": rows, "producer": produced}
     finally:
         llm.llm_engine.engine_core.shutdown()
     return results

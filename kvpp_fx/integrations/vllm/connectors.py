@@ -14,6 +14,7 @@ here), which `route_connector` checks at ``LLM(...)``.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -21,6 +22,8 @@ import importlib
 import time
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
 from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
@@ -59,6 +62,14 @@ class KVPPConnector:
 def kept_here(connector: str, layer_name: str) -> bool:
     """Whether this KVPP rank keeps `layer_name`, read from the engine the worker is running; raises
     `KVPPConnectorError` where no engine is current or the plan does not hold the layer."""
+    owner = owner_rank(connector, layer_name)
+    return current_engine().comm.runtime.rank == owner
+
+
+def owner_rank(connector: str, layer_name: str) -> int:
+    """The TP rank that keeps `layer_name` (a draft layer: the group's first), read from the engine the
+    worker is running; raises `KVPPConnectorError` where no engine is current or the plan does not hold
+    the layer."""
     state = current_engine()
     if state is None or state.comm.runtime is None or state.vplan is None:
         raise KVPPConnectorError(
@@ -67,7 +78,7 @@ def kept_here(connector: str, layer_name: str) -> bool:
     if layer_name not in state.vplan.layer_index:
         raise KVPPConnectorError(f"{connector} was asked for layer {layer_name!r}, which KVPP's plan does not hold.")
     owner = state.plan.owner(state.vplan.layer_index[layer_name])
-    return state.comm.runtime.rank == (0 if owner is None else owner)
+    return 0 if owner is None else owner
 
 
 class ExampleConnector(KVPPConnector, VllmExampleConnector):
@@ -105,8 +116,7 @@ def route_connector(vllm_config: Any) -> None:
         connector = getattr(importlib.import_module(module), name, None)
     except ImportError as exc:
         raise ValueError(MSG_NOT_KVPP_CONNECTOR.format(name=name, module=module) + f" ({exc})") from exc
-    if not (isinstance(connector, type) and issubclass(connector, (ExampleConnector, NixlConnector,
-                                                                   MooncakeConnector))):
+    if not (isinstance(connector, type) and issubclass(connector, (ExampleConnector, NixlConnector, MooncakeConnector))):
         raise ValueError(MSG_NOT_KVPP_CONNECTOR.format(name=name, module=module))
 
 
@@ -132,7 +142,7 @@ class NixlConnector(KVPPConnector, VllmNixlConnector):
             self.connector_scheduler = NixlPullConnectorScheduler(vllm_config, self.engine_id, kv_cache_config)
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = KVPPNixlWorker(vllm_config, self.engine_id, kv_cache_config,
-                                                   exposes=self.exposes)
+                                                   exposes=self.exposes, partitioned=self._kvpp_on)
 
 
 NixlPullConnector = NixlConnector
@@ -153,9 +163,10 @@ class KVPPNixlWorker(NixlPullConnectorWorker):
     """
 
     def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any,
-                 exposes: Callable[[str], bool]) -> None:
+                 exposes: Callable[[str], bool], partitioned: bool = False) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self._exposes = exposes
+        self._partitioned = partitioned
         self._by_layer = self.use_mla and self.dcp_size == 1
         # remote engine id -> the remote rank each local region (in `region_names` order) is read from
         self._region_sources: dict[str, list[int]] = {}
@@ -168,6 +179,12 @@ class KVPPNixlWorker(NixlPullConnectorWorker):
         if not kept:
             raise KVPPConnectorError("this KVPP rank keeps no layer to register with NIXL (more ranks than layers).")
         super().register_kv_caches(kept)
+        if self._partitioned:
+            # vLLM's own reader compares the hash before anything else and shows it in its error.
+            self.xfer_handshake_metadata = dataclasses.replace(
+                self.xfer_handshake_metadata, compatibility_hash=self.compat_hash + NIXL_PARTITIONED_HASH_SUFFIX)
+        else:
+            self.compat_hash = _AcceptsPartitionedHash(self.compat_hash)
         if self._by_layer:
             topology = self.transfer_topo
             self.transfer_topo = AllRanksTopology(**{f.name: getattr(topology, f.name)
@@ -276,6 +293,29 @@ class KVPPNixlWorker(NixlPullConnectorWorker):
             raise KVPPConnectorError(f"cannot read NIXL engine {engine_id} layer by layer: {why}.")
 
 
+# What a KVPP prefill rank appends to the NIXL compatibility hash it publishes: vLLM's own reader then
+# refuses the handshake with an error that shows it.
+NIXL_PARTITIONED_HASH_SUFFIX = (
+    " (a KVPP prefill instance: each rank exposes only the layers it owns; read it with "
+    f"kv_connector_module_path={KVPP_CONNECTOR_MODULE!r} on the decode instance)")
+
+
+class _AcceptsPartitionedHash(str):
+    """A reader's compatibility hash, which vLLM compares with ``remote != local``: also equal to the hash a
+    KVPP prefill rank publishes (Python tries a subclass's reflected ``__ne__`` first)."""
+
+    def _accepts(self, other: object) -> bool:
+        return other in (str(self), str(self) + NIXL_PARTITIONED_HASH_SUFFIX)
+
+    def __eq__(self, other: object) -> bool:
+        return self._accepts(other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self._accepts(other)
+
+    __hash__ = str.__hash__
+
+
 def _of_rank(by_region: list, sources: list[int], rank: int) -> list:
     """The block ids of the regions read from `rank`; empty for the others."""
     return [list(ids) if sources[i] == rank else [] for i, ids in enumerate(by_region)]
@@ -308,11 +348,15 @@ def padded_to(meta: Any, region_names: list[str]) -> Any:
 
 
 class MooncakeConnector(KVPPConnector, vllm_mooncake.MooncakeConnector):
-    """vLLM's MooncakeConnector on a KVPP prefill instance: a decode instance (KVPP off, vLLM's own
-    connector) asks each prefill rank it pairs with for a request's blocks, and each rank writes the layers
-    it keeps. With vLLM's pairing for MLA every rank of a TP 2 prefill instance serves a TP 1 decode
-    instance; a decode instance whose ranks each pair with fewer than all prefill ranks would miss layers,
-    and is refused by name (`KVPPMooncakeWorker`)."""
+    """vLLM's MooncakeConnector (a decode rank asks prefill ranks for a request's blocks, and they write
+    them into its cache), for both ends of a pair whose prefill instance runs KVPP.
+
+    On a KVPP rank (`KVPPMooncakeWorker`) only the layers the rank keeps are registered and written, and
+    the instance's bootstrap server also says which rank owns each layer. The decode instance (KVPP off)
+    runs vLLM's own connector where each of its ranks asks every prefill rank (vLLM's MLA pairing does so
+    for a TP 1 decode instance), or this class, named with ``kv_connector_module_path``
+    (`KVPPMooncakeReader`), which asks every rank of a KVPP prefill instance at any TP.
+    """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -324,11 +368,21 @@ class MooncakeConnector(KVPPConnector, vllm_mooncake.MooncakeConnector):
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = vllm_mooncake.MooncakeConnectorScheduler(vllm_config, self.engine_id,
                                                                                 kv_cache_config)
+        elif role == KVConnectorRole.WORKER and self._kvpp_on:
+            self.connector_worker = KVPPMooncakeWorker(vllm_config, self.engine_id, kv_cache_config, self.exposes)
         elif role == KVConnectorRole.WORKER:
-            worker_class = KVPPMooncakeWorker if self._kvpp_on else vllm_mooncake.MooncakeConnectorWorker
-            self.connector_worker = worker_class(vllm_config, self.engine_id, kv_cache_config)
-            if self._kvpp_on:
-                self.connector_worker.exposes = self.exposes
+            self.connector_worker = KVPPMooncakeReader(vllm_config, self.engine_id, kv_cache_config)
+
+
+# The route a KVPP prefill instance's Mooncake bootstrap server adds: layer name -> owning TP rank.
+MOONCAKE_OWNERS_ROUTE = "/kvpp/owners"
+
+
+class EveryRankXferMetadata(vllm_mooncake.MooncakeXferMetadata, omit_defaults=True):
+    """vLLM's request for a request's blocks, saying whether the decode rank asks every prefill rank (a
+    `KVPPMooncakeReader`); vLLM's own prefill ranks ignore the field."""
+
+    asks_every_rank: bool = False
 
 
 class KVPPMooncakeWorker(vllm_mooncake.MooncakeConnectorWorker):
@@ -337,23 +391,34 @@ class KVPPMooncakeWorker(vllm_mooncake.MooncakeConnectorWorker):
     Invariants:
     - Only the layers `exposes` keeps are registered with the transfer engine; a rank that keeps none
       raises `KVPPConnectorError`.
-    - Every rank writes its registered layers to each decode rank that asks (vLLM writes a replicated MLA
-      cache from one rank of the ones a decode rank pairs with).
-    - A decode rank is served only where every rank of this instance is among the ones it asks (each
-      layer leaves from its owner); otherwise the reply is an error that says what to run instead.
-    - Before any write, every layer about to leave this rank is one the plan says it owns: a scratch slot
+    - Every rank writes its registered layers to each decode rank that asks, and expects every decode
+      rank to ask it (vLLM writes a replicated MLA cache from one rank of the ones a decode rank pairs
+      with).
+    - A decode rank is served only where it asks every rank of this instance: vLLM's connector where its
+      pairing does, or a `KVPPMooncakeReader`. Otherwise the reply is an error that says what to run.
+    - Before any write, every layer registered here is one the plan says this rank owns: a scratch slot
       never leaves (the reply is a `KVPPConnectorError`).
     """
 
-    exposes: Callable[[str], bool]  # set by `MooncakeConnector`
-    _owned: frozenset[str] = frozenset()
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any,
+                 exposes: Callable[[str], bool]) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._exposes = exposes
+        self._owned: frozenset[str] = frozenset()
+        self._xfer_meta_decoder = msgspec.msgpack.Decoder(EveryRankXferMetadata)
+        self.transfer_topo = AllRanksTopology(**{f.name: getattr(self.transfer_topo, f.name)
+                                                  for f in dataclasses.fields(TransferTopology)})
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        kept = {name: cache for name, cache in kv_caches.items() if self.exposes(name)}
+        kept = {name: cache for name, cache in kv_caches.items() if self._exposes(name)}
         if not kept:
             raise KVPPConnectorError("this KVPP rank keeps no layer to register with Mooncake (more ranks than layers).")
         # Read here, on the worker's thread, where the engine's plan is current; the sender threads check it.
-        self._owned = frozenset(name for name in kv_caches if kept_here(type(self).__name__, name))
+        owners = {name: owner_rank(type(self).__name__, name) for name in kv_caches}
+        self._owned = frozenset(name for name, rank in owners.items() if rank == self.tp_rank)
+        server = getattr(self, "bootstrap_server", None)
+        if server is not None:
+            server.app.get(MOONCAKE_OWNERS_ROUTE)(lambda: owners)
         super().register_kv_caches(kept)
 
     def _get_sender_transfer_plan(self, local_kv_block_len: int, remote_kv_block_len: int, remote_tp_rank: int,
@@ -363,13 +428,14 @@ class KVPPMooncakeWorker(vllm_mooncake.MooncakeConnectorWorker):
         return True, remote_offset, local_offset, length
 
     def _prepare_transfer_regions(self, meta: Any) -> tuple[list, list, str | None]:
-        missed = ranks_not_asked(self.tp_size, meta.remote_tp_rank, meta.remote_tp_size)
+        missed = [] if meta.asks_every_rank else ranks_not_asked(self.tp_size, meta.remote_tp_rank,
+                                                                  meta.remote_tp_size)
         if missed:
             return [], [], (
                 f"{KVPPConnectorError.__name__}: decode rank {meta.remote_tp_rank} (TP {meta.remote_tp_size}) "
                 f"asks only some ranks of this KVPP prefill instance (TP {self.tp_size}) for a request's KV; "
-                f"it would miss the layers that ranks {missed} own. Run the decode instance with TP 1, or use "
-                f"NixlConnector with kv_connector_module_path={KVPP_CONNECTOR_MODULE!r} on the decode instance.")
+                f"it would miss the layers that ranks {missed} own. Name kv_connector_module_path="
+                f"{KVPP_CONNECTOR_MODULE!r} on the decode instance, or run it with TP 1.")
         # The registered names, not the regions: vLLM's coalescing names a span of layers by its first.
         foreign = sorted(set(self.registered_layer_names) - self._owned)
         if foreign:
@@ -379,7 +445,6 @@ class KVPPMooncakeWorker(vllm_mooncake.MooncakeConnectorWorker):
         return super()._prepare_transfer_regions(meta)
 
 
-
 def ranks_not_asked(prefill_tp_size: int, decode_rank: int, decode_tp_size: int) -> list[int]:
     """The ranks of an MLA prefill instance that vLLM's MooncakeConnector on a decode rank does not ask
     for a request's KV (vLLM's pairing: `TransferTopology.handshake_target_ranks`)."""
@@ -387,3 +452,86 @@ def ranks_not_asked(prefill_tp_size: int, decode_rank: int, decode_tp_size: int)
                                    is_mla=True, is_mamba=False, total_num_kv_heads=1, attn_backends=[])
     asked = set(decode_side.handshake_target_ranks(prefill_tp_size))
     return [rank for rank in range(prefill_tp_size) if rank not in asked]
+
+
+class KVPPMooncakeReader(vllm_mooncake.MooncakeConnectorWorker):
+    """`MooncakeConnector`'s worker on a decode instance (KVPP off), named by module path.
+
+    Invariants:
+    - A prefill instance is partitioned where its bootstrap server answers `MOONCAKE_OWNERS_ROUTE` (a KVPP
+      instance), replicated otherwise; asked before vLLM's own query, so no request reaches a prefill
+      instance before it is classified.
+    - A request from a replicated instance is vLLM's. One from a partitioned instance is asked of every
+      prefill rank, marked so (`EveryRankXferMetadata`), and each rank writes the layers it owns; an owner
+      map that does not name a rank of the instance for every layer here fails the request by name first.
+    """
+
+    def __init__(self, vllm_config: Any, engine_id: str, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._owners: dict[str, dict[str, int] | None] = {}  # bootstrap address -> layer owners, or None
+        self.transfer_topo = _ReaderTopology(**{f.name: getattr(self.transfer_topo, f.name)
+                                                for f in dataclasses.fields(TransferTopology)})
+        self._encoder = _EveryRankEncoder(self._encoder)
+
+    async def _connect_to_prefiller_bootstrap(self, remote_bootstrap_addr: str) -> None:
+        self._owners[remote_bootstrap_addr] = await self._query_owners(remote_bootstrap_addr)
+        await super()._connect_to_prefiller_bootstrap(remote_bootstrap_addr)
+
+    async def _query_owners(self, remote_bootstrap_addr: str) -> dict[str, int] | None:
+        timeout = vllm_mooncake.envs.VLLM_MOONCAKE_CONNECTOR_TIMEOUT
+        try:
+            async with vllm_mooncake.httpx.AsyncClient(timeout=timeout) as client:
+                response = await client.get(remote_bootstrap_addr + MOONCAKE_OWNERS_ROUTE)
+            if response.status_code != 200:  # vLLM's own prefill instance: replicated
+                return None
+            return {str(name): int(rank) for name, rank in response.json().items()}
+        except Exception:  # unreachable or garbled: read as vLLM reads it; vLLM's own query reports the former
+            return None
+
+    def receive_kv(self, remote_engine_id: str, pull_metas: dict) -> None:
+        address = next(iter(pull_metas.values())).remote_bootstrap_addr
+        owners = self._owners.get(address)
+        if owners is None:
+            return super().receive_kv(remote_engine_id, pull_metas)
+        remote_tp_size = self._tp_size[remote_engine_id]
+        unowned = sorted(name for name in self.registered_layer_names
+                         if not 0 <= owners.get(name, -1) < remote_tp_size)
+        if unowned:
+            self._handle_failed_recv(pull_metas, list(pull_metas), (
+                f"{KVPPConnectorError.__name__}: KVPP prefill instance {remote_engine_id} (TP {remote_tp_size}) names "
+                f"no owner among its ranks for layers {unowned} of this instance."))
+            return
+        # vLLM's receive_kv picks the ranks here (`_ReaderTopology`) and makes one task per rank, each of
+        # which carries the flag to its request's metadata (`_EveryRankEncoder`).
+        token = _ASKS_EVERY_RANK.set(True)
+        try:
+            super().receive_kv(remote_engine_id, pull_metas)
+        finally:
+            _ASKS_EVERY_RANK.reset(token)
+
+
+_ASKS_EVERY_RANK: contextvars.ContextVar[bool] = contextvars.ContextVar("kvpp_mooncake_asks_every_rank",
+                                                                       default=False)
+
+
+class _ReaderTopology(TransferTopology):
+    """vLLM's transfer topology on a `KVPPMooncakeReader`: every remote rank while a request is asked of
+    every rank."""
+
+    def handshake_target_ranks(self, remote_tp_size: int, remote_dcp_size: int = 1) -> list[int]:
+        if _ASKS_EVERY_RANK.get() and remote_dcp_size == 1:
+            return list(range(remote_tp_size))
+        return super().handshake_target_ranks(remote_tp_size, remote_dcp_size)
+
+
+class _EveryRankEncoder:
+    """vLLM's encoder on a `KVPPMooncakeReader`: a request for blocks asked of every prefill rank goes out
+    as `EveryRankXferMetadata`."""
+
+    def __init__(self, encoder: Any) -> None:
+        self._encoder = encoder
+
+    def encode(self, obj: Any) -> bytes:
+        if isinstance(obj, vllm_mooncake.MooncakeXferMetadata) and _ASKS_EVERY_RANK.get():
+            obj = EveryRankXferMetadata(**{f: getattr(obj, f) for f in obj.__struct_fields__}, asks_every_rank=True)
+        return self._encoder.encode(obj)
