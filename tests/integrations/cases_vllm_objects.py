@@ -326,14 +326,14 @@ def test_connector_rule_reads_kv_transfer_config(name, role, message):
     (2, 1, [[]]), (2, 2, [[1], [0]]), (4, 2, [[2, 3], [0, 1]]), (2, 4, [[1], [1], [0], [0]]),
 ])
 def test_mooncake_decode_ranks_that_would_miss_a_kvpp_prefill_ranks_layers(prefill_tp, decode_tp, missed):
-    from kvpp_fx.integrations.vllm.connectors import ranks_not_asked
+    from kvpp_fx.integrations.vllm.mooncake_connector import ranks_not_asked
 
     # vLLM's MLA pairing: a decode rank asks every prefill rank only where the decode instance has TP 1.
     assert [ranks_not_asked(prefill_tp, rank, decode_tp) for rank in range(decode_tp)] == missed
 
 
 def _mooncake_worker(tp_rank, tp_size, registered, owned):
-    from kvpp_fx.integrations.vllm.connectors import KVPPMooncakeWorker
+    from kvpp_fx.integrations.vllm.mooncake_connector import KVPPMooncakeWorker
 
     worker = object.__new__(KVPPMooncakeWorker)  # no transfer engine: only the checks before vLLM's planning
     worker.tp_rank, worker.tp_size, worker.registered_layer_names = tp_rank, tp_size, registered
@@ -1565,7 +1565,7 @@ def test_a_kvpp_mooncake_reader_marks_requests_it_asks_of_every_prefill_rank_and
     import msgspec
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as vllm_mooncake
 
-    from kvpp_fx.integrations.vllm import connectors
+    from kvpp_fx.integrations.vllm import mooncake_connector as connectors
 
     meta = vllm_mooncake.MooncakeXferMetadata(
         remote_hostname="127.0.0.1", remote_port=1, remote_tp_size=2, remote_tp_rank=1,
