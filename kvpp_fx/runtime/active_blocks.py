@@ -34,7 +34,7 @@ import torch
 from kvpp_fx.cache.allocate import CacheStorage
 from kvpp_fx.cache.block_ids import BlockIds, difference
 from kvpp_fx.runtime.device import DeviceAPI
-from kvpp_fx.runtime.errors import InvalidBlocksError, ScratchOverflowError
+from kvpp_fx.runtime.errors import InvalidBlocksError, ScratchOverflowError, UnlistedBlockError
 
 Shape = tuple[int, ...]  # the bytes per block of each component of a bundle, in layout order
 BLOCK_TABLE, SLOT_MAPPING = "block_table", "slot_mapping"
@@ -76,6 +76,7 @@ class PackedBlocks:
     arrived: torch.Tensor  # receivers: whether every list of ids received so far equals their own
     _equal: torch.Tensor  # scratch for one layer's comparison, so no layer allocates
     _layer_arrived: torch.Tensor
+    unlisted_reads: torch.Tensor  # a device's `check_reads`: whether any row read an unlisted block
     _payloads: dict[tuple[int, int], tuple] = field(default_factory=dict)
     _remapped: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -98,7 +99,7 @@ class PackedBlocks:
         return cls(listed[:count], count, len(fresh), digest(history, fresh), positions, slot_blocks,
                    storage.plan.spec.block_size,
                    torch.ones((), dtype=torch.bool, device=device), torch.empty(count, dtype=torch.bool, device=device),
-                   torch.empty((), dtype=torch.bool, device=device))
+                   torch.empty((), dtype=torch.bool, device=device), torch.zeros((), dtype=torch.bool, device=device))
 
     # --- per layer, on the transfer stream ---------------------------------------------------------
 
@@ -155,3 +156,23 @@ class PackedBlocks:
             raise ValueError(f"a table operand is one of {TABLE_KINDS}, got {kind!r}.")
         self._remapped[key] = (table, out)
         return out
+
+    def check_reads(self, api: DeviceAPI, layer: int, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Every entry a row of the block table `table` reads (its first ``ceil(seq_len / block)``) is a
+        listed block. Where checks are immediate (CPU) `UnlistedBlockError` is raised here; on a device the
+        answer joins `unlisted_reads`, which the forward's checks read later, and the host never waits."""
+        if table.numel() == 0:
+            return
+        positions = self.remap(api, table, BLOCK_TABLE)  # unlisted ids and negative entries leave the slot
+        reads = (seq_lens.to(torch.int64) + self.block_size - 1) // self.block_size
+        read = torch.arange(table.shape[1], device=table.device)[None, :] < reads[:, None].to(table.device)
+        outside = read & ((positions < 0) | (positions >= self.slot_blocks))
+        if not api.immediate_checks:
+            self.unlisted_reads.logical_or_(outside.any())
+            return
+        if bool(outside.any()):
+            row, column = (int(v) for v in outside.nonzero()[0])
+            raise UnlistedBlockError(
+                f"layer {layer}: row {row} reads block-table entry {column} (block {int(table[row, column])}), "
+                f"which the forward's packed list does not hold (a slot of {self.slot_blocks} blocks); the "
+                "step's blocks= and written= miss a block it reads.")

@@ -1,5 +1,5 @@
 """Prefill history streamed from its owner: each chunk of rows the owner gathers from its persistent
-cache, broadcast into the same buffer on every rank.
+cache, broadcast into the same buffer on every rank, the next chunk in flight while this one computes.
 
 An attention backend that reads a prefill row's history in bounded chunks (vLLM's MLA prefill gathers
 each chunk of context into a workspace, up-projects it and attends over it) needs no scratch slot for
@@ -8,24 +8,39 @@ that history. Inside the layer's turn, the owner gathers the chunk out of its ow
 nothing. A chunk moves the history it reads, once per layer: its tokens times the cache's bytes per
 token, never whole blocks nor whole layers.
 
+Prefetched (`ChunkPlan`, from the caller): once a chunk is in ``rows``, the next one is issued into a
+buffer shaped like the caller's workspace (its owner gathers it there, one broadcast on a side stream),
+so it moves while this chunk computes: the layer's next chunk, or after its last, the first chunk of the
+next target layer when the forward allows it (``history_ahead``: no streamed row's history is written by
+the step, which that layer's owner has not yet written when the current layer computes). The caller's
+call for that chunk then finds it in flight, completes it and copies it into its ``rows``.
+
 Invariants:
 - Every rank streams the same chunks in the same order: the chunks come from the step's metadata, which
   every rank derives from the same scheduler output, and the forward's agreement covers the requests
   (on CPU checked before a turn's first collective, as before owner mode's exchanges; on a device read
-  when the forward ends, so that nothing waits for it).
+  when the forward ends, so that nothing waits for it). Every rank issues the same prefetches: whether a
+  chunk follows is a fact of that metadata and of the forward.
+- A prefetched chunk is used only by the call whose arguments, its destination aside, equal those it
+  was gathered with (`ChunkPlan.key`), same layer, same rows: otherwise `ContextStreamError`, after the
+  chunk completed, and the runtime breaks (a rank's key may differ from a peer's).
 - A gather that raises on the owner breaks its runtime before anything is broadcast; the other ranks'
   broadcast then expires (`TransferTimeoutError`), as a peer that stopped issuing collectives does.
 - ``rows`` is one contiguous buffer (`ContextStreamError` otherwise, before anything is issued), of the
   chunk's tokens: the same shape on every rank, since every rank reads the chunk from the same metadata.
-- The broadcast runs on the current stream, in program order, on the exchange group (its own
-  communicator, so it never queues behind the next layer's prefetch), bounded by the runtime's timeout.
+- Device order, as a slot's prefetch (`transport`): the owner's gather and the copy out of the buffer run
+  on the compute stream; ``ready`` recorded after both orders the side stream's broadcast into the buffer
+  after them, and ``done`` orders the copy after the broadcast. Without prefetch the broadcast runs on the
+  current stream. Every broadcast is on the exchange group, bounded by the runtime's timeout; a forward
+  that ends with a chunk in flight completes it (`finish`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -34,16 +49,50 @@ from kvpp_fx.runtime.errors import ContextStreamError
 if TYPE_CHECKING:
     from kvpp_fx.runtime.collectives import Collectives
     from kvpp_fx.runtime.device import DeviceAPI
+    from kvpp_fx.runtime.layer_route import LayerRoute
     from kvpp_fx.runtime.stats import TransferStats
     from kvpp_fx.runtime.timeline import Timeline
 
 STREAMED = "prefill history chunk of layer %d"
 
 
-class ContextRows:
-    """A runtime's streaming of prefill history chunks: its device API, collectives and exchange group."""
+@dataclass(frozen=True)
+class AheadChunk:
+    """A chunk to issue ahead of its call: its layer, what its call must pass (`ChunkPlan.key`), the rows
+    it fills in the prefetch buffer and, on the layer's owner, the gather that fills them."""
 
-    __slots__ = ("api", "collectives", "group", "group_size", "stats", "timeline")
+    layer: int
+    key: tuple
+    rows: torch.Tensor
+    gather: Callable[[], Any]
+
+
+class ChunkPlan(Protocol):
+    """The caller's chunks, as the runtime prefetches them (vLLM's: `context_stream.ChunkStream`)."""
+
+    workspace: torch.Tensor  # what a chunk's rows are cut from; the prefetch buffer is shaped like it
+
+    def key(self) -> tuple:
+        """The current call's arguments but its destination, comparable across calls."""
+
+    def ahead(self, buffer: torch.Tensor, next_layer: int | None) -> AheadChunk | None:
+        """The chunk after the current one, its rows in `buffer`: the call's next chunk, else the first
+        chunk of `next_layer` (None: not this forward), else None."""
+
+
+@dataclass
+class InFlight:
+    """The chunk issued ahead (at most one): its layer's route, its chunk, its work and its issue time."""
+
+    route: LayerRoute
+    chunk: AheadChunk
+    work: Any
+    issued_ns: int
+
+
+class ContextRows:
+    """A runtime's streaming of prefill history chunks: its device API, collectives and exchange group,
+    the side stream and buffer of the chunk in flight."""
 
     def __init__(self, api: DeviceAPI, collectives: Collectives | None, group: Any, group_size: int,
                  stats: TransferStats, timeline: Timeline | None) -> None:
@@ -53,30 +102,113 @@ class ContextRows:
         self.group_size = group_size
         self.stats = stats
         self.timeline = timeline
+        self.orders_streams = api.orders_streams
+        self.side_stream = api.new_stream() if collectives is not None and api.orders_streams else None
+        self._ready = api.new_event() if self.side_stream is not None else None
+        self._done = api.new_event() if self.side_stream is not None else None
+        self.buffer: torch.Tensor | None = None  # shaped like the last workspace seen; allocated once
+        self.in_flight: InFlight | None = None
+        self.prefetched = 0  # chunks found in flight by their call (tests and benchmarks)
 
-    def stream(self, route: Any, rows: torch.Tensor, gather: Callable[[], Any]) -> None:
-        """Fill ``rows`` with one chunk of the layer's history: ``gather()`` on the owner, which writes it
-        into ``rows`` from the owner's cache, then one broadcast from the owner to every rank. ``route`` is
-        the layer's `parts.LayerRoute` (not imported: `parts` builds this object)."""
+    def stream(self, route: LayerRoute, rows: torch.Tensor, gather: Callable[[], Any],
+               plan: ChunkPlan | None = None, next_route: LayerRoute | None = None) -> None:
+        """Fill ``rows`` with one chunk of the layer's history: from the chunk in flight if it is this
+        call's, else ``gather()`` on the owner and one broadcast from it; then issue the next chunk
+        (`plan`), of this layer or of `next_route`'s."""
         if not isinstance(rows, torch.Tensor) or not rows.is_contiguous():
             raise ContextStreamError(f"layer {route.layer}: a history chunk streams into one contiguous buffer, got "
                                      f"{type(rows).__name__} {tuple(getattr(rows, 'shape', ()))}.")
-        if route.owned:
-            try:
-                gather()
-            except Exception as exc:
-                failure = ContextStreamError(f"layer {route.layer}: the owner's gather of a history chunk failed "
-                                             f"({type(exc).__name__}: {exc}); the other ranks wait for it in vain.")
-                if self.collectives is not None:
-                    self.collectives.health.broken_by(failure)
-                raise failure from exc
-        if self.collectives is None:  # a group of one: nothing moves
+        if self.collectives is None:  # a group of one: the owner gathers, nothing moves
+            self._gather(route, gather)
             self.stats.record_context(route.position, 0)
             return
+        flight, self.in_flight = self.in_flight, None
+        if flight is not None:
+            self._take(flight, route, rows, plan)
+        else:
+            self._gather(route, gather)
+            start = time.perf_counter_ns()
+            self.collectives.run(lambda: self.api.broadcast(rows, route.src, self.group), STREAMED, route.layer)
+            self._record(route, rows, start)
+        if plan is not None:
+            self._issue_ahead(route, plan, next_route)
+
+    def _take(self, flight: InFlight, route: LayerRoute, rows: torch.Tensor, plan: ChunkPlan | None) -> None:
+        """The chunk in flight completes into the buffer, which must hold this call's chunk; it is copied
+        into ``rows``."""
+        self._complete(flight)
+        chunk = flight.chunk
+        if (chunk.layer != route.layer or plan is None or chunk.key != plan.key()
+                or chunk.rows.shape != rows.shape or chunk.rows.dtype != rows.dtype):
+            what = "a call without its chunk plan" if plan is None else f"rows {tuple(rows.shape)}"
+            raise self.collectives.health.broken_by(ContextStreamError(
+                f"layer {route.layer}: the history chunk issued ahead (layer {chunk.layer}, rows "
+                f"{tuple(chunk.rows.shape)}) is not the one this call reads ({what}, other arguments); "
+                "its rows would be another chunk's."))
+        self.api.copy(rows, chunk.rows)
+        self.prefetched += 1
+
+    def _issue_ahead(self, route: LayerRoute, plan: ChunkPlan, next_route: LayerRoute | None) -> None:
+        workspace = plan.workspace
+        buffer = self.buffer
+        if buffer is None or buffer.shape != workspace.shape or buffer.dtype != workspace.dtype \
+                or buffer.device != workspace.device:
+            buffer = self.buffer = torch.empty_like(workspace)
+        chunk = plan.ahead(buffer, next_route.layer if next_route is not None else None)
+        if chunk is None:
+            return
+        target = route if chunk.layer == route.layer else next_route
+        if target is None or chunk.layer != target.layer:
+            raise ContextStreamError(f"layer {route.layer}: a chunk of layer {chunk.layer} was planned ahead, which "
+                                     "is neither this layer nor the next.")
+        self._gather(target, chunk.gather)
         start = time.perf_counter_ns()
-        self.collectives.run(lambda: self.api.broadcast(rows, route.src, self.group), STREAMED, route.layer)
+        api, rows = self.api, chunk.rows
+        try:
+            if self.side_stream is None:
+                work = api.broadcast(rows, target.src, self.group)
+            else:
+                self._ready.record(api.current_stream())  # after the owner's gather and the last copy out
+                self.side_stream.wait_event(self._ready)
+                with api.stream(self.side_stream):
+                    work = api.broadcast(rows, target.src, self.group)
+        except Exception as exc:
+            raise self.collectives.not_issued(exc, STREAMED, target.layer) from exc
+        self.in_flight = InFlight(target, chunk, work, start)
+
+    def _complete(self, flight: InFlight) -> None:
+        """The compute stream waits for the chunk in flight (on CPU, the host, bounded)."""
+        if self.side_stream is None:
+            self.collectives.complete(flight.work, STREAMED, flight.route.layer)
+        else:
+            with self.api.stream(self.side_stream):
+                self.collectives.complete(flight.work, STREAMED, flight.route.layer)
+                self._done.record(self.side_stream)
+            self.api.current_stream().wait_event(self._done)
+        self._record(flight.route, flight.chunk.rows, flight.issued_ns)
+
+    def _gather(self, route: LayerRoute, gather: Callable[[], Any]) -> None:
+        if not route.owned:
+            return
+        try:
+            gather()
+        except Exception as exc:
+            failure = ContextStreamError(f"layer {route.layer}: the owner's gather of a history chunk failed "
+                                         f"({type(exc).__name__}: {exc}); the other ranks wait for it in vain.")
+            if self.collectives is not None:
+                self.collectives.health.broken_by(failure)
+            raise failure from exc
+
+    def _record(self, route: LayerRoute, rows: torch.Tensor, start: int) -> None:
         nbytes = rows.numel() * rows.element_size()
         self.stats.record_context(route.position, nbytes)  # as a slot's broadcast: its payload, on every rank
         if self.timeline is not None:
             self.timeline.add(f"history L{route.layer}", "history", start, time.perf_counter_ns(),
-                              track="kvpp transfer stream", layer=route.layer, bytes=nbytes, owner=route.src)
+                              track="kvpp history stream", layer=route.layer, bytes=nbytes, owner=route.src)
+
+    def finish(self) -> None:
+        """A forward ends: a chunk still in flight (its call never came) completes on the host, bounded;
+        its failure has broken the runtime."""
+        flight, self.in_flight = self.in_flight, None
+        if flight is not None:
+            self.collectives.complete_on_host(flight.work, STREAMED, flight.route.layer)

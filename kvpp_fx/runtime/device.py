@@ -138,6 +138,10 @@ class DeviceAPI:
         keep = valid & (block < slot_blocks)
         return torch.where(keep, moved, torch.full_like(moved, -1)).to(slots.dtype)
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy `src` into `dst` on the current stream (a prefetched history chunk into its workspace)."""
+        dst.copy_(src)
+
     # --- collectives ------------------------------------------------------------------------------
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> Any:

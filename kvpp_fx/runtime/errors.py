@@ -1,5 +1,7 @@
 """Named errors of the KVPP runtime (hardening beyond the reference implementation)."""
 
+from __future__ import annotations
+
 
 class KVPPRuntimeError(RuntimeError):
     """Base class of every runtime protocol error."""
@@ -85,11 +87,31 @@ class OwnerModeUnsupportedError(KVPPRuntimeError):
     """Owner mode was asked of a graph (or a layer) whose cache ops were not routed for it, or of a
     runtime without the attention shape the ``"auto"`` choice needs."""
 
+    @classmethod
+    def unrouted(cls, layer: int) -> OwnerModeUnsupportedError:
+        return cls(f"a forward with owner rows reached layer {layer}, whose cache ops the graph does not route "
+                   "for owner mode (an op without an owner rule in its AttentionOpSpec, or a graph rewritten before "
+                   "owner mode); its attention would read a scratch slot that owner mode does not fill. Use "
+                   'mode="broadcast", or declare the ops (HeadSeparable / OwnerLocal) and recompile.')
+
 
 class OwnerRoutingError(KVPPRuntimeError):
     """A routed cache op ran outside its layer's turn, or its head operands do not split as declared."""
+
+    @classmethod
+    def not_exchanged(cls, layer: int, owner_tokens: int) -> OwnerRoutingError:
+        return cls(f"layer {layer}'s attention ran in a forward with {owner_tokens} owner rows without exchanging "
+                   "them: its op read a scratch slot that does not hold those rows' blocks. The op must send its "
+                   "owner rows through its turn's owner_compute (a RoutedOp, or an op declared RoutesItself whose "
+                   "implementation does).")
 
 
 class ContextStreamError(KVPPRuntimeError):
     """A prefill row's history was to stream from its layer's owner, and a chunk of it did not (or could
     not): attention would have read rows this rank does not hold."""
+
+
+class UnlistedBlockError(KVPPRuntimeError):
+    """A row of a non-owned layer's attention reads a block the forward's packed list does not hold (the
+    host's lists and the device's tables disagree): it would read another block's bytes. On CPU raised
+    where the tables are remapped; on a device read from the forward's checks one step later."""

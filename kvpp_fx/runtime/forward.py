@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -52,10 +51,12 @@ from kvpp_fx.runtime.errors import (
     TransferFailedError,
 )
 from kvpp_fx.runtime.owner_exchange import OwnerExchange
-from kvpp_fx.runtime.parts import ForwardParts, LayerRoute
+from kvpp_fx.runtime.layer_route import LayerRoute
+from kvpp_fx.runtime.parts import ForwardParts
 from kvpp_fx.runtime.path import ChosenPath, PathFacts, Step, choose_path
 from kvpp_fx.runtime.pending import check_flag
 from kvpp_fx.runtime.protocol import ProtocolState, locate, position_of, refuse
+from kvpp_fx.runtime.transport import BroadcastInFlight
 from kvpp_fx.runtime.turn import LayerTurn
 from kvpp_fx.schedule import WAIT
 
@@ -66,9 +67,7 @@ class Forward:
         self.number = number  # the runtime's count of forwards, this one included
         self.schedule, self.routes = parts.schedule, parts.routes
         self.transport = parts.transport
-        self.health = parts.health
-        self.stats = parts.stats
-        self.timeline = parts.timeline
+        self.health, self.stats, self.timeline = parts.health, parts.stats, parts.timeline
         self.immediate_checks = parts.api.immediate_checks
         self.protocol = ProtocolState(parts.schedule)
         self.step = step
@@ -83,12 +82,7 @@ class Forward:
         self._broadcasts = False  # each prefetch issues a broadcast (`begin`)
         self._checks_exchanges = False  # each layer's owner rows must have been exchanged (`begin`)
         self.issued = 0  # broadcasts started
-        # the broadcast in flight (at most one): its layer, work handles, bytes, ids check, issue time
-        self._route: LayerRoute | None = None
-        self._work: Any = None
-        self._nbytes = 0
-        self._arrived: Callable[[], None] | None = None
-        self._issued_ns = 0
+        self._flight: BroadcastInFlight | None = None  # the broadcast in flight (at most one)
 
     # --- begin: choose the path, prepare, agree ----------------------------------------------------
 
@@ -138,12 +132,7 @@ class Forward:
         start = time.perf_counter_ns() if timeline is not None else 0
         if self.exchange is not None and not routed:
             locate(self.schedule, layer, slot)  # an unknown layer or a wrong slot is named first
-            raise self._failed(OwnerModeUnsupportedError(
-                f"a forward with owner rows reached layer {layer}, whose cache ops the graph does not route "
-                "for owner mode (an op "
-                "without an owner rule in its AttentionOpSpec, or a graph rewritten before owner mode); "
-                "its attention would read a scratch slot that owner mode does not fill. Use "
-                'mode="broadcast", or declare the ops (HeadSeparable / OwnerLocal) and recompile.'))
+            raise self._failed(OwnerModeUnsupportedError.unrouted(layer))
         position = self.protocol.wait(layer, slot)
         if self._checks_exchanges and position > 0:
             self._check_exchanged(self.routes[position - 1].layer)
@@ -185,24 +174,22 @@ class Forward:
                 work = transport.issue(route.layer, route.slot, payload, route.src)
                 arrived = functools.partial(active.check, ids)
             nbytes = sum(part.numel() for part in payload)
-        self._route, self._work, self._nbytes, self._arrived = route, work, nbytes, arrived
-        if self.timeline is not None:
-            self._issued_ns = time.perf_counter_ns()
+        self._flight = BroadcastInFlight(route, work, nbytes, arrived,
+                                         time.perf_counter_ns() if self.timeline is not None else 0)
 
     def _complete(self) -> None:
         """The broadcast in flight, if any, completes into its view (the compute stream waits for it)."""
-        work = self._work
-        if work is None:
+        flight, self._flight = self._flight, None
+        if flight is None:
             return
-        route, arrived = self._route, self._arrived
-        self._work = None
-        self.transport.complete(route.layer, route.slot, work, arrived)
-        self.stats.record(route.position, self._nbytes)
-        if arrived is not None and self.immediate_checks and not self.active.layer_arrived():
+        route = flight.route
+        self.transport.complete(route.layer, route.slot, flight.work, flight.arrived)
+        self.stats.record(route.position, flight.nbytes)
+        if flight.arrived is not None and self.immediate_checks and not self.active.layer_arrived():
             raise self._mispaired(route.layer)
         if self.timeline is not None:
-            self.timeline.add(f"broadcast L{route.layer}", "broadcast", self._issued_ns, time.perf_counter_ns(),
-                              track="kvpp transfer stream", layer=route.layer, bytes=self._nbytes, src=route.src)
+            self.timeline.add(f"broadcast L{route.layer}", "broadcast", flight.issued_ns, time.perf_counter_ns(),
+                              track="kvpp transfer stream", layer=route.layer, bytes=flight.nbytes, src=route.src)
 
     def _agreed(self) -> None:
         """The agreement issued in `begin` completed and every rank's key is this rank's."""
@@ -215,13 +202,24 @@ class Forward:
                request_rows: bool = True, unlisted_in_range: bool = False) -> list[torch.Tensor]:
         if len(tables) != len(kinds):
             raise ValueError(f"layer {layer}: {len(tables)} tables but {len(kinds)} table kinds.")
-        position, active = position_of(self.schedule, layer), self.active
-        if active is None or self.routes[position].owned:
+        active = self._reads_packed(layer)
+        if active is None:
             return tables
         paths = self.path.request_paths if request_rows else None
         owner_rows = tuple(k for k, mode in enumerate(paths) if mode == OWNER) if paths is not None else ()
         return [active.remap(self.parts.api, table, kind, owner_rows, unlisted_in_range)
                 for table, kind in zip(tables, kinds)]
+
+    def check_reads(self, layer: int, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Every block a row of `table` reads (its first ``ceil(seq_len / block)`` entries) is in the packed
+        slot (`PackedBlocks.check_reads`): on CPU now, on a device in the forward's checks."""
+        active = self._reads_packed(layer)
+        if active is not None:
+            active.check_reads(self.parts.api, layer, table, seq_lens)
+
+    def _reads_packed(self, layer: int) -> PackedBlocks | None:
+        """The forward's packed blocks where this rank reads `layer` from its packed slot, else None."""
+        return None if self.active is None or self.routes[position_of(self.schedule, layer)].owned else self.active
 
     # --- owner mode, inside a layer's turn --------------------------------------------------------
 
@@ -231,8 +229,9 @@ class Forward:
         if position is None or self.routes[position].layer != layer:
             raise self._outside_turn(layer)
         if self._turn is None:
+            ahead = self.step.history_ahead and position + 1 < len(self.routes)
             self._turn = LayerTurn(self.routes[position], self.path, self.exchange, self.parts.context_rows,
-                                   self._before_exchange)
+                                   self._before_exchange, self.routes[position + 1] if ahead else None)
         return self._turn
 
     def _before_exchange(self, turn: LayerTurn) -> None:
@@ -248,11 +247,7 @@ class Forward:
 
     def _check_exchanged(self, layer: int) -> None:
         if layer not in self.exchange.exchanged:
-            raise self._failed(OwnerRoutingError(
-                f"layer {layer}'s attention ran in a forward with {self.path.owner_tokens} owner rows without "
-                "exchanging them: its op read a scratch slot that does not hold those rows' blocks. The op "
-                "must send its owner rows through its turn's owner_compute (a RoutedOp, or an op declared "
-                "RoutesItself whose implementation does)."))
+            raise self._failed(OwnerRoutingError.not_exchanged(layer, self.path.owner_tokens))
 
     # --- end --------------------------------------------------------------------------------------
 
@@ -278,6 +273,7 @@ class Forward:
                     if error.__cause__ is None:
                         error.__cause__ = exc
             self._settle(self._complete_on_host, propagate=error is None)
+            self._settle(self.parts.context_rows.finish, propagate=error is None)
             if error is not None:
                 if self.issued_any:
                     self.health.broken_by(error)
@@ -304,10 +300,12 @@ class Forward:
         """What the device checked in this forward, as one flag of every rank's (its maximum over the
         group), read later (`PendingChecks`). Every rank issues the all-reduce in every forward."""
         parts, exchange = self.parts, self.exchange
+        active = self.active
         flag = check_flag(parts.storage.device,
-                          self.active.arrived.logical_not() if self.active is not None and self.issued else None,
+                          active.arrived.logical_not() if active is not None and self.issued else None,
                           exchange.failed if exchange is not None else None,
-                          exchange is not None and exchange.failed_here)
+                          exchange is not None and exchange.failed_here,
+                          active.unlisted_reads if active is not None else None)
         if self.transport is not None:
             self.transport.collectives.run(lambda: parts.api.all_reduce_max(flag, parts.group), "the forward's checks")
         parts.checks.leave(self.number, parts.api.read_later(flag))
@@ -315,19 +313,20 @@ class Forward:
     def abandon(self) -> None:
         """The runtime closes inside this forward: its broadcast in flight gets at most the timeout (a
         failure breaks the runtime, which is closing anyway)."""
-        work, self._work = self._work, None
-        if work is not None:
-            self._settle(lambda: self.transport.complete_on_host(self._route.layer, work), propagate=False)
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            self._settle(lambda: self.transport.complete_on_host(flight.route.layer, flight.work), propagate=False)
+        self._settle(self.parts.context_rows.finish, propagate=False)
 
     @property
     def issued_any(self) -> bool:
         return bool(self.issued or (self.exchange is not None and self.exchange.issued))
 
     def _complete_on_host(self) -> None:
-        work, self._work = self._work, None
-        if work is not None:
-            self.transport.complete_on_host(self._route.layer, work)
-            self.stats.record(self._route.position, self._nbytes)
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            self.transport.complete_on_host(flight.route.layer, flight.work)
+            self.stats.record(flight.route.position, flight.nbytes)
 
     @staticmethod
     def _settle(complete: Callable[[], None], propagate: bool) -> None:

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from kvpp_fx.runtime.active_blocks import Shape
 from kvpp_fx.runtime.agreement import Agreement
 from kvpp_fx.runtime.context_rows import ContextRows
+from kvpp_fx.runtime.layer_route import LayerRoute
 from kvpp_fx.runtime.pending import PendingChecks
 from kvpp_fx.runtime.stats import TransferStats
 from kvpp_fx.schedule import LayerSchedule
@@ -28,23 +28,6 @@ if TYPE_CHECKING:
     from kvpp_fx.runtime.health import Health
     from kvpp_fx.runtime.timeline import Timeline
     from kvpp_fx.runtime.transport import BroadcastTransport
-
-
-@dataclass(frozen=True)
-class LayerRoute:
-    """One target layer as the ops of every forward need it, computed once per runtime."""
-
-    layer: int
-    position: int  # in the plan's order
-    slot: int
-    owned: bool
-    src: int  # the owner's global rank
-    view: torch.Tensor  # this rank's bytes of the layer: persistent on the owner, its scratch slot elsewhere
-    nbytes: int  # of a whole-layer broadcast
-    block_views: tuple[torch.Tensor, ...]  # per component, [blocks, bytes per block], over `view`
-    shape: Shape
-    pack_views: tuple[torch.Tensor, ...] = ()  # the owner: per component, [S, bytes per block] of its own slot
-    whole: tuple[torch.Tensor, ...] = ()  # a whole-layer broadcast's payload: (view,)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ class Step:
     mode: Mode = BROADCAST
     load: StepLoad | None = None
     requests: tuple[RequestRows, ...] | None = None
+    history_ahead: bool = False  # a layer's first history chunk may stream before that layer's cache write
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,7 @@ def _packs(facts: PathFacts, has_history: bool, blocks: Any) -> bool:
 
 
 def step_of(has_history: bool, blocks: Any, written: Any, mode: str, load: StepLoad | None,
-            requests: Sequence[RequestRows] | None) -> Step:
+            requests: Sequence[RequestRows] | None, history_ahead: bool = False) -> Step:
     """A `Step` from ``runtime.forward``'s arguments, checked."""
     if mode not in (BROADCAST, OWNER, AUTO):
         raise ValueError(f"mode must be one of {[m.value for m in (BROADCAST, OWNER, AUTO)]}, got {mode!r}.")
@@ -243,4 +244,4 @@ def step_of(has_history: bool, blocks: Any, written: Any, mode: str, load: StepL
         requests = tuple(requests)
         if not all(isinstance(r, RequestRows) for r in requests):
             raise ValueError("requests must be RequestRows.")
-    return Step(bool(has_history), blocks, written, Mode(mode), load, requests)
+    return Step(bool(has_history), blocks, written, Mode(mode), load, requests, bool(history_ahead))

@@ -1,8 +1,9 @@
 """Checks a device computes in a forward and the host reads later, so that no step waits for the device.
 
-On a device, two of a forward's checks are device values: whether every list of block ids a receiver
-got was this forward's (`PackedBlocks.arrived`), and whether an owner failed a layer (`OwnerExchange`'s
-status values). Reading them when the forward ends would make the host wait for the stream on every
+On a device, three of a forward's checks are device values: whether every list of block ids a receiver
+got was this forward's (`PackedBlocks.arrived`), whether an owner failed a layer (`OwnerExchange`'s
+status values), and whether a row read a block of a packed slot that the forward did not list
+(`PackedBlocks.unlisted_reads`). Reading them when the forward ends would make the host wait for the stream on every
 step, and vLLM's asynchronous scheduling would gain nothing. So `Forward.end` folds them into one flag,
 takes its maximum over the group (one small all-reduce on the stream: every rank's flag then says what
 any rank saw, so the rank that hands on the step's tokens learns another rank's failure), and leaves it
@@ -17,8 +18,9 @@ here as a `DeferredRead` (a non-blocking copy into pinned memory behind an event
 
 The flags are read under a lock: vLLM's output thread settles while the next step's forward begins.
 A flag that reports a failure breaks the runtime with the check's named error, raised where it was
-read: `BlockSetMismatchError` (a broadcast paired with another forward's) or `OwnerRoutingError` (an owner
-failed, and that layer's outputs are zeros). On CPU the checks are read where they are computed
+read: `BlockSetMismatchError` (a broadcast paired with another forward's), `OwnerRoutingError` (an owner
+failed, and that layer's outputs are zeros) or `UnlistedBlockError` (a row read a block its slot did not
+hold). On CPU the checks are read where they are computed
 (`DeviceAPI.immediate_checks`) and nothing is left here.
 """
 
@@ -30,18 +32,19 @@ from collections import deque
 import torch
 
 from kvpp_fx.runtime.device import DeferredRead
-from kvpp_fx.runtime.errors import BlockSetMismatchError, OwnerRoutingError
+from kvpp_fx.runtime.errors import BlockSetMismatchError, OwnerRoutingError, UnlistedBlockError
 from kvpp_fx.runtime.health import Health
 
-MISPAIRED, OWNER_FAILED = 1, 2  # the flag's bits
+MISPAIRED, OWNER_FAILED, UNLISTED_READ = 1, 2, 4  # the flag's bits
 MAX_PENDING = 4
 
 
 def check_flag(device: torch.device, not_arrived: torch.Tensor | None, owners_failed: torch.Tensor | None,
-               failed_here: bool) -> torch.Tensor:
+               failed_here: bool, unlisted_reads: torch.Tensor | None = None) -> torch.Tensor:
     """One forward's device checks as one int32 flag, built on the device: `MISPAIRED` where a received
     block-id list was not the forward's (`not_arrived` true), `OWNER_FAILED` where an owner's status
-    said it failed, or where this rank's own op failed as an owner (`failed_here`: the flag says only that)."""
+    said it failed, or where this rank's own op failed as an owner (`failed_here`: the flag says only that),
+    `UNLISTED_READ` where a row read a block its packed slot does not hold (`unlisted_reads` true)."""
     flag = torch.zeros((), dtype=torch.int32, device=device)
     if failed_here:
         return flag.fill_(OWNER_FAILED)
@@ -49,6 +52,8 @@ def check_flag(device: torch.device, not_arrived: torch.Tensor | None, owners_fa
         flag.add_(not_arrived)
     if owners_failed is not None:
         flag.add_(owners_failed.reshape(()).ne(0), alpha=OWNER_FAILED)
+    if unlisted_reads is not None:
+        flag.add_(unlisted_reads, alpha=UNLISTED_READ)
     return flag
 
 
@@ -103,3 +108,9 @@ class PendingChecks:
             self._pending.clear()
             raise self.health.broken_by(OwnerRoutingError(
                 f"an owner failed to compute a layer in forward {forward}; that layer's outputs are zeros."))
+        if value & UNLISTED_READ:
+            self._pending.clear()
+            raise self.health.broken_by(UnlistedBlockError(
+                f"a row of forward {forward} read a block of a packed scratch slot that the forward did not list "
+                "(the step's host lists and the device's block tables disagree); its attention read another "
+                "block's bytes, and that step's tokens must not be used."))

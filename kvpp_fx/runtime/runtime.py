@@ -192,7 +192,8 @@ class KVPPRuntime:
     @contextlib.contextmanager
     def forward(self, has_history: bool, blocks: Any = None, *, written: Any = None, mode: str = BROADCAST,
                 load: StepLoad | None = None,
-                requests: Sequence[RequestRows] | None = None) -> Iterator[KVPPRuntime]:
+                requests: Sequence[RequestRows] | None = None,
+                history_ahead: bool = False) -> Iterator[KVPPRuntime]:
         """One model forward. ``blocks``: ids of the blocks the step reads that hold tokens computed
         before it (every rank must pass the same set); None sends whole layers (whole-layer slots
         only). ``written``: the blocks the step writes that hold no history; they take positions after
@@ -209,6 +210,10 @@ class KVPPRuntime:
         "broadcast" sends every request's blocks, "owner" every owner-capable request's rows to the
         owner, "auto" the cheaper per request. Requests of both kinds make a hybrid forward, in which
         the layer's op sends its owner rows through its turn's `owner_compute` (`request_paths` says which).
+
+        ``history_ahead``: the first chunk of a layer's streamed history may be gathered by its owner while
+        the previous layer computes (`ContextRows`), before this step writes that layer's cache: true only
+        where no streamed history row is one this step writes. Every rank must pass the same value.
         """
         if self._closed:
             raise KVPPRuntimeClosed("this KVPPRuntime was closed.")
@@ -220,8 +225,8 @@ class KVPPRuntime:
         facts = PathFacts.of(self.plan, self.storage, self.routes, self._routing, alone=self.transport is None,
                              attention=self.attention, link=self.link, crossover=self.crossover)
         self._forwards += 1
-        forward = Forward(self.parts, step_of(has_history, blocks, written, mode, load, requests), facts,
-                          self._forwards)
+        forward = Forward(self.parts, step_of(has_history, blocks, written, mode, load, requests, history_ahead),
+                          facts, self._forwards)
         try:
             path = forward.begin()
         except BaseException as exc:
@@ -275,6 +280,13 @@ class KVPPRuntime:
         0 rather than out of the slot, for kernels that read padding entries; the caller checks the
         entries its rows use."""
         return self._current().tables(layer, list(tables), list(kinds), request_rows, unlisted_in_range)
+
+    def check_reads(self, layer: int, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Where this rank reads `layer` from its packed slot: every block the rows of `table` read (the
+        first ``ceil(seq_len / block)`` entries of each) is one the forward listed, else
+        `UnlistedBlockError`: raised here on CPU, on a device from the forward's checks one step later,
+        without the host waiting. Pass the table as given (not remapped)."""
+        self._current().check_reads(layer, table, seq_lens)
 
     def enter_layer(self, layer: int, *, routed: bool = False) -> bool:
         """The plan's schedule for `layer`, run when a graph compiled for any layer reaches it (its layer

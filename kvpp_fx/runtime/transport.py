@@ -28,16 +28,32 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvpp_fx.runtime.collectives import Collectives
 from kvpp_fx.runtime.device import DeviceAPI
 
+if TYPE_CHECKING:
+    from kvpp_fx.runtime.layer_route import LayerRoute
+
 logger = logging.getLogger(__name__)
 
 BROADCAST = "broadcast of layer %d"
+
+
+@dataclass(frozen=True)
+class BroadcastInFlight:
+    """A forward's broadcast in flight, built where it is issued: its layer's route, its work handles, its
+    bytes, a receiver's check of the ids that arrive (packed blocks), its issue time (timeline only)."""
+
+    route: LayerRoute
+    work: Any
+    nbytes: int
+    arrived: Callable[[], None] | None
+    issued_ns: int
 
 
 class BroadcastTransport:

@@ -22,9 +22,9 @@ import torch
 from kvpp_fx.runtime.errors import OwnerRoutingError
 
 if TYPE_CHECKING:
-    from kvpp_fx.runtime.context_rows import ContextRows
+    from kvpp_fx.runtime.context_rows import ChunkPlan, ContextRows
     from kvpp_fx.runtime.owner_exchange import HeadRule, OwnerExchange
-    from kvpp_fx.runtime.parts import LayerRoute
+    from kvpp_fx.runtime.layer_route import LayerRoute
     from kvpp_fx.runtime.path import ChosenPath
 
 
@@ -33,15 +33,18 @@ class LayerTurn:
 
     A plain class with slots: a forward opens one per target layer, on the host's path of every step."""
 
-    __slots__ = ("route", "path", "exchange", "context_rows", "before_exchange")
+    __slots__ = ("route", "path", "exchange", "context_rows", "before_exchange", "history_next")
 
     def __init__(self, route: LayerRoute, path: ChosenPath, exchange: OwnerExchange | None,
-                 context_rows: ContextRows, before_exchange: Callable[[LayerTurn], None]) -> None:
+                 context_rows: ContextRows, before_exchange: Callable[[LayerTurn], None],
+                 history_next: LayerRoute | None = None) -> None:
         self.route = route
         self.path = path
         self.exchange = exchange  # None when no row of the forward goes to an owner
         self.context_rows = context_rows
         self.before_exchange = before_exchange  # the forward's checks before an exchange: still open, agreed
+        # the next target layer, whose first history chunk may be issued in this turn (``history_ahead``)
+        self.history_next = history_next
 
     @property
     def layer(self) -> int:
@@ -72,8 +75,10 @@ class LayerTurn:
         return self.exchange.compute(route.layer, route.position, route.owned, route.src, rule, heads, compute,
                                      output_like)
 
-    def stream_history(self, rows: torch.Tensor, gather: Callable[[], object]) -> None:
+    def stream_history(self, rows: torch.Tensor, gather: Callable[[], object], plan: ChunkPlan | None = None) -> None:
         """Fill ``rows`` with one chunk of a prefill row's history from the layer's owner: ``gather()``
-        writes it there on the owner, one broadcast brings it to every rank (`ContextRows.stream`)."""
+        writes it there on the owner, one broadcast brings it to every rank (`ContextRows.stream`). With
+        ``plan``, the next chunk (this layer's, or the next layer's first) is issued before this returns,
+        and its own call finds it in flight."""
         self.before_exchange(self)
-        self.context_rows.stream(self.route, rows, gather)
+        self.context_rows.stream(self.route, rows, gather, plan, self.history_next)

@@ -104,6 +104,11 @@ class RecordingDeviceAPI(DeviceAPI):
         self.access(out, "write", "gather writes the owner's slot")
         super().gather_blocks(source, ids, out)
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.access(src, "read", "copy reads a prefetched chunk")
+        self.access(dst, "write", "copy writes the workspace")
+        super().copy(dst, src)
+
     def access(self, tensor: torch.Tensor, mode: str, what: str) -> None:
         """Log a kernel on the current stream that reads and/or writes `tensor`'s buffer."""
         self.log.append(("access", self.current_stream().name, None, buffer_of(tensor), mode, what))

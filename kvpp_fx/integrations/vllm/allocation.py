@@ -193,9 +193,10 @@ def connect(state: EngineState, device: Any) -> None:
     """This rank's KVPP groups, made once per engine, before vLLM measures the memory its KV cache may take
     (the worker's ``determine_available_memory``). A communicator allocates its buffers at its first
     collective (NCCL: per channel and peer; P2P connections per pair at the first send between them), so
-    each kind the runtime issues runs once here: a broadcast, and with owner rows, on the exchange group,
-    a gather to, a scatter from and a broadcast from every rank (owner mode's exchanges, prefill history
-    chunks). vLLM's measurement then holds those buffers."""
+    each kind the runtime issues runs once here: on the group, a broadcast and the max all-reduce of each
+    forward's device checks; with owner rows, on the exchange group, a gather to, a scatter from and a
+    broadcast from every rank (owner mode's exchanges, prefill history chunks). vLLM's measurement then
+    holds those buffers."""
     comm = state.comm
     if comm.group is not None:
         return
@@ -206,6 +207,7 @@ def connect(state: EngineState, device: Any) -> None:
     group, one = comm.group, torch.zeros(1, device=device)
     size, me = dist.get_world_size(group), dist.get_rank(group)
     dist.broadcast(one, src=dist.get_global_rank(group, 0), group=group)
+    dist.all_reduce(one, op=dist.ReduceOp.MAX, group=group)  # `Forward._leave_device_checks` on a device
     if comm.exchange_group is not None:
         exchange = comm.exchange_group
         for owner in range(size):

@@ -15,10 +15,12 @@ Invariants:
   dataclass fields) go to the copies: those derived from the block table (AMX_MLA's token-level table)
   are derived again from the remapped one, the others are copied. An attribute this module does not
   know raises `PackedMetadataError`.
-- A metadata object of a kind this module does not know, or a block id of a decode row that the packed
-  list does not hold, raises `PackedMetadataError` before attention runs: vLLM's CPU decode kernel does
-  not bound-check block ids. It also reads every row's entries up to the batch's longest row and masks
-  them, so the rows' padding (stale ids) points at a position the slot holds.
+- A metadata object of a kind this module does not know raises `PackedMetadataError` before attention
+  runs. A block id of a decode row that the packed list does not hold raises `UnlistedBlockError`
+  (`KVPPRuntime.check_reads`): on CPU before attention runs (vLLM's CPU decode kernel does not
+  bound-check block ids), on a device from the forward's checks one step later, with no host wait. The
+  CPU kernel also reads every row's entries up to the batch's longest row and masks them, so the rows'
+  padding (stale ids) points at a position the slot holds.
 """
 
 from __future__ import annotations
@@ -110,8 +112,7 @@ def remap_metadata(metadata: Any, runtime: KVPPRuntime, index: int) -> Any:
         # use are checked below.
         table = remap(decode.block_table, BLOCK_TABLE, in_range=True)
         if not runtime.owner_tokens:  # decode rows sent to the owner read nothing here
-            (strict,) = runtime.tables(index, [decode.block_table], [BLOCK_TABLE], request_rows=False)
-            _check_decode(runtime, index, strict, decode.seq_lens)
+            runtime.check_reads(index, decode.block_table, decode.seq_lens)
         changes["decode"] = _with_backend_attributes(decode, dataclasses.replace(decode, block_table=table), runtime,
                                                      index)
     prefill = metadata.prefill
@@ -140,22 +141,3 @@ def _with_backend_attributes(original: Any, copy: Any, runtime: KVPPRuntime, ind
                 "which KVPP does not know how to remap to a packed scratch slot.")
         setattr(copy, name, value)
     return copy
-
-
-def _check_decode(runtime: KVPPRuntime, index: int, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
-    """Every block a decode row reads lies in the packed slot: `table` is remapped with unlisted blocks
-    out of the slot's range (checked where the host can read it at no cost; a device reads it through
-    the same list, which the worker built from the same tables)."""
-    if not runtime.api.immediate_checks or table.numel() == 0:
-        return
-    block_size = runtime.plan.spec.block_size
-    reads = (seq_lens.to(torch.int64) + block_size - 1) // block_size
-    columns = torch.arange(table.shape[1], device=table.device)[None, :]
-    read = columns < reads[:, None].to(table.device)
-    slot_blocks = runtime.storage.slot_blocks
-    outside = read & ((table < 0) | (table >= slot_blocks))
-    if bool(outside.any()):
-        row, column = (int(v) for v in outside.nonzero()[0])
-        raise PackedMetadataError(
-            f"layer {index}: decode row {row} reads block-table entry {column}, which the step's packed list does "
-            f"not hold (the slot holds {slot_blocks} blocks); the step's blocks= and written= miss a block it reads.")
