@@ -1,0 +1,132 @@
+"""Streamed prefill history, prefetched (`ContextRows` with a `ChunkPlan`), on real gloo ranks: the next
+chunk of a layer, and with ``history_ahead`` the next layer's first, is in flight while the current chunk
+computes; every rank still reads the owner's rows, in the device order a recording API proves; a chunk
+in flight that is not the call's is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpp_fx.runtime import errors as E
+from kvpp_fx.runtime.context_rows import AheadChunk
+from tests.runtime.ordering import RecordingDeviceAPI, check_happens_before
+from tests.support.launch import kvpp_group, launch
+from tests.support.toy_runtime import pattern, run_layers, toy_runtime, write_owned
+
+pytestmark = pytest.mark.multirank
+
+CHUNKS = ((0, 3), (3, 7), (7, 9))  # block ranges of a layer's history, one chunk each (3, 4 and 2 blocks)
+WORKSPACE_BLOCKS = 4  # the workspace holds the largest chunk
+
+
+class ToyChunks:
+    """A layer's chunked history as vLLM's MLA prefill reads it: every chunk lands in the front of one
+    workspace; chunk c of layer L is blocks ``CHUNKS[c]`` of L's cache (its key: the block range)."""
+
+    def __init__(self, rt, layer: int, workspace: torch.Tensor, api, skew: int = 0) -> None:
+        self.rt, self.layer, self.workspace, self.api, self.skew = rt, layer, workspace, api, skew
+        self.index = -1
+
+    def rows(self, into: torch.Tensor, chunk: int) -> torch.Tensor:
+        first, end = CHUNKS[chunk]
+        return into[: end - first]
+
+    def gather(self, into: torch.Tensor, layer: int, chunk: int):
+        def run():
+            first, end = CHUNKS[chunk]
+            source = self.rt.typed_views(layer)["kv"][first:end]
+            if self.api is not None:
+                self.api.access(source, "read", f"owner gathers L{layer} chunk {chunk}")
+                self.api.access(into, "write", f"owner gathers L{layer} chunk {chunk} into its buffer")
+            self.rows(into, chunk).copy_(source)
+        return run
+
+    def key(self) -> tuple:
+        return (self.layer, CHUNKS[self.index])
+
+    def ahead(self, buffer: torch.Tensor, next_layer: int | None) -> AheadChunk | None:
+        if self.index + 1 < len(CHUNKS):
+            layer, chunk = self.layer, self.index + 1
+        elif next_layer is not None:
+            layer, chunk = next_layer, 0
+        else:
+            return None
+        key = (layer, CHUNKS[chunk]) if not self.skew else (layer, (0, self.skew))  # skew: a wrong key
+        return AheadChunk(layer, key, self.rows(buffer, chunk), self.gather(buffer, layer, chunk))
+
+
+def prefetch_ranks(rank: int, world: int, ahead: bool, drop: tuple[str, ...], skew: int = 0):
+    api = RecordingDeviceAPI() if drop is not None else None
+    rt = toy_runtime(kvpp_group(world), 4, **({"device_api": api} if api is not None else {}))
+    if api is not None:
+        api.drop_waits_on = {rt.parts.context_rows.side_stream.name if name == "history" else name for name in drop}
+    write_owned(rt, 1)
+    workspace = torch.full(pattern(1, 0)[:WORKSPACE_BLOCKS].shape, -1.0)
+    received: dict[tuple[int, int], torch.Tensor] = {}
+
+    def attend(layer, view):
+        chunks = ToyChunks(rt, layer, workspace, api, skew)
+        for chunk in range(len(CHUNKS)):
+            chunks.index = chunk
+            rows = chunks.rows(workspace, chunk)
+            rt.turn(layer).stream_history(rows, chunks.gather(workspace, layer, chunk), chunks)
+            if api is not None:
+                api.access(rows, "read", f"attention reads L{layer} chunk {chunk}")
+            received[layer, chunk] = rows.clone()
+
+    out = {"owned": list(rt.plan.owned_layers(rt.rank))}
+    try:
+        with rt.forward(has_history=False, history_ahead=ahead):
+            run_layers(rt, attend)
+    except E.KVPPRuntimeError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    wrong = sorted(key for key, rows in received.items() if not torch.equal(rows, owners_chunk(*key)))
+    out.update(received=sorted(received), wrong=wrong, prefetched=rt.parts.context_rows.prefetched, broken=rt.broken is not None,
+               chunks=rt.stats()["context_chunks"], bytes=rt.stats()["context_bytes"])
+    if api is not None:
+        out["races"] = check_happens_before(api.log).races[:20]
+    rt.close()
+    return out
+
+
+def owners_chunk(layer: int, chunk: int) -> torch.Tensor:
+    first, end = CHUNKS[chunk]
+    return pattern(1, layer)[first:end]
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["history-ahead", "within-layers"])
+def test_every_chunk_but_the_first_is_in_flight_before_its_call_and_reads_the_owners_rows(ahead):
+    results = launch(prefetch_ranks, 2, ahead, None, timeout_s=60)
+    for rank, result in enumerate(results):
+        assert "error" not in result, result.get("error")
+        assert result["wrong"] == [] and len(result["received"]) == 4 * 3, (rank, result["wrong"])
+        # 4 layers of 3 chunks: only the first layer's first chunk, or each layer's first, is not prefetched
+        assert result["prefetched"] == (4 * 3 - 1 if ahead else 4 * 2)
+        assert result["chunks"] == 4 * 3
+        assert result["bytes"] == 4 * sum(owners_chunk(0, c).numel() * 4 for c in range(3))
+
+
+@pytest.mark.parametrize("drop", [(), ("history",), ("compute",)],
+                         ids=["runtime", "negative-control-no-ready-wait", "negative-control-no-done-wait"])
+def test_a_prefetched_chunk_is_ordered_on_the_device(drop):
+    """The owner's gather into the buffer and the copy out of it run on the compute stream, the broadcast
+    on the side stream between `ready` and `done`: with either wait lost, the checker finds the race."""
+    results = launch(prefetch_ranks, 2, True, drop, timeout_s=60)
+    for rank, result in enumerate(results):
+        assert "error" not in result and result["prefetched"] == 11, result.get("error")
+        if not drop:
+            assert result["races"] == [], result["races"][:5]
+        else:  # every rank receives into the buffer the copy reads (rank 1) or the gather writes (rank 0)
+            assert result["races"], rank
+    if drop == ("history",):  # the broadcast into the buffer does not wait for the copy out of it
+        assert any("copy reads" in race for race in results[1]["races"]), results[1]["races"][:3]
+
+
+def test_a_chunk_in_flight_that_is_not_the_calls_is_refused_and_breaks_the_runtime():
+    """The negative control of the key: a plan whose ahead chunk names other arguments than its call."""
+    results = launch(prefetch_ranks, 2, True, None, 2, timeout_s=60)
+    for result in results:
+        assert result["error"].startswith("ContextStreamError: layer 0: the history chunk issued ahead (layer 0"), \
+            result["error"]
+        assert result["broken"] and result["prefetched"] == 0
