@@ -108,7 +108,6 @@ class ContextRows:
         self._done = api.new_event() if self.side_stream is not None else None
         self.buffer: torch.Tensor | None = None  # shaped like the last workspace seen; allocated once
         self.in_flight: InFlight | None = None
-        self.prefetched = 0  # chunks found in flight by their call (tests and benchmarks)
 
     def stream(self, route: LayerRoute, rows: torch.Tensor, gather: Callable[[], Any],
                plan: ChunkPlan | None = None, next_route: LayerRoute | None = None) -> None:
@@ -146,7 +145,7 @@ class ContextRows:
                 f"{tuple(chunk.rows.shape)}) is not the one this call reads ({what}, other arguments); "
                 "its rows would be another chunk's."))
         self.api.copy(rows, chunk.rows)
-        self.prefetched += 1
+        self._record(route, rows, flight.issued_ns, ahead=True)
 
     def _issue_ahead(self, route: LayerRoute, plan: ChunkPlan, next_route: LayerRoute | None) -> None:
         workspace = plan.workspace
@@ -178,6 +177,7 @@ class ContextRows:
 
     def _complete(self, flight: InFlight) -> None:
         """The compute stream waits for the chunk in flight (on CPU, the host, bounded)."""
+        start = time.perf_counter_ns() if self.timeline is not None else 0
         if self.side_stream is None:
             self.collectives.complete(flight.work, STREAMED, flight.route.layer)
         else:
@@ -185,7 +185,9 @@ class ContextRows:
                 self.collectives.complete(flight.work, STREAMED, flight.route.layer)
                 self._done.record(self.side_stream)
             self.api.current_stream().wait_event(self._done)
-        self._record(flight.route, flight.chunk.rows, flight.issued_ns)
+        if self.timeline is not None:  # what the chunk's call waited for it: the transfer not hidden
+            self.timeline.add(f"history wait L{flight.route.layer}", "history wait", start, time.perf_counter_ns(),
+                              layer=flight.route.layer)
 
     def _gather(self, route: LayerRoute, gather: Callable[[], Any]) -> None:
         if not route.owned:
@@ -199,9 +201,9 @@ class ContextRows:
                 self.collectives.health.broken_by(failure)
             raise failure from exc
 
-    def _record(self, route: LayerRoute, rows: torch.Tensor, start: int) -> None:
+    def _record(self, route: LayerRoute, rows: torch.Tensor, start: int, ahead: bool = False) -> None:
         nbytes = rows.numel() * rows.element_size()
-        self.stats.record_context(route.position, nbytes)  # as a slot's broadcast: its payload, on every rank
+        self.stats.record_context(route.position, nbytes, ahead)  # as a slot's broadcast: its payload, on every rank
         if self.timeline is not None:
             self.timeline.add(f"history L{route.layer}", "history", start, time.perf_counter_ns(),
                               track="kvpp history stream", layer=route.layer, bytes=nbytes, owner=route.src)

@@ -48,6 +48,7 @@ class TransferStats:
         self._exchanges = [0] * len(layers)
         self._context_chunks = [0] * len(layers)
         self.context_bytes = 0
+        self.context_ahead = 0  # of the chunks, those found in flight by their call (issued ahead)
         self.forwards = 0
         self.modes = {"broadcast": 0, "owner": 0, "hybrid": 0}
         self.rows = {"broadcast": 0, "owner": 0}  # query tokens by path, over forwards that named requests
@@ -103,11 +104,13 @@ class TransferStats:
     def context_chunks(self) -> int:
         return sum(self._context_chunks)
 
-    def record_context(self, position: int, nbytes: int) -> None:
-        """One chunk of prefill history streamed from the owner of the layer at `position`."""
+    def record_context(self, position: int, nbytes: int, ahead: bool = False) -> None:
+        """One chunk of prefill history streamed from the owner of the layer at `position` (`ahead`: issued
+        before its call came)."""
         self._bytes[position] += nbytes
         self._context_chunks[position] += 1
         self.context_bytes += nbytes
+        self.context_ahead += ahead
         current = self.current
         if current is not None:
             current.context_bytes += nbytes
@@ -122,6 +125,7 @@ class TransferStats:
             "exchanges": self.exchanges,
             "context_chunks": self.context_chunks,
             "context_bytes": self.context_bytes,
+            "context_ahead": self.context_ahead,
             "modes": dict(self.modes),
             "rows": dict(self.rows),
             "per_layer": {layer: {"broadcasts": self._broadcasts[k], "exchanges": self._exchanges[k],

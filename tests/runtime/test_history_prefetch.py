@@ -82,8 +82,9 @@ def prefetch_ranks(rank: int, world: int, ahead: bool, drop: tuple[str, ...], sk
     except E.KVPPRuntimeError as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     wrong = sorted(key for key, rows in received.items() if not torch.equal(rows, owners_chunk(*key)))
-    out.update(received=sorted(received), wrong=wrong, prefetched=rt.parts.context_rows.prefetched, broken=rt.broken is not None,
-               chunks=rt.stats()["context_chunks"], bytes=rt.stats()["context_bytes"])
+    stats = rt.stats()
+    out.update(received=sorted(received), wrong=wrong, prefetched=stats["context_ahead"], broken=rt.broken is not None,
+               chunks=stats["context_chunks"], bytes=stats["context_bytes"])
     if api is not None:
         out["races"] = check_happens_before(api.log).races[:20]
     rt.close()

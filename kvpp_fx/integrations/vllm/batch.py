@@ -123,3 +123,27 @@ def _entries(batch: StepBatch, first: int, end: int | None, written: bool) -> np
         else:
             parts.append(rows[columns < counts[:, None]])
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def history_written_by_step(batch: StepBatch, first: int = 0) -> bool:
+    """Whether a request ``first..`` with history ends it in a block that another request of the step
+    writes: vLLM caches a block's hash when it schedules the block's tokens, so a request scheduled later
+    in the same step may hit blocks that this step fills (its own partial last block, which it fills
+    further, is not such a block). Checked on the last history block of each request, which is the one
+    any such block implies (a hit is a prefix of the writer's chain, and the writer fills its chain from
+    some block to its end); host arrays, one entry per request plus the step's written entries."""
+    with_history = np.nonzero(batch.num_computed[first:] > 0)[0] + first
+    if with_history.size == 0:
+        return False
+    computed, query = batch.num_computed, batch.query_lens
+    for table in batch.tables:
+        size, rows = table.block_size, table.rows
+        columns = np.arange(rows.shape[1])[None, :]
+        fills = (columns >= (computed // size)[:, None]) & (columns < (-(-(computed + query) // size))[:, None])
+        written = np.sort(rows[fills])
+        last = rows[with_history, -(-computed[with_history] // size) - 1]
+        writers = np.searchsorted(written, last, side="right") - np.searchsorted(written, last, side="left")
+        own = (computed[with_history] % size != 0) & (query[with_history] > 0)
+        if (writers > own).any():
+            return True
+    return False

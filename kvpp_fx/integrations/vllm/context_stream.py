@@ -14,6 +14,13 @@ How: the impl's ``_compute_prefill_context`` marks its call (`STREAMING` holds t
 vLLM's gather ops, wrapped where mla_attention calls them (attributes of ``vllm._custom_ops``), stream
 instead of gathering while the mark is set. Unmarked, they are vLLM's own.
 
+Prefetched: the marked call is the runtime's `ChunkPlan`. Once a chunk is in the workspace, the runtime
+issues the next one into a buffer shaped like the workspace: this call's next chunk (vLLM's gather with
+that chunk's fields of the same metadata), or after the last, the first chunk of the next target layer
+(its own metadata, cache and scale, from the forward context), where the step allows it
+(`step.history_ahead`). The gather of that chunk's call then finds it in flight and copies it into the
+workspace, once its arguments but the destination are equal to the ones it was gathered with.
+
 Invariants:
 - Streaming runs in every forward of a compact-slot engine, and only there: a whole-layer slot holds the
   history, a compact one never does. A compact-slot forward that does not pack (none should carry a
@@ -33,6 +40,7 @@ from typing import Any
 import torch
 
 from kvpp_fx.integrations.vllm.state import EngineState, wrap_module_function
+from kvpp_fx.runtime.context_rows import AheadChunk
 from kvpp_fx.runtime.errors import ContextStreamError
 from kvpp_fx.runtime.runtime import active_runtime
 
@@ -57,18 +65,103 @@ GATHERS: dict[str, Callable[[dict[str, Any]], torch.Tensor]] = {
 }
 
 
+# Each gather's arguments that differ from chunk to chunk, as a chunk of a layer's prefill metadata sets
+# them (`_compute_prefill_context`); the destination is a buffer shaped like the workspace.
+CHUNK_FIELDS: dict[str, Callable[[Any, Any, torch.Tensor], dict[str, Any]]] = {
+    "gather_mla_context_cache_cpu": lambda prefill, chunk, into: {
+        "dst": into[:chunk.num_context_tokens], "block_table": prefill.block_table[chunk.request_slice],
+        "starts": chunk.starts, "cu_seq_lens": chunk.cu_seq_lens},
+    "gather_and_maybe_dequant_cache": lambda prefill, chunk, into: {
+        "dst": into, "block_table": prefill.block_table[chunk.request_slice], "cu_seq_lens": chunk.cu_seq_lens,
+        "token_to_seq": chunk.token_to_seq, "num_tokens": chunk.num_context_tokens, "seq_starts": chunk.starts},
+    "cp_gather_cache": lambda prefill, chunk, into: {
+        "dst": into[:chunk.num_context_tokens], "block_table": prefill.block_table[chunk.request_slice],
+        "cu_seq_lens": chunk.cu_seq_lens, "batch_size": chunk.num_requests, "seq_starts": chunk.starts},
+    "cp_gather_and_upconvert_fp8_kv_cache": lambda prefill, chunk, into: {
+        "dst": into[:chunk.num_context_tokens], "block_table": prefill.block_table[chunk.request_slice],
+        "workspace_starts": chunk.cu_seq_lens, "batch_size": chunk.num_requests, "seq_starts": chunk.starts},
+}
+
+
+def _identity(value: Any) -> Any:
+    """What a gather argument is, comparable across calls: a tensor by its memory and layout."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.data_ptr(), tuple(value.shape), value.stride(), value.dtype, value.device)
+    return value
+
+
+def call_key(name: str, arguments: dict[str, Any]) -> tuple:
+    """A gather call's arguments but its destination."""
+    return (name, *((key, _identity(value)) for key, value in sorted(arguments.items()) if key != "dst"))
+
+
 class ChunkStream:
-    """One marked ``_compute_prefill_context`` call: the layer's turn, and the chunks streamed so far."""
+    """One marked ``_compute_prefill_context`` call: the layer's turn, its prefill metadata, the chunks
+    streamed so far and the current chunk's gather; the runtime's `ChunkPlan`."""
 
-    __slots__ = ("turn", "streamed")
+    __slots__ = ("turn", "impl", "prefill", "workspace", "streamed", "_call")
 
-    def __init__(self, turn: Any) -> None:
+    def __init__(self, turn: Any, impl: Any, attn_metadata: Any) -> None:
         self.turn = turn
+        self.impl = impl
+        self.prefill = attn_metadata.prefill
+        self.workspace = self.prefill.chunked_context.workspace
         self.streamed = 0
+        self._call: tuple[str, Callable, dict[str, Any]] | None = None
 
-    def stream(self, rows: torch.Tensor, gather: Callable[[], Any]) -> None:
+    def stream(self, name: str, original: Callable, arguments: dict[str, Any], rows: torch.Tensor,
+               gather: Callable[[], Any]) -> None:
         self.streamed += 1
-        self.turn.stream_history(rows, gather)
+        self._call = (name, original, arguments)
+        self.turn.stream_history(rows, gather, self)
+
+    def key(self) -> tuple:
+        name, _, arguments = self._call
+        return call_key(name, arguments)
+
+    def ahead(self, buffer: torch.Tensor, next_layer: int | None) -> AheadChunk | None:
+        name, original, arguments = self._call
+        chunks = self.prefill.chunked_context.chunks
+        if self.streamed < len(chunks):
+            layer, prefill, chunk, same = self.impl._kvpp_layer, self.prefill, chunks[self.streamed], {}
+        elif next_layer is not None:
+            found = _next_layer_call(self.impl, next_layer, arguments)
+            if found is None:
+                return None
+            prefill, same = found
+            layer, chunk = next_layer, prefill.chunked_context.chunks[0]
+        else:
+            return None
+        fields = CHUNK_FIELDS[name](prefill, chunk, buffer)
+        call = {**arguments, **same, **{key: value for key, value in fields.items() if key in arguments}}
+        return AheadChunk(layer, call_key(name, call), GATHERS[name](call), lambda: original(**call))
+
+
+def _next_layer_call(impl: Any, layer: int, arguments: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
+    """The prefill metadata and the cache (and scale) with which `layer`'s own call will gather, from the
+    forward context as that layer's attention reads them; None where that layer reads no chunked context
+    or its cache does not take the current call's form."""
+    from vllm.forward_context import get_forward_context
+
+    context = get_forward_context()
+    name = next((n for n, index in impl._kvpp_engine.vplan.layer_index.items() if index == layer), None)
+    metadata = context.attn_metadata
+    metadata = metadata[0] if isinstance(metadata, list) else metadata
+    metadata = metadata.get(name) if isinstance(metadata, dict) else None
+    attention = context.no_compile_layers.get(name)
+    prefill = getattr(metadata, "prefill", None)
+    if prefill is None or getattr(prefill, "chunked_context", None) is None or attention is None:
+        return None
+    source, cache = arguments["src_cache"], getattr(attention, "kv_cache", None)
+    if not isinstance(cache, torch.Tensor) or not isinstance(source, torch.Tensor):
+        return None
+    cache = cache.view(source.dtype) if cache.dtype != source.dtype else cache
+    if cache.shape != source.shape or cache.stride() != source.stride():
+        return None
+    same = {"src_cache": cache}
+    if "scale" in arguments:
+        same["scale"] = attention._k_scale
+    return prefill, same
 
 
 STREAMING: contextvars.ContextVar[ChunkStream | None] = contextvars.ContextVar("kvpp_context_stream", default=None)
@@ -97,7 +190,7 @@ def _streaming_gather(name: str, rows_of: Callable[[dict[str, Any]], torch.Tenso
             except TypeError as exc:
                 raise ContextStreamError(f"vLLM's {name} was called with arguments KVPP does not read "
                                          f"({exc}).") from None
-        stream.stream(rows_of(arguments), lambda: original(*args, **kwargs))
+        stream.stream(name, original, arguments, rows_of(arguments), lambda: original(*args, **kwargs))
         return None
 
     return gather
@@ -120,7 +213,7 @@ def streaming_impl_class(cls: type) -> type:
                 f"layer {layer}: a prefill row reads history in a {runtime.path.mode}-mode forward that packs "
                 "nothing; its compact scratch slot does not hold that history.")
         chunks = len(attn_metadata.prefill.chunked_context.chunks)
-        stream = ChunkStream(runtime.turn(layer))
+        stream = ChunkStream(runtime.turn(layer), self, attn_metadata)
         token = STREAMING.set(stream)
         try:
             result = cls._compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale)

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvpp_fx.integrations.vllm import owner_rows, packed_metadata
-from kvpp_fx.integrations.vllm.batch import StepBatch, active_blocks, written_blocks
+from kvpp_fx.integrations.vllm.batch import StepBatch, active_blocks, history_written_by_step, written_blocks
 from kvpp_fx.integrations.vllm.specs import INDEXER_COMPONENT
 from kvpp_fx.integrations.vllm.state import EngineState, KVPPAllocationError
 
@@ -48,7 +48,8 @@ def step_forward(state: EngineState, batch: StepBatch) -> Iterator[None]:
     elif rows is None:  # no MLA metadata: every row reads its blocks by broadcast
         forward = runtime.forward(has_history=has_history, blocks=active_blocks(batch), written=written_blocks(batch))
     else:
-        forward = runtime.forward(has_history=has_history, mode=state.attention.mode, requests=rows[0])
+        forward = runtime.forward(has_history=has_history, mode=state.attention.mode, requests=rows[0],
+                                  history_ahead=history_ahead(state, batch, rows[1]))
     with forward:
         if runtime.packed:
             # Non-owned layers read this forward's packed scratch slots through remapped tables.
@@ -65,6 +66,13 @@ def step_rows(state: EngineState, metadata, batch: StepBatch):
     streams = choices.streams_history and state.layout.scratch_blocks is not None
     return owner_rows.step_requests(metadata, choices.metadata_layer, batch,
                                     owner_capable=choices.owner_blocker is None, streams_history=streams)
+
+
+def history_ahead(state: EngineState, batch: StepBatch, num_decodes: int) -> bool:
+    """Whether a layer's first chunk of streamed history may be gathered before the step writes that
+    layer's cache: the prefill rows stream their history, and none of it is written by this step."""
+    streams = state.attention.streams_history and state.layout.scratch_blocks is not None
+    return streams and not history_written_by_step(batch, num_decodes)
 
 
 def packs(state: EngineState, metadata) -> bool:
