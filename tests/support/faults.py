@@ -178,3 +178,18 @@ class SkippedHistory(DeviceAPI):
         if _history_chunk(tensor):
             return _DoneWork()
         return super().broadcast(tensor, src, group)
+
+
+class FailingHistoryGather:
+    """A prefill history chunk's gather (the ``gather`` given to `LayerTurn.stream_history`, which only the
+    layer's owner calls) that raises, as vLLM's gather op would on the owner: the owner has nothing to
+    broadcast, so the other ranks wait for the chunk in vain. Counts its calls."""
+
+    MESSAGE = "injected history gather failure"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        raise RuntimeError(self.MESSAGE)
