@@ -108,6 +108,7 @@ class ContextRows:
         self._done = api.new_event() if self.side_stream is not None else None
         self.buffer: torch.Tensor | None = None  # shaped like the last workspace seen; allocated once
         self.in_flight: InFlight | None = None
+        self.issued = 0  # broadcasts issued, ever (a forward that issued any breaks the runtime if it raises)
 
     def stream(self, route: LayerRoute, rows: torch.Tensor, gather: Callable[[], Any],
                plan: ChunkPlan | None = None, next_route: LayerRoute | None = None) -> None:
@@ -127,6 +128,7 @@ class ContextRows:
         else:
             self._gather(route, gather)
             start = time.perf_counter_ns()
+            self.issued += 1
             self.collectives.run(lambda: self.api.broadcast(rows, route.src, self.group), STREAMED, route.layer)
             self._record(route, rows, start)
         if plan is not None:
@@ -163,6 +165,7 @@ class ContextRows:
         self._gather(target, chunk.gather)
         start = time.perf_counter_ns()
         api, rows = self.api, chunk.rows
+        self.issued += 1
         try:
             if self.side_stream is None:
                 work = api.broadcast(rows, target.src, self.group)

@@ -31,6 +31,12 @@ class ScratchOverflowError(KVPPRuntimeError, ValueError):
 class BlockSetMismatchError(KVPPRuntimeError):
     """Ranks disagree on a forward's history or active-block set; the runtime breaks before moving bytes."""
 
+    @classmethod
+    def mispaired(cls, layer: int) -> BlockSetMismatchError:
+        return cls(f"the block ids received with layer {layer}'s broadcast are not this forward's set: the broadcast "
+                   "paired with another forward's or another rank's; this rank's view of the group can no longer be "
+                   "trusted.")
+
 
 class UnknownLayerError(KVPPRuntimeError):
     """The layer is not a broadcast (target) layer of the plan."""

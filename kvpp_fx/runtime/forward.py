@@ -81,7 +81,7 @@ class Forward:
         self._agreement: PendingAgreement | None = None
         self._broadcasts = False  # each prefetch issues a broadcast (`begin`)
         self._checks_exchanges = False  # each layer's owner rows must have been exchanged (`begin`)
-        self.issued = 0  # broadcasts started
+        self.issued, self._chunks_before = 0, parts.context_rows.issued  # broadcasts; history chunks before it
         self._flight: BroadcastInFlight | None = None  # the broadcast in flight (at most one)
 
     # --- begin: choose the path, prepare, agree ----------------------------------------------------
@@ -293,6 +293,7 @@ class Forward:
             if self._checks_exchanges and self.routes:
                 self._check_exchanged(self.routes[-1].layer)
         finally:
+            self._settle(self.parts.context_rows.finish, propagate=False)  # a chunk left in flight by a raise
             self._turn = None  # it refers back to this forward
             self.stats.end_forward()
 
@@ -320,7 +321,8 @@ class Forward:
 
     @property
     def issued_any(self) -> bool:
-        return bool(self.issued or (self.exchange is not None and self.exchange.issued))
+        return bool(self.issued or (self.exchange is not None and self.exchange.issued)
+                    or self.parts.context_rows.issued != self._chunks_before)
 
     def _complete_on_host(self) -> None:
         flight, self._flight = self._flight, None
@@ -343,7 +345,4 @@ class Forward:
         return self.health.broken_by(error) if self.issued_any else error
 
     def _mispaired(self, layer: int) -> BaseException:
-        return self.health.broken_by(BlockSetMismatchError(
-            f"the block ids received with layer {layer}'s broadcast are not this forward's set: the broadcast "
-            "paired with another forward's or another rank's; this rank's view of the group can no longer be "
-            "trusted."))
+        return self.health.broken_by(BlockSetMismatchError.mispaired(layer))

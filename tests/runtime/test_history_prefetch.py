@@ -131,3 +131,34 @@ def test_a_chunk_in_flight_that_is_not_the_calls_is_refused_and_breaks_the_runti
         assert result["error"].startswith("ContextStreamError: layer 0: the history chunk issued ahead (layer 0"), \
             result["error"]
         assert result["broken"] and result["prefetched"] == 0
+
+
+def raised_with_a_chunk_in_flight_ranks(rank: int, world: int):
+    rt = toy_runtime(kvpp_group(world), 4)
+    write_owned(rt, 1)
+    workspace = torch.full(pattern(1, 0)[:WORKSPACE_BLOCKS].shape, -1.0)
+
+    def attend(layer, view):
+        chunks = ToyChunks(rt, layer, workspace, None)
+        chunks.index = 0
+        rt.turn(layer).stream_history(chunks.rows(workspace, 0), chunks.gather(workspace, layer, 0), chunks)
+        raise RuntimeError("the layer's attention failed")  # chunk 1 is in flight
+
+    out = {}
+    try:
+        with rt.forward(has_history=False, history_ahead=True):
+            run_layers(rt, attend)
+    except RuntimeError as exc:
+        out["raised"] = str(exc)
+    out["in_flight"] = rt.parts.context_rows.in_flight is not None
+    out["broken"] = f"{type(rt.broken).__name__}: {rt.broken}" if rt.broken is not None else None
+    rt.close()
+    return out
+
+
+def test_a_forward_that_raises_with_a_chunk_in_flight_completes_it_and_breaks():
+    """A forward that issued only history chunks issued collectives all the same: raised, it completes the
+    chunk in flight and breaks the runtime, as after a broadcast."""
+    for result in launch(raised_with_a_chunk_in_flight_ranks, 2, timeout_s=60):
+        assert result["raised"] == "the layer's attention failed" and not result["in_flight"], result
+        assert result["broken"] == "RuntimeError: the layer's attention failed", result
