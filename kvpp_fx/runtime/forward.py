@@ -54,7 +54,7 @@ from kvpp_fx.runtime.owner_exchange import OwnerExchange
 from kvpp_fx.runtime.layer_route import LayerRoute
 from kvpp_fx.runtime.parts import ForwardParts
 from kvpp_fx.runtime.path import ChosenPath, PathFacts, Step, choose_path
-from kvpp_fx.runtime.pending import check_flag
+from kvpp_fx.runtime.pending import check_flag, folded
 from kvpp_fx.runtime.protocol import ProtocolState, locate, position_of, refuse
 from kvpp_fx.runtime.transport import BroadcastInFlight
 from kvpp_fx.runtime.turn import LayerTurn
@@ -298,8 +298,8 @@ class Forward:
             self.stats.end_forward()
 
     def _leave_device_checks(self) -> None:
-        """What the device checked in this forward, as one flag of every rank's (its maximum over the
-        group), read later (`PendingChecks`). Every rank issues the all-reduce in every forward."""
+        """What the device checked in this forward, each check's maximum over the group folded into one flag,
+        read later (`PendingChecks`). Every rank issues the all-reduce in every forward."""
         parts, exchange = self.parts, self.exchange
         active = self.active
         flag = check_flag(parts.storage.device,
@@ -309,7 +309,7 @@ class Forward:
                           active.unlisted_reads if active is not None else None)
         if self.transport is not None:
             self.transport.collectives.run(lambda: parts.api.all_reduce_max(flag, parts.group), "the forward's checks")
-        parts.checks.leave(self.number, parts.api.read_later(flag))
+        parts.checks.leave(self.number, parts.api.read_later(folded(flag)))
 
     def abandon(self) -> None:
         """The runtime closes inside this forward: its broadcast in flight gets at most the timeout (a

@@ -36,25 +36,32 @@ from kvpp_fx.runtime.errors import BlockSetMismatchError, OwnerRoutingError, Unl
 from kvpp_fx.runtime.health import Health
 
 MISPAIRED, OWNER_FAILED, UNLISTED_READ = 1, 2, 4  # the flag's bits
+BITS = (MISPAIRED, OWNER_FAILED, UNLISTED_READ)  # in `check_flag`'s order
 MAX_PENDING = 4
 
 
 def check_flag(device: torch.device, not_arrived: torch.Tensor | None, owners_failed: torch.Tensor | None,
                failed_here: bool, unlisted_reads: torch.Tensor | None = None) -> torch.Tensor:
-    """One forward's device checks as one int32 flag, built on the device: `MISPAIRED` where a received
-    block-id list was not the forward's (`not_arrived` true), `OWNER_FAILED` where an owner's status
-    said it failed, or where this rank's own op failed as an owner (`failed_here`: the flag says only that),
-    `UNLISTED_READ` where a row read a block its packed slot does not hold (`unlisted_reads` true)."""
-    flag = torch.zeros((), dtype=torch.int32, device=device)
+    """One forward's device checks, built on the device: one int32 entry per bit of the flag (0 or 1), so
+    that their maximum over the group keeps every rank's every failure; `folded` makes them one flag.
+    `MISPAIRED` where a received block-id list was not the forward's (`not_arrived` true), `OWNER_FAILED`
+    where an owner's status said it failed, or where this rank's own op failed as an owner (`failed_here`:
+    the checks say only that), `UNLISTED_READ` where a row read a block its packed slot does not hold
+    (`unlisted_reads` true)."""
+    checks = torch.zeros(len(BITS), dtype=torch.int32, device=device)
     if failed_here:
-        return flag.fill_(OWNER_FAILED)
-    if not_arrived is not None:
-        flag.add_(not_arrived)
-    if owners_failed is not None:
-        flag.add_(owners_failed.reshape(()).ne(0), alpha=OWNER_FAILED)
-    if unlisted_reads is not None:
-        flag.add_(unlisted_reads, alpha=UNLISTED_READ)
-    return flag
+        checks[1] = 1
+        return checks
+    for entry, failed in enumerate((not_arrived, None if owners_failed is None else owners_failed.reshape(()).ne(0),
+                                    unlisted_reads)):
+        if failed is not None:
+            checks[entry].copy_(failed)
+    return checks
+
+
+def folded(checks: torch.Tensor) -> torch.Tensor:
+    """`check_flag`'s entries (after their maximum over the group) as one int32 flag of bits, on the device."""
+    return (checks * torch.tensor(BITS, dtype=torch.int32, device=checks.device)).sum(dtype=torch.int32)
 
 
 class PendingChecks:

@@ -198,3 +198,39 @@ def test_a_chunk_gathered_by_a_gather_kvpp_does_not_wrap_is_refused(streamed):
         assert message.startswith("ContextStreamError: layer 0: 1 of the prefill context's 2 chunks streamed from "
                                   "the owner; the others were read from a scratch slot that does not hold them"), \
             message
+
+
+def _serving_config(max_model_len: int, cache_dtype: str = "auto"):
+    """What `layout.history_reserve` reads of a VllmConfig: DeepSeek-V3's attention, bf16, block 64."""
+    hf = types.SimpleNamespace(num_attention_heads=128, kv_lora_rank=512, qk_rope_head_dim=64)
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_text_config=hf, dtype=torch.bfloat16, max_model_len=max_model_len),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=256, max_num_batched_tokens=8192),
+        cache_config=types.SimpleNamespace(block_size=64, cache_dtype=cache_dtype),
+        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1, cp_kv_cache_interleave_size=1),
+        speculative_config=None)
+
+
+def test_a_gpu_budget_keeps_the_history_prefetch_buffer_out_of_the_kv_cache():
+    """The prefetch buffer of streamed history is one more of vLLM's context workspaces, allocated after
+    vLLM measured memory: on a device KVPP keeps its bytes out of the KV budget. vLLM sizes the workspace
+    min(max(8 x max_model_len, 4 x max_num_seqs x block), 64K) rows: 64K rows at a 160K context, 65,536
+    (4 x 256 x 64) at 2K; 576 bf16 values a row."""
+    from kvpp_fx.integrations.vllm.config import KVPPConfig
+    from kvpp_fx.integrations.vllm.layout import budget, history_reserve
+    from kvpp_fx.integrations.vllm.state import AttentionChoices, EngineState, KVPPAllocationError
+
+    streams = AttentionChoices(streams_history=True)
+    state = EngineState(KVPPConfig(enable_kvpp=True, tp=8), None, attention=streams)
+    assert history_reserve(_serving_config(163840), state, "cuda") == 65536 * 576 * 2 == 75_497_472
+    assert history_reserve(_serving_config(1024), state, "cuda") == 65536 * 576 * 2
+    assert history_reserve(_serving_config(512, "fp8_ds_mla"), state, "cuda") == 65536 * 576 * 2
+    assert history_reserve(_serving_config(163840), state, "cpu") == 0  # vLLM CPU's KV space is a fixed size
+    for choices in (AttentionChoices(), AttentionChoices(streams_history=True, compact_blocker="a connector")):
+        other = EngineState(KVPPConfig(enable_kvpp=True, tp=8), None, attention=choices)
+        assert history_reserve(_serving_config(163840), other, "cuda") == 0
+    runner = types.SimpleNamespace(vllm_config=_serving_config(163840), device="cuda")
+    state = EngineState(KVPPConfig(enable_kvpp=True, tp=8), None,
+                        attention=AttentionChoices(streams_history=True, owner_blocker="not here"))
+    with pytest.raises(KVPPAllocationError, match="prefetch buffer 75497472 bytes: more than the 70000000 bytes"):
+        budget(runner, state, 70_000_000)

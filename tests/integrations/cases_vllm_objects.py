@@ -1525,7 +1525,9 @@ def test_a_marked_gather_streams_from_the_owner_and_an_unmarked_one_is_vllms():
         with rt.forward(has_history=False):
             rt.prefetch(schedule.first().layer, schedule.first().slot)
             rt.wait(0, schedule.slot(0))
-            stream = ChunkStream(rt.turn(0))
+            chunked = types.SimpleNamespace(workspace=torch.zeros(20, 8), chunks=[None])  # one chunk
+            stream = ChunkStream(rt.turn(0), types.SimpleNamespace(_kvpp_layer=0),
+                                 types.SimpleNamespace(prefill=types.SimpleNamespace(chunked_context=chunked)))
             token = STREAMING.set(stream)
             try:
                 marked = torch.zeros(20, 8)

@@ -28,6 +28,8 @@ CASES = {
     "a hit on a block completed in the step": (([20, 32], [12, 8], [[7, 8], [7, 8, 11]]), 0, True),
     # a decode row (before `first`) completes block 8, and a prefill row hits it
     "a decode row completes the block hit": (([31, 32], [1, 8], [[7, 8], [7, 8, 11]]), 1, True),
+    # a hit chain of request 0's block 7, written now, then an older copy (20) of the block after it
+    "a hit chain that mixes a written block with older ones": (([0, 32], [40, 8], [[7, 8, 9], [7, 20, 11]]), 0, True),
     # only decode rows: no prefill row's history streams
     "no prefill row with history": (([31, 0], [1, 8], [[7, 8], [12]]), 1, False),
 }

@@ -6,7 +6,6 @@ test keeps vLLM's default engine-core process. The model is a tiny random DeepSe
 layer and a locally trained tokenizer (`tiny_model`).
 """
 
-import collections
 import concurrent.futures
 import contextlib
 import json
@@ -66,8 +65,9 @@ CHUNKED_ENV = {cpu_chunked_prefill.ENV: "1"}
 HISTORY_ROWS = {"dtype": "float32", "block_size": 16, "max_model_len": 512, "enable_chunked_prefill": True,
                 "enable_prefix_caching": True, "max_num_batched_tokens": 128, "kv_cache_memory_bytes": 64 << 20,
                 "disable_log_stats": False}
-WRONG_RANK_HISTORY = "tests.support.faults:WrongRankHistory"
-SKIPPED_HISTORY = "tests.support.faults:SkippedHistory"
+# `faults`' history faults, counting what they did (`counted_faults`)
+WRONG_RANK_HISTORY = "tests.support.counted_faults:WrongRankHistory"
+SKIPPED_HISTORY = "tests.support.counted_faults:SkippedHistory"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,7 +108,8 @@ def tiny_deepseek(tmp_path_factory):
     return make_tiny_deepseek(tmp_path_factory.mktemp("tiny_deepseek"))
 
 
-CASE_FILES = ("tests/integrations/cases_vllm_objects.py", "tests/integrations/cases_host_sync.py")
+CASE_FILES = ("tests/integrations/cases_vllm_objects.py", "tests/integrations/cases_host_sync.py",
+              "tests/integrations/cases_context_stream.py")
 
 
 def _case_names() -> list[str]:
@@ -757,29 +758,58 @@ def test_chunked_prefill_prefix_caching_and_mtp_keep_compact_slots_with_the_toke
             assert stats["packed_layers"] > 0, (name, stats)
 
 
+def _history_bytes(schedule: list) -> int:
+    """The history bytes each rank streams over a run, from vLLM's scheduler (`vllm_checks._schedule_recorder`):
+    CPU_MLA runs a request's rows as a prefill row when the step schedules it more than one token (its
+    metadata builder's decode threshold is 1; MTP's verification rows are 2), and such a row reads all the
+    request's computed tokens as history, in chunks through the context workspace. Each target layer
+    streams each chunk once, recorded on every rank: its tokens' latent rows, 576 float32 values each.
+    The MTP layer is local: its history never streams."""
+    tokens = sum(computed for step in schedule for computed, scheduled in step if computed > 0 and scheduled > 1)
+    return tokens * 576 * 4 * NUM_LAYERS
+
+
 def test_streamed_history_moves_what_it_reads_never_whole_layers(streamed_runs):
-    """Bytes: each streamed chunk is its tokens' latent rows (576 float32 values each). With MTP on CPU_MLA
-    every row after a prompt's prefill is a verification row, which CPU_MLA runs as a prefill row: no prefill
-    row takes a slot position, so nothing is broadcast into the slots at all and every byte moved is
-    streamed history (a prefill row listing its history blocks would broadcast them). Without MTP the
-    decode rows read their blocks from the slots, at most S blocks per layer and forward."""
+    """Bytes: the streamed chunks are exactly the history vLLM's scheduler had the prefill rows read, 576
+    float32 values per token and target layer (`_history_bytes`). With MTP on CPU_MLA every row after a
+    prompt's prefill is a verification row, which CPU_MLA runs as a prefill row: no prefill row takes a
+    slot position, so nothing is broadcast into the slots at all and every byte moved is streamed history
+    (a prefill row listing its history blocks would broadcast them). Without MTP the decode rows read
+    their blocks from the slots, at most S blocks per layer and forward."""
     page = 16 * 576 * 4 + 8  # a block of one layer, with its id
-    mtp = streamed_runs["mtp-on"]
+    mtp, plain = streamed_runs["mtp-on"], streamed_runs["on"]
+    for run in (mtp, plain):  # the history read: later chunks, prefix hits (>= 288 tokens), verification rows
+        assert _history_bytes(run["schedule"]) > 288 * 576 * 4 * NUM_LAYERS, run["schedule"]
+        for stats in run["stats"]:
+            assert stats["context_bytes"] == _history_bytes(run["schedule"]), (stats, run["schedule"])
     for stats in mtp["stats"]:
-        assert stats["context_bytes"] % (576 * 4) == 0 and stats["context_bytes"] > 0, stats
         assert stats["broadcasts"] == 0 and stats["exchanges"] == 0 and stats["bytes"] == stats["context_bytes"], stats
-    for stats in streamed_runs["on"]["stats"]:
+    for stats in plain["stats"]:
         assert stats["broadcasts"] > 0 and stats["exchanges"] == 0, stats
         assert 0 < stats["bytes"] - stats["context_bytes"] <= stats["broadcasts"] * 40 * page, stats
+    for run in (mtp, plain):  # prefetched: every chunk but each streaming step's first (or each layer's first)
+        steps = sum(any(computed > 0 and scheduled > 1 for computed, scheduled in step) for step in run["schedule"])
+        for stats in run["stats"]:
+            assert 0 < stats["context_ahead"] and stats["context_chunks"] - steps * NUM_LAYERS <= stats["context_ahead"], \
+                (stats, steps)
+            assert stats["context_ahead"] <= stats["context_chunks"] - steps, (stats, steps)
 
 
 def test_history_chunks_from_the_wrong_rank_or_none_change_the_tokens(streamed_runs):
+    """Each faulty run streamed the history it read (`_history_bytes` of its own steps), and its fault
+    acted on every chunk, counted below the fault (`counted_faults`): each broadcast from the rank after
+    the owner, then none issued at all."""
     on = streamed_runs["mtp-on"]
-    assert on["faulty"] != on["tokens"]
-    assert all(s["device_api"] == WRONG_RANK_HISTORY for s in on["faulty_stats"])
     skipped = on["phases"]["skipped"]
-    assert skipped["tokens"] != on["tokens"]
-    assert all(s["device_api"] == SKIPPED_HISTORY and s["context_chunks"] > 0 for s in skipped["stats"])
+    assert on["faulty"] != on["tokens"] and skipped["tokens"] != on["tokens"]
+    faulty = ((on["faulty_stats"], on["faulty_counts"], on["faulty_schedule"], WRONG_RANK_HISTORY, "wrong_rank"),
+              (skipped["stats"], skipped["fault_counts"], skipped["schedule"], SKIPPED_HISTORY, "skipped"))
+    for ranks_stats, ranks_counts, schedule, fault, acted in faulty:
+        for stats, counts in zip(ranks_stats, ranks_counts, strict=True):
+            assert stats["device_api"] == fault and stats["context_chunks"] > 0, stats
+            assert stats["context_bytes"] == _history_bytes(schedule) > 0, (stats, schedule)
+            chunks = stats["context_chunks"]  # every chunk, on every rank
+            assert counts[fault.rpartition(":")[2]] == {"history_chunks": chunks, acted: chunks}, counts
 
 
 @pytest.fixture(scope="module")
@@ -952,7 +982,9 @@ def test_nixl_decode_reads_each_layer_from_its_owner_with_the_tokens_and_rows_of
     # Every layer's cache in the decode instance, byte for byte: rank 0 holds only layers 0-2, so layers
     # 3-5 came from rank 1.
     assert len(off["kv"]) == NUM_LAYERS and kvpp["kv"] == off["kv"]
-    assert off["external_hits"] > 0 and kvpp["external_hits"] == off["external_hits"]
+    # vLLM's NixlConnector loads every prompt token (it keeps back none for the decode to recompute: no
+    # Mamba layer, no multi-token MTP lookahead; `_get_remote_prefill_token_count`).
+    assert off["external_hits"] == kvpp["external_hits"] == sum(len(p) for p in NIXL_PROMPTS)
 
 
 def test_nixl_decode_refuses_a_prefill_rank_that_exposes_a_layer_it_does_not_own(nixl_pairs):
@@ -989,11 +1021,13 @@ def test_mooncake_decode_receives_each_layer_from_its_owner_with_the_tokens_and_
     assert off["finish_reasons"] == ["length"] * len(NIXL_PROMPTS)
     assert all(len(t) == 12 for t in off["tokens"]) and len(set(off["tokens"][0])) > 1
     assert kvpp["tokens"] == off["tokens"]
-    # Every row of every layer in the decode instance after each request, byte for byte: layers 3-5 came
-    # from rank 1. A request's rows: its prompt's and those of the 11 tokens fed back.
-    assert kvpp["kv"] == off["kv"]
+    # Every row of every layer in the decode instance after each request, byte for byte at its position
+    # (block of the request's table, row in the block): layers 3-5 came from rank 1. A request's rows: its
+    # prompt's and those of the 11 tokens fed back, at positions 0 to len(prompt) + 10, and nothing else.
+    assert kvpp["kv"] == off["kv"], _differing_rows(kvpp["kv"], off["kv"])[:20]
     for prompt, (rank_0,) in zip(NIXL_PROMPTS, off["kv"], strict=True):
-        assert len(rank_0) == NUM_LAYERS and all(len(rows) == len(prompt) + 11 for rows in rank_0.values())
+        assert len(rank_0) == NUM_LAYERS
+        assert all(_written(layer) == len(prompt) + 11 for layer in rank_0.values()), prompt
     # vLLM's MooncakeConnector loads every prompt token of an attention-only model.
     assert off["external_hits"] == kvpp["external_hits"] == sum(len(p) for p in NIXL_PROMPTS)
 
@@ -1007,7 +1041,8 @@ def test_mooncake_prefill_rank_refuses_to_send_a_layer_it_does_not_own(mooncake_
                "which it does not own")
     assert len(faulty["errors"]) == len(NIXL_PROMPTS) and all(refusal in e for e in faulty["errors"]), faulty["errors"]
     assert faulty["finish_reasons"] == ["error"] * len(NIXL_PROMPTS) and faulty["tokens"] != off["tokens"]
-    assert all(rank_0[f"model.layers.{i}.self_attn.attn"] == [] for (rank_0,) in faulty["kv"] for i in range(3))
+    assert all(_written(rank_0[f"model.layers.{i}.self_attn.attn"]) == 0
+               for (rank_0,) in faulty["kv"] for i in range(3))
 
 
 @pytest.fixture(scope="module")
@@ -1030,15 +1065,36 @@ def test_mooncake_tp2_decode_asks_every_kvpp_prefill_rank_for_the_layers_it_owns
     assert off["finish_reasons"] == kvpp["finish_reasons"] == ["length"] * len(NIXL_PROMPTS)
     assert all(len(t) == 12 for t in off["tokens"]) and kvpp["tokens"] == off["tokens"]
     assert off["external_hits"] == kvpp["external_hits"] == sum(len(p) for p in NIXL_PROMPTS)
-    # Each decode rank holds every layer. The rows the prefill instance wrote (all but a prompt's last,
-    # which the decode recomputes) are the same bytes from the owners as from the replicated instance.
+    # Each decode rank holds every layer. Each row the prefill instance wrote (all but a prompt's last,
+    # which the decode recomputes) is at its position, the same bytes from the owners as from the
+    # replicated instance; the decode's own rows (the last prompt token's and the 11 fed back), which
+    # differ from run to run on vLLM CPU at TP 2, KVPP or not, are there but not compared.
+    assert _differing_rows(kvpp["kv"], off["kv"], lambda k: len(NIXL_PROMPTS[k]) - 1) == []
     for prompt, off_ranks, kvpp_ranks in zip(NIXL_PROMPTS, off["kv"], kvpp["kv"], strict=True):
         for off_rank, kvpp_rank in zip(off_ranks, kvpp_ranks, strict=True):
-            assert len(off_rank) == NUM_LAYERS
-            for name, rows in off_rank.items():
-                assert len(rows) == len(kvpp_rank[name]) == len(prompt) + 11
-                common = collections.Counter(rows) & collections.Counter(kvpp_rank[name])
-                assert sum(common.values()) >= len(prompt) - 1, name
+            assert len(off_rank) == NUM_LAYERS and kvpp_rank.keys() == off_rank.keys()
+            for name, off_layer in off_rank.items():
+                assert _written(off_layer) == _written(kvpp_rank[name]) == len(prompt) + 11, name
+
+
+def _differing_rows(kv: list, reference: list, upto=None) -> list[tuple]:
+    """(request, rank, layer, position) of each row whose bytes differ between two runs' decode caches
+    (per request and rank, `vllm_checks.kv_row_digests`): every position, or the first ``upto(request)``."""
+    return [(k, rank, name, p)
+            for k, (ranks, ref_ranks) in enumerate(zip(kv, reference, strict=True))
+            for rank, (layers, ref_layers) in enumerate(zip(ranks, ref_ranks, strict=True))
+            for name, ref in ref_layers.items()
+            for p in range(upto(k) if upto else max(len(ref["rows"]), len(layers[name]["rows"])))
+            if layers[name]["rows"][p:p + 1] != ref["rows"][p:p + 1]]
+
+
+def _written(layer: dict) -> int:
+    """How many rows a request wrote in a layer of the decode cache (`vllm_checks.kv_row_digests`): the
+    number of its first rows in block-table order that hold bytes, where every later row and every row
+    outside its blocks holds none (-1 otherwise)."""
+    rows = layer["rows"]
+    count = next((p for p, row in enumerate(rows) if row is None), len(rows))
+    return count if layer["stray"] == 0 and all(row is None for row in rows[count:]) else -1
 
 
 def test_nixl_decode_with_vllms_own_reader_is_told_to_name_kvpps_connector(nixl_pairs):

@@ -240,10 +240,19 @@ def _drive(llm, variant: dict, worker_stats, SamplingParams) -> dict:
             tokens += [list(o.outputs[0].token_ids) for o in outputs]
         return tokens
 
+    steps = _schedule_recorder(llm)
+
+    def scheduled() -> list:
+        """The steps scheduled since the last call."""
+        done = list(steps)
+        steps.clear()
+        return done
+
     # At start, as on a GPU: vLLM's warm-up assumes a runner without requests.
     warm_up = llm.collective_rpc(v2_warm_up) if variant.get("v2_warm_up") else None
     result = {"v2_warm_up": warm_up, "tokens": run(), "stats": llm.collective_rpc(worker_stats),
-              "num_blocks": llm.collective_rpc(vllm_num_blocks), "config": _config_summary(llm)}
+              "num_blocks": llm.collective_rpc(vllm_num_blocks), "config": _config_summary(llm),
+              "schedule": scheduled()}
     if variant.get("args", {}).get("disable_log_stats") is False:
         result["prefix_cache_hits"] = _counter(llm, "vllm:prefix_cache_hits")
     if variant.get("fault"):
@@ -251,6 +260,7 @@ def _drive(llm, variant: dict, worker_stats, SamplingParams) -> dict:
         llm.collective_rpc("kvpp_set_device_api", args=(variant["fault"],))
         result["faulty"] = run()
         result["faulty_stats"] = llm.collective_rpc(worker_stats)
+        result["faulty_schedule"], result["faulty_counts"] = scheduled(), llm.collective_rpc(fault_counts)
     if variant.get("zero_blocks"):
         result["zero_blocks"] = llm.collective_rpc(zero_blocks_probe, args=(variant["zero_blocks"],))
     result["phases"] = {}
@@ -260,9 +270,41 @@ def _drive(llm, variant: dict, worker_stats, SamplingParams) -> dict:
             if phase.get("mode"):
                 llm.collective_rpc("kvpp_set_mode", args=(phase["mode"],))
             llm.collective_rpc("kvpp_set_device_api", args=(phase.get("fault"),))
+        scheduled()
         tokens = run(phase.get("workload", "short"))
-        result["phases"][phase["name"]] = {"tokens": tokens, "stats": llm.collective_rpc(worker_stats)}
+        result["phases"][phase["name"]] = {"tokens": tokens, "stats": llm.collective_rpc(worker_stats),
+                                           "schedule": scheduled(), "fault_counts": llm.collective_rpc(fault_counts)}
     return result
+
+
+def _schedule_recorder(llm) -> list:
+    """Every step vLLM's scheduler hands the workers from now on, as ``[[computed, scheduled], ...]``, one
+    pair per request: the tokens computed before the step (what the step's attention reads as history)
+    and the tokens it schedules (draft tokens included); the model runner builds the attention metadata's
+    context and query lengths from exactly these. Read in the engine core, which runs in this interpreter
+    (`generate_many`), independently of anything KVPP counts."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    steps: list = []
+    schedule = scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        output = schedule(*args, **kwargs)
+        if output.total_num_scheduled_tokens:
+            cached = output.scheduled_cached_reqs
+            computed = {request.req_id: request.num_computed_tokens for request in output.scheduled_new_reqs}
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+            steps.append([[computed[r], n] for r, n in output.num_scheduled_tokens.items()])
+        return output
+
+    scheduler.schedule = recording_schedule
+    return steps
+
+
+def fault_counts(_worker) -> dict:
+    """What the faults of `tests.support.counted_faults` did in this worker process so far."""
+    from tests.support import counted_faults
+
+    return {name: dict(counts) for name, counts in counted_faults.COUNTS.items()}
 
 
 def _config_summary(llm) -> dict:
@@ -692,17 +734,43 @@ def mooncake_producer(model_dir: str, spec_json: str) -> None:
         llm.llm_engine.engine_core.shutdown()
 
 
-def kv_row_digests(worker) -> dict:
-    """name -> the sorted digests (16 hex digits) of the non-zero token rows of the layer's KV cache: the
-    rows the worker holds, whichever block ids its allocator gave them."""
+def kv_row_digests(worker, block_ids: list[int]) -> dict:
+    """name -> one request's rows of the layer's KV cache, by position: ``rows``, for each of the request's
+    blocks in the order of its block table (`_block_tables`) each row's digest (16 hex digits; None for a
+    row of zeros), so that row ``p`` is token ``p``'s; ``stray``, the non-zero rows outside those blocks."""
     import hashlib
 
     import torch
 
     layers = worker.model_runner.compilation_config.static_forward_context
-    return {name: sorted(hashlib.sha256(row.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
-                         for row in layer.kv_cache.reshape(-1, layer.kv_cache.shape[-1]) if bool(row.any()))
-            for name, layer in sorted(layers.items()) if getattr(layer, "kv_cache", None) is not None}
+    ids = torch.as_tensor(block_ids, dtype=torch.long)
+    out = {}
+    for name, layer in sorted(layers.items()):
+        cache = getattr(layer, "kv_cache", None)
+        if cache is None:
+            continue
+        rows = cache[ids].reshape(-1, cache.shape[-1])  # [blocks, block_size, 576]: row p of the request
+        outside = torch.ones(cache.shape[0], dtype=torch.bool)
+        outside[ids] = False
+        out[name] = {"rows": [hashlib.sha256(row.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+                              if bool(row.any()) else None for row in rows],
+                     "stray": int(cache[outside].reshape(-1, cache.shape[-1]).any(dim=-1).sum())}
+    return out
+
+
+def _block_tables(llm) -> list[list[int]]:
+    """The block table of every request this engine finishes from now on, in order, read from vLLM's
+    scheduler (in this interpreter: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) as it frees the request."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    tables: list[list[int]] = []
+    free = scheduler._free_request
+
+    def recording_free(request, *args, **kwargs):
+        tables.append([int(i) for i in scheduler.kv_cache_manager.get_block_ids(request.request_id)[0]])
+        return free(request, *args, **kwargs)
+
+    scheduler._free_request = recording_free
+    return tables
 
 
 def zero_kv(worker) -> None:
@@ -717,9 +785,9 @@ def mooncake_pairs(model_dir: str, spec_json: str) -> dict:
     off; ``spec["decode"]`` its LLM arguments) here, and in turn each prefill
     instance of ``spec["producers"]`` (TP 2, `mooncake_producer`) in a process of its own. Per prefill
     instance: the decode's tokens (one request at a time), the prompt tokens it loaded (vLLM's
-    ``vllm:external_prefix_cache_hits``), per request `kv_row_digests` of its ranks' caches once it is done
-    (the cache is zeroed and the prefix cache reset after each), the connector errors it logged, and the
-    producer's report."""
+    ``vllm:external_prefix_cache_hits``), per request `kv_row_digests` of its ranks' caches once it is done,
+    by position in its block table (the cache is zeroed and the prefix cache reset after each), the
+    connector errors it logged, and the producer's report."""
     spec = json.loads(spec_json)
     os.environ.update(_mooncake_env(0))
     mooncake_on_cpu.apply()
@@ -730,6 +798,7 @@ def mooncake_pairs(model_dir: str, spec_json: str) -> dict:
               kv_transfer_config=_mooncake_transfer("kv_consumer", args.pop("kv_connector_module_path", None)),
               **args)
     errors = _connector_errors()
+    tables = _block_tables(llm)
     results = {}
     try:
         for k, (name, producer_args) in enumerate(spec["producers"].items()):
@@ -745,8 +814,9 @@ def mooncake_pairs(model_dir: str, spec_json: str) -> dict:
                         "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": engine_id,
                                                "remote_bootstrap_addr": f"http://127.0.0.1:{port}",
                                                "transfer_id": f"{engine_id}-{i}"}})
+                    del tables[:]
                     outputs.append(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0])
-                    rows.append(llm.collective_rpc(kv_row_digests))
+                    rows.append(llm.collective_rpc(kv_row_digests, args=(tables[-1] if tables else [],)))
                     llm.reset_prefix_cache()
                     llm.collective_rpc(zero_kv)
                 results[name] = {

@@ -94,3 +94,18 @@ def test_the_next_forward_never_waits_for_the_output_threads_lock():
     thread.join(10)
     checks.read_ready()
     assert len(checks) == 0
+
+
+def test_the_groups_maximum_keeps_every_ranks_every_failure():
+    """One rank read an unlisted block, another got a mispaired list and an owner's failure: the maximum
+    over the group (entry by entry) and its fold keep all three bits; a plain maximum of two folded
+    flags (4 against 3) would have kept one rank's."""
+    import torch
+
+    from kvpp_fx.runtime.pending import UNLISTED_READ, check_flag, folded
+
+    one = check_flag(torch.device("cpu"), None, None, False, torch.tensor(True))
+    other = check_flag(torch.device("cpu"), torch.tensor(True), torch.tensor([3]), False, torch.tensor(False))
+    assert int(folded(one)) == UNLISTED_READ and int(folded(other)) == MISPAIRED | OWNER_FAILED
+    assert int(folded(torch.maximum(one, other))) == MISPAIRED | OWNER_FAILED | UNLISTED_READ
+    assert int(folded(check_flag(torch.device("cpu"), torch.tensor(True), None, True))) == OWNER_FAILED

@@ -126,24 +126,25 @@ def _entries(batch: StepBatch, first: int, end: int | None, written: bool) -> np
 
 
 def history_written_by_step(batch: StepBatch, first: int = 0) -> bool:
-    """Whether a request ``first..`` with history ends it in a block that another request of the step
-    writes: vLLM caches a block's hash when it schedules the block's tokens, so a request scheduled later
-    in the same step may hit blocks that this step fills (its own partial last block, which it fills
-    further, is not such a block). Checked on the last history block of each request, which is the one
-    any such block implies (a hit is a prefix of the writer's chain, and the writer fills its chain from
-    some block to its end); host arrays, one entry per request plus the step's written entries."""
-    with_history = np.nonzero(batch.num_computed[first:] > 0)[0] + first
-    if with_history.size == 0:
-        return False
+    """Whether a history block of a request ``first..`` is one that a request of the step writes: vLLM
+    caches a block's hash when it schedules the block's tokens, so a request scheduled later in the same
+    step may hit blocks that this step fills (a hit chain may also mix such a block with older copies of
+    the blocks after it). A request's own partial last history block, which it fills further, does not
+    count. Host arrays: the history entries of the requests ``first..`` (prefill rows, whose attention
+    reads that history anyway) against the entries the step writes."""
+    end = batch.num_reqs
     computed, query = batch.num_computed, batch.query_lens
+    if not (computed[first:] > 0).any():
+        return False
     for table in batch.tables:
-        size, rows = table.block_size, table.rows
+        size, rows = table.block_size, table.rows_of(0, end)
         columns = np.arange(rows.shape[1])[None, :]
         fills = (columns >= (computed // size)[:, None]) & (columns < (-(-(computed + query) // size))[:, None])
         written = np.sort(rows[fills])
-        last = rows[with_history, -(-computed[with_history] // size) - 1]
-        writers = np.searchsorted(written, last, side="right") - np.searchsorted(written, last, side="left")
-        own = (computed[with_history] % size != 0) & (query[with_history] > 0)
+        reads = columns < (-(-computed[first:] // size))[:, None]
+        history = rows[first:][reads]
+        writers = np.searchsorted(written, history, side="right") - np.searchsorted(written, history, side="left")
+        own = (fills[first:] & reads)[reads]  # the request's own write into its partial last block
         if (writers > own).any():
             return True
     return False

@@ -139,29 +139,37 @@ class ChunkStream:
 
 def _next_layer_call(impl: Any, layer: int, arguments: dict[str, Any]) -> tuple[Any, dict[str, Any]] | None:
     """The prefill metadata and the cache (and scale) with which `layer`'s own call will gather, from the
-    forward context as that layer's attention reads them; None where that layer reads no chunked context
-    or its cache does not take the current call's form."""
+    forward context as that layer's attention reads them; None where that layer reads no chunked context.
+    Decided from what every rank holds alike (the step's metadata, the model's layers), never from this
+    rank's cache shapes (an owner's cache and a slot differ), so that every rank issues the same chunks."""
     from vllm.forward_context import get_forward_context
 
     context = get_forward_context()
-    name = next((n for n, index in impl._kvpp_engine.vplan.layer_index.items() if index == layer), None)
+    name = _layer_names(impl._kvpp_engine.vplan.layer_index).get(layer)
     metadata = context.attn_metadata
     metadata = metadata[0] if isinstance(metadata, list) else metadata
     metadata = metadata.get(name) if isinstance(metadata, dict) else None
     attention = context.no_compile_layers.get(name)
-    prefill = getattr(metadata, "prefill", None)
-    if prefill is None or getattr(prefill, "chunked_context", None) is None or attention is None:
+    chunked = getattr(getattr(metadata, "prefill", None), "chunked_context", None)
+    cache = getattr(attention, "kv_cache", None)
+    if chunked is None or not chunked.chunks or not isinstance(cache, torch.Tensor):
         return None
-    source, cache = arguments["src_cache"], getattr(attention, "kv_cache", None)
-    if not isinstance(cache, torch.Tensor) or not isinstance(source, torch.Tensor):
-        return None
-    cache = cache.view(source.dtype) if cache.dtype != source.dtype else cache
-    if cache.shape != source.shape or cache.stride() != source.stride():
-        return None
-    same = {"src_cache": cache}
+    source = arguments["src_cache"]
+    same = {"src_cache": cache.view(source.dtype) if cache.dtype != source.dtype else cache}
     if "scale" in arguments:
         same["scale"] = attention._k_scale
-    return prefill, same
+    return metadata.prefill, same
+
+
+_NAMES: dict[int, tuple[Any, dict[int, str]]] = {}  # id of a plan's layer_index -> (it, index -> name)
+
+
+def _layer_names(layer_index: Any) -> dict[int, str]:
+    """Each layer index's vLLM name (one target layer per index), built once per plan."""
+    entry = _NAMES.get(id(layer_index))
+    if entry is None or entry[0] is not layer_index:
+        entry = _NAMES[id(layer_index)] = (layer_index, {index: name for name, index in layer_index.items()})
+    return entry[1]
 
 
 STREAMING: contextvars.ContextVar[ChunkStream | None] = contextvars.ContextVar("kvpp_context_stream", default=None)

@@ -44,23 +44,27 @@ def plan_loaded_model(runner: Any, state: EngineState) -> None:
 
 
 def budget(runner: Any, state: EngineState, available: int) -> int:
-    """The logical KV budget for vLLM's planner, from this worker's `available` bytes less the owner-mode
-    exchange reserve; picks the layout."""
-    reserve = exchange_reserve(runner.vllm_config, state, runner.device)
+    """The logical KV budget for vLLM's planner, from this worker's `available` bytes less what KVPP
+    allocates after vLLM's measurement (the owner-mode exchanges' peak, streamed history's prefetch
+    buffer); picks the layout."""
+    exchanges = exchange_reserve(runner.vllm_config, state, runner.device)
+    history = history_reserve(runner.vllm_config, state, runner.device)
+    reserve = exchanges + history
     if reserve >= available:
         raise KVPPAllocationError(
-            f"KVPP's owner-mode exchanges need up to {reserve} bytes per rank at their peak (decode rows of "
-            f"max_num_seqs requests, every rank's heads on the owner), more than the {available} bytes vLLM "
-            "left for the KV cache. Lower max_num_seqs or raise gpu_memory_utilization.")
+            f"KVPP's owner-mode exchanges need up to {exchanges} bytes per rank at their peak (decode rows of "
+            f"max_num_seqs requests, every rank's heads on the owner), and streamed prefill history's prefetch "
+            f"buffer {history} bytes: more than the {available} bytes vLLM left for the KV cache. Lower "
+            "max_num_seqs (or max_model_len) or raise gpu_memory_utilization.")
     available -= reserve
     vplan = choose_layout(runner, state, available)
     blocks = vplan.plan.num_blocks(available)
     state.layout.budget_blocks = blocks
     logical = blocks * vplan.logical_bytes_per_block
     logger.warning("KVPP: %d blocks per rank in %d bytes (without KVPP: %d; %s; %d bytes kept for owner-mode "
-                   "exchanges); logical budget %d bytes.", blocks, available,
-                   (available + reserve) // vplan.logical_bytes_per_block, state.layout.scratch_choice, reserve,
-                   logical)
+                   "exchanges, %d for streamed history's prefetch buffer); logical budget %d bytes.", blocks,
+                   available, (available + reserve) // vplan.logical_bytes_per_block, state.layout.scratch_choice,
+                   exchanges, history, logical)
     return logical
 
 
@@ -81,6 +85,26 @@ def exchange_reserve(vllm_config: Any, state: EngineState, device: Any) -> int:
     rows = max_decode_rows(int(scheduler.max_num_seqs), int(getattr(speculative, "num_speculative_tokens", 0) or 0),
                            int(scheduler.max_num_batched_tokens))
     return attention_shape(vllm_config.model_config).owner_exchange_peak_bytes(rows, state.config.size)
+
+
+def history_reserve(vllm_config: Any, state: EngineState, device: Any) -> int:
+    """The device memory of streamed prefill history's prefetch buffer (`ContextRows`): one more of vLLM's
+    MLA context workspaces (its rows from vLLM's own sizing, `kv_lora_rank + rope` values of the query's
+    dtype, bfloat16 under fp8_ds_mla), allocated at the first streamed chunk, after vLLM measured memory.
+    0 where history cannot stream (no compact slots, an impl that reads history its own way), for a group
+    of one, and on CPU, whose KV budget is a fixed space the buffer does not draw from."""
+    choices = state.attention
+    if (state.config.size == 1 or not choices.streams_history or choices.compact_blocker is not None
+            or torch.device(device).type == "cpu"):
+        return 0
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
+
+    from kvpp_fx.integrations.vllm.owner_rows import attention_shape
+
+    rows = MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size(vllm_config)
+    shape = attention_shape(vllm_config.model_config)
+    itemsize = 2 if vllm_config.cache_config.cache_dtype == "fp8_ds_mla" else shape.itemsize
+    return rows * shape.q_width * itemsize
 
 
 def choose_layout(runner: Any, state: EngineState, available: int) -> VllmPlan:

@@ -1,0 +1,55 @@
+"""The history faults of `faults`, counting what they did in the process that runs them: a negative control
+then shows that its fault acted, not only that the tokens changed (`vllm_checks.fault_counts` reads the
+counts from vLLM's workers).
+
+``COUNTS[class name]``: ``history_chunks``, the prefill history chunks the runtime handed the fault's
+``broadcast``; ``wrong_rank`` (`WrongRankHistory`), those it broadcast from another rank than the one the
+runtime named; ``skipped`` (`SkippedHistory`), those it never issued. Both read the broadcast the fault
+issued below it (`_Issued`), not the fault's own code.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from kvpp_fx.runtime.device import DeviceAPI
+from tests.support import faults
+
+COUNTS: defaultdict[str, Counter] = defaultdict(Counter)
+
+
+class _Issued(DeviceAPI):
+    """Just above `DeviceAPI` in a fault's method order: the source rank of the broadcast the fault issued
+    (None: none issued)."""
+
+    issued_from: int | None = None
+
+    def broadcast(self, tensor, src, group):
+        self.issued_from = src
+        return super().broadcast(tensor, src, group)
+
+
+class WrongRankHistory(faults.WrongRankHistory, _Issued):
+    """`faults.WrongRankHistory`, counted."""
+
+    def broadcast(self, tensor, src, group):
+        self.issued_from = None
+        work = super().broadcast(tensor, src, group)
+        if faults._history_chunk(tensor):
+            counts = COUNTS[type(self).__name__]
+            counts["history_chunks"] += 1
+            counts["wrong_rank"] += self.issued_from is not None and self.issued_from != src
+        return work
+
+
+class SkippedHistory(faults.SkippedHistory, _Issued):
+    """`faults.SkippedHistory`, counted."""
+
+    def broadcast(self, tensor, src, group):
+        self.issued_from = None
+        work = super().broadcast(tensor, src, group)
+        if faults._history_chunk(tensor):
+            counts = COUNTS[type(self).__name__]
+            counts["history_chunks"] += 1
+            counts["skipped"] += self.issued_from is None
+        return work
