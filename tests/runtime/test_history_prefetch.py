@@ -22,11 +22,22 @@ WORKSPACE_BLOCKS = 4  # the workspace holds the largest chunk
 
 class ToyChunks:
     """A layer's chunked history as vLLM's MLA prefill reads it: every chunk lands in the front of one
-    workspace; chunk c of layer L is blocks ``CHUNKS[c]`` of L's cache (its key: the block range)."""
+    workspace, whose rows the chunk's attention cuts after its gather returns; chunk c of layer L is blocks
+    ``CHUNKS[c]`` of L's cache (its key: the block range). ``adopts``: the workspace takes the prefetch
+    buffer's bytes (as vLLM's plan does), else the runtime copies the chunk."""
 
-    def __init__(self, rt, layer: int, workspace: torch.Tensor, api, skew: int = 0) -> None:
-        self.rt, self.layer, self.workspace, self.api, self.skew = rt, layer, workspace, api, skew
+    def __init__(self, rt, layer: int, workspace: torch.Tensor, api, skew: int = 0, adopts: bool = True) -> None:
+        self.rt, self.layer, self.workspace, self.api, self.skew, self.adopts = rt, layer, workspace, api, skew, adopts
         self.index = -1
+
+    def adopt(self, buffer: torch.Tensor):
+        if not self.adopts:
+            return None
+        workspace = self.workspace
+        former = torch.empty(0).set_(workspace.untyped_storage(), workspace.storage_offset(), workspace.shape,
+                                     workspace.stride())
+        workspace.set_(buffer.untyped_storage(), buffer.storage_offset(), buffer.shape, buffer.stride())
+        return former
 
     def rows(self, into: torch.Tensor, chunk: int) -> torch.Tensor:
         first, end = CHUNKS[chunk]
@@ -56,7 +67,7 @@ class ToyChunks:
         return AheadChunk(layer, key, self.rows(buffer, chunk), self.gather(buffer, layer, chunk))
 
 
-def prefetch_ranks(rank: int, world: int, ahead: bool, drop: tuple[str, ...], skew: int = 0):
+def prefetch_ranks(rank: int, world: int, ahead: bool, drop: tuple[str, ...], skew: int = 0, adopts: bool = True):
     api = RecordingDeviceAPI() if drop is not None else None
     rt = toy_runtime(kvpp_group(world), 4, **({"device_api": api} if api is not None else {}))
     if api is not None:
@@ -66,11 +77,11 @@ def prefetch_ranks(rank: int, world: int, ahead: bool, drop: tuple[str, ...], sk
     received: dict[tuple[int, int], torch.Tensor] = {}
 
     def attend(layer, view):
-        chunks = ToyChunks(rt, layer, workspace, api, skew)
+        chunks = ToyChunks(rt, layer, workspace, api, skew, adopts)
         for chunk in range(len(CHUNKS)):
             chunks.index = chunk
-            rows = chunks.rows(workspace, chunk)
-            rt.turn(layer).stream_history(rows, chunks.gather(workspace, layer, chunk), chunks)
+            rt.turn(layer).stream_history(chunks.rows(workspace, chunk), chunks.gather(workspace, layer, chunk), chunks)
+            rows = chunks.rows(workspace, chunk)  # cut after the call, as vLLM's loop does
             if api is not None:
                 api.access(rows, "read", f"attention reads L{layer} chunk {chunk}")
             received[layer, chunk] = rows.clone()
@@ -96,9 +107,10 @@ def owners_chunk(layer: int, chunk: int) -> torch.Tensor:
     return pattern(1, layer)[first:end]
 
 
-@pytest.mark.parametrize("ahead", [True, False], ids=["history-ahead", "within-layers"])
-def test_every_chunk_but_the_first_is_in_flight_before_its_call_and_reads_the_owners_rows(ahead):
-    results = launch(prefetch_ranks, 2, ahead, None, timeout_s=60)
+@pytest.mark.parametrize("ahead,adopts", [(True, True), (False, True), (True, False)],
+                         ids=["history-ahead", "within-layers", "copied"])
+def test_every_chunk_but_the_first_is_in_flight_before_its_call_and_reads_the_owners_rows(ahead, adopts):
+    results = launch(prefetch_ranks, 2, ahead, None, 0, adopts, timeout_s=60)
     for rank, result in enumerate(results):
         assert "error" not in result, result.get("error")
         assert result["wrong"] == [] and len(result["received"]) == 4 * 3, (rank, result["wrong"])
@@ -108,25 +120,29 @@ def test_every_chunk_but_the_first_is_in_flight_before_its_call_and_reads_the_ow
         assert result["bytes"] == 4 * sum(owners_chunk(0, c).numel() * 4 for c in range(3))
 
 
-@pytest.mark.parametrize("drop", [(), ("history",), ("compute",)],
-                         ids=["runtime", "negative-control-no-ready-wait", "negative-control-no-done-wait"])
-def test_a_prefetched_chunk_is_ordered_on_the_device(drop):
-    """The owner's gather into the buffer and the copy out of it run on the compute stream, the broadcast
-    on the side stream between `ready` and `done`: with either wait lost, the checker finds the race."""
-    results = launch(prefetch_ranks, 2, True, drop, timeout_s=60)
+@pytest.mark.parametrize("drop,adopts", [((), True), ((), False), (("history",), True), (("history",), False),
+                                         (("compute",), True)],
+                         ids=["runtime", "runtime-copied", "negative-control-no-ready-wait",
+                              "negative-control-no-ready-wait-copied", "negative-control-no-done-wait"])
+def test_a_prefetched_chunk_is_ordered_on_the_device(drop, adopts):
+    """The owner's gather into the buffer, attention's reads of the workspace and (where the workspace
+    cannot take the buffer's bytes) the copy out of the buffer run on the compute stream, the broadcast on
+    the side stream between `ready` and `done`: with either wait lost, the checker finds the race."""
+    results = launch(prefetch_ranks, 2, True, drop, 0, adopts, timeout_s=60)
     for rank, result in enumerate(results):
         assert "error" not in result and result["prefetched"] == 11, result.get("error")
         if not drop:
             assert result["races"] == [], result["races"][:5]
         else:  # every rank receives into the buffer the copy reads (rank 1) or the gather writes (rank 0)
             assert result["races"], rank
-    if drop == ("history",):  # the broadcast into the buffer does not wait for the copy out of it
-        assert any("copy reads" in race for race in results[1]["races"]), results[1]["races"][:3]
+    if drop == ("history",):  # the broadcast into the buffer does not wait for the reads of what it was
+        read = "copy reads" if not adopts else "attention reads"
+        assert any(read in race for race in results[1]["races"]), results[1]["races"][:3]
 
 
 def test_a_chunk_in_flight_that_is_not_the_calls_is_refused_and_breaks_the_runtime():
     """The negative control of the key: a plan whose ahead chunk names other arguments than its call."""
-    results = launch(prefetch_ranks, 2, True, None, 2, timeout_s=60)
+    results = launch(prefetch_ranks, 2, True, None, 2, True, timeout_s=60)
     for result in results:
         assert result["error"].startswith("ContextStreamError: layer 0: the history chunk issued ahead (layer 0"), \
             result["error"]

@@ -18,8 +18,11 @@ Prefetched: the marked call is the runtime's `ChunkPlan`. Once a chunk is in the
 issues the next one into a buffer shaped like the workspace: this call's next chunk (vLLM's gather with
 that chunk's fields of the same metadata), or after the last, the first chunk of the next target layer
 (its own metadata, cache and scale, from the forward context), where the step allows it
-(`step.history_ahead`). The gather of that chunk's call then finds it in flight and copies it into the
-workspace, once its arguments but the destination are equal to the ones it was gathered with.
+(`step.history_ahead`). The gather of that chunk's call then finds it in flight, once its arguments but
+the destination are equal to the ones it was gathered with; vLLM's workspace tensor then reads the
+buffer's bytes (`Tensor.set_`: vLLM's loop cuts the chunk's rows out of the workspace after the gather
+returns) and the runtime keeps the workspace's former bytes as its next buffer: two workspaces in turn,
+nothing copied.
 
 Invariants:
 - Streaming runs in every forward of a compact-slot engine, and only there: a whole-layer slot holds the
@@ -118,6 +121,16 @@ class ChunkStream:
     def key(self) -> tuple:
         name, _, arguments = self._call
         return call_key(name, arguments)
+
+    def adopt(self, buffer: torch.Tensor) -> torch.Tensor | None:
+        workspace = self.workspace
+        if (buffer.shape, buffer.stride(), buffer.dtype, buffer.device) != \
+                (workspace.shape, workspace.stride(), workspace.dtype, workspace.device):
+            return None
+        former = torch.empty(0, dtype=workspace.dtype, device=workspace.device).set_(
+            workspace.untyped_storage(), workspace.storage_offset(), workspace.shape, workspace.stride())
+        workspace.set_(buffer.untyped_storage(), buffer.storage_offset(), buffer.shape, buffer.stride())
+        return former
 
     def ahead(self, buffer: torch.Tensor, next_layer: int | None) -> AheadChunk | None:
         name, original, arguments = self._call
