@@ -25,6 +25,7 @@ BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
 SPARSE = "deepseek-v3.2"  # SFA: vLLM keeps whole-layer slots whatever the backend (planned per step elsewhere)
 HEADLINES = ("capacity, deepseek-v3 TP 8", "capacity, vLLM tests' tiny DeepSeek TP 2 under vLLM's defaults",
              "vLLM prefill history", "transfer hidden, through the PIECEWISE-compiled model",
+             "streamed prefill history hidden",
              "bytes per decode step, owner / broadcast mode", "vLLM OpenAI server",
              "vLLM decode step bytes per rank", "vLLM prefill instance of a PD pair",
              "host time KVPP adds to a vLLM decode step, 256 requests x 2000")
@@ -96,7 +97,10 @@ def rows() -> list[tuple[str, str, str]]:
                 f"({'equal to' if ph['bytes_match_formula'] else 'NOT equal to'} the history read, once per layer; "
                 f"whole-layer slots would move {_mib(chunked['whole_layer_slots_bytes_per_rank'])} / "
                 f"{_mib(hit['whole_layer_slots_bytes_per_rank'])}); prefill time on / off "
-                f"{chunked['on_over_off']:.2f}x / {hit['on_over_off']:.2f}x", "`python benchmarks/vllm_prefill_history.py`"))
+                f"{chunked['on_over_off']:.2f}x / {hit['on_over_off']:.2f}x; chunks in flight before their call "
+                f"{min(chunked['context_ahead_per_rank'])} of {max(chunked['context_chunks_per_rank'])} / "
+                f"{min(hit['context_ahead_per_rank'])} of {max(hit['context_chunks_per_rank'])}",
+                "`python benchmarks/vllm_prefill_history.py`"))
     ovl = _load("overlap")
     out.append((f"transfer hidden, runtime only, {ovl['layers']} x {ovl['layer_bytes'] // 2**20} MiB layers, "
                 "sleep stand-in", f"{ovl['hidden_fraction_vs_compute']:.3f} (1 - exposed/transfer); "
@@ -104,6 +108,14 @@ def rows() -> list[tuple[str, str, str]]:
     om = _load("overlap_model")
     out.append(("transfer hidden, through the PIECEWISE-compiled model", f"{om['hidden_fraction']:.3f} "
                 f"(goal >= {om['goal']})", "`python benchmarks/overlap_model.py`"))
+    ho = _load("history_overlap")
+    out.append((f"streamed prefill history hidden, a {ho['history_tokens'] // 1024}K-token prefix hit in "
+                f"{ho['chunk_tokens'] // 1024}K-token chunks, {ho['layers']} layers",
+                f"{ho['hidden_fraction']:.3f} as (serial - prefetched) / transfer (goal >= {ho['goal']}; on 2 CPU cores "
+                f"each chunk's gloo launch and the owner's gather, µs on a GPU, are host time it counts); "
+                f"{ho['transfer_not_waited_for']:.3f} of the transfer not waited for; "
+                f"{ho['found_in_flight_per_forward']:.0f} of {ho['chunks_per_forward']} chunks in flight before their call",
+                "`python benchmarks/history_overlap.py`"))
     ro = _load("runtime_overhead")
     out.append((f"runtime cost per layer, no-op transport, {ro['layers']} layers",
                 f"{ro['us_per_layer_with_history']['median']:.1f} us with history "

@@ -101,7 +101,8 @@ def engine_main(model: str, kvpp: bool, args) -> dict:
         if kvpp:
             stats = llm.collective_rpc(worker_stats)
             run["ranks"] = [{"bytes": s["bytes"], "context_bytes": s["context_bytes"],
-                             "context_chunks": s["context_chunks"], "broadcasts": s["broadcasts"],
+                             "context_chunks": s["context_chunks"], "context_ahead": s["context_ahead"],
+                             "broadcasts": s["broadcasts"],
                              "num_blocks": s["num_blocks"], "scratch_blocks": s["scratch_blocks"]} for s in stats]
         out[name] = run
     return out
@@ -151,6 +152,7 @@ def main() -> None:
             "steps": len(run["steps_s"]),
             "bytes_per_rank": [r["bytes"] for r in run["ranks"]],
             "context_chunks_per_rank": [r["context_chunks"] for r in run["ranks"]],
+            "context_ahead_per_rank": [r["context_ahead"] for r in run["ranks"]],
             "formula_bytes_per_rank": NUM_LAYERS * history * RECORD,
             "whole_layer_slots_bytes_per_rank": NUM_LAYERS * steps_with_history * whole_pool * BLOCK_SIZE * RECORD,
             "num_blocks": run["ranks"][0]["num_blocks"], "scratch_blocks": run["ranks"][0]["scratch_blocks"],

@@ -1,0 +1,183 @@
+"""Streamed prefill history hidden behind compute: a prefix-cache hit's history, chunk by chunk from each
+layer's owner, with the next chunk in flight (`ContextRows` with a chunk plan) against one at a time.
+
+Two gloo ranks own 4 of 8 layers each. A prefill row with a 16K-token history reads it as vLLM's MLA
+prefill does: in 2K-token chunks landing in one workspace (576 bfloat16 values a token, 2.25 MiB a
+chunk), each followed by the chunk's attention, here a compute stand-in that releases the CPU (a sleep,
+as a device kernel lets the host wait; `overlap_model.py` does the same), sized to 1.2x one chunk's
+broadcast. The forward runs twice: serial (each chunk gathered and broadcast when its call comes) and
+prefetched (the next chunk, and the next layer's first, issued while the current one computes, the
+workspace and the prefetch buffer taking turns). Transfer
+time is the sum of the serial run's chunk spans.
+
+    hidden = (serial - prefetched) / transfer
+
+A first forward of each run (not timed) checks every chunk each rank received against the owner's rows.
+
+    python benchmarks/history_overlap.py [--layers 8] [--history 16384] [--chunk 2048] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from _common import summary, write_result
+
+from kvpp_fx.cache.allocate import allocate_cache
+from kvpp_fx.cache.placement import KVPPPlan
+from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
+from kvpp_fx.launch import run_ranks
+from kvpp_fx.runtime.context_rows import AheadChunk
+from kvpp_fx.runtime.runtime import KVPPRuntime
+from kvpp_fx.runtime.timeline import Timeline
+from kvpp_fx.topology import create_kvpp_process_groups, kvpp_groups
+
+WIDTH, BLOCK = 576, 16  # DeepSeek's latent row (bfloat16), vLLM's block on CUDA
+
+
+class Chunks:
+    """One layer's history as vLLM's MLA prefill reads it: chunk c is tokens ``c*chunk..(c+1)*chunk`` of the
+    layer's cache, gathered into the front of one workspace."""
+
+    def __init__(self, runtime: KVPPRuntime, layer: int, workspace: torch.Tensor, count: int) -> None:
+        self.runtime, self.layer, self.workspace, self.count = runtime, layer, workspace, count
+        self.index = 0
+
+    def gather(self, into: torch.Tensor, layer: int, chunk: int):
+        tokens = into.shape[0]
+        return lambda: into.copy_(self.runtime.typed_views(layer)["kv"].view(-1, WIDTH)[chunk * tokens:(chunk + 1) * tokens])
+
+    def key(self) -> tuple:
+        return (self.layer, self.index)
+
+    def adopt(self, buffer: torch.Tensor) -> torch.Tensor:
+        """As vLLM's plan: the workspace takes the buffer's bytes, the buffer the workspace's former ones."""
+        workspace = self.workspace
+        former = torch.empty(0, dtype=workspace.dtype).set_(workspace.untyped_storage(), workspace.storage_offset(),
+                                                            workspace.shape, workspace.stride())
+        workspace.set_(buffer.untyped_storage(), buffer.storage_offset(), buffer.shape, buffer.stride())
+        return former
+
+    def ahead(self, buffer: torch.Tensor, next_layer: int | None) -> AheadChunk | None:
+        if self.index + 1 < self.count:
+            layer, chunk = self.layer, self.index + 1
+        elif next_layer is not None:
+            layer, chunk = next_layer, 0
+        else:
+            return None
+        return AheadChunk(layer, (layer, chunk), buffer, self.gather(buffer, layer, chunk))
+
+
+def expected(layer: int, chunk: int, tokens: int) -> torch.Tensor:
+    return torch.full((tokens, WIDTH), float(layer * 100 + chunk), dtype=torch.bfloat16)
+
+
+def worker(rank, world, layers, history, chunk_tokens, repeats):
+    blocks = history // BLOCK + 1
+    spec = ModelCacheSpec("bench", BLOCK, tuple(LayerCacheSpec(i, (ComponentSpec("kv", "bfloat16", (WIDTH,)),))
+                                               for i in range(layers)))
+    plan = KVPPPlan(spec, group_size=world, scratch_blocks=8)  # compact slots: history streams, slots stay small
+    group = create_kvpp_process_groups(kvpp_groups(world, tp=world))
+    storage = allocate_cache(plan, dist.get_rank(group), blocks)
+    count = history // chunk_tokens
+    for layer in plan.owned_layers(rank):  # each chunk of the owner's history holds layer * 100 + chunk
+        rows = storage.typed_views(layer)["kv"].view(-1, WIDTH)
+        for c in range(count):
+            rows[c * chunk_tokens:(c + 1) * chunk_tokens] = float(layer * 100 + c)
+    workspace = torch.empty(chunk_tokens, WIDTH, dtype=torch.bfloat16)
+
+    def forward_time(runtime, seconds, prefetch, check=False):
+        wrong = []
+
+        def attend(layer):
+            chunks = Chunks(runtime, layer, workspace, count)
+            for c in range(count):
+                chunks.index = c
+                runtime.turn(layer).stream_history(workspace, chunks.gather(workspace, layer, c),
+                                                   chunks if prefetch else None)
+                if seconds:
+                    time.sleep(seconds)  # the chunk's attention
+                if check and not torch.equal(workspace, expected(layer, c, chunk_tokens)):
+                    wrong.append((layer, c))
+
+        dist.barrier()
+        start = time.perf_counter()
+        with runtime.forward(has_history=False, history_ahead=prefetch):
+            schedule = runtime.plan.schedule()
+            runtime.prefetch(schedule.first().layer, schedule.first().slot)
+            for step in list(schedule.steps())[1:]:
+                if step.kind == "wait":
+                    runtime.wait(step.layer, step.slot)
+                    attend(step.layer)
+                else:
+                    runtime.prefetch(step.layer, step.slot)
+        elapsed = time.perf_counter() - start
+        if wrong:
+            raise AssertionError(f"rank {rank} read other rows than the owner's for chunks {wrong[:5]}")
+        return elapsed
+
+    probe = KVPPRuntime.create(plan, storage, group, timeline=Timeline(rank))
+    for _ in range(3):
+        forward_time(probe, 0.0, False)
+    spans = [e["dur"] for e in probe.timeline.events if e["cat"] == "history"]
+    seconds = 1.2 * statistics.median(spans) / 1e6
+    probe.close()
+    serial_rt = KVPPRuntime.create(plan, storage, group, timeline=Timeline(rank))
+    prefetch_rt = KVPPRuntime.create(plan, storage, group, timeline=Timeline(rank))
+    forward_time(serial_rt, seconds, False, check=True), forward_time(prefetch_rt, seconds, True, check=True)
+    serial, prefetched, transfer, waited = [], [], [], []
+    for _ in range(repeats):
+        before = len(serial_rt.timeline.events)
+        serial.append(forward_time(serial_rt, seconds, False))
+        transfer.append(sum(e["dur"] for e in serial_rt.timeline.events[before:] if e["cat"] == "history") / 1e6)
+        before = len(prefetch_rt.timeline.events)
+        prefetched.append(forward_time(prefetch_rt, seconds, True))
+        # the calls' waits for chunks in flight, and the first chunk, which nothing precedes
+        events = prefetch_rt.timeline.events[before:]
+        first = next(e["dur"] for e in events if e["cat"] == "history")
+        waited.append((first + sum(e["dur"] for e in events if e["cat"] == "history wait")) / 1e6)
+    found_in_flight = prefetch_rt.stats()["context_ahead"]
+    serial_rt.close(), prefetch_rt.close()
+    return {"serial": serial, "prefetched": prefetched, "transfer": transfer, "waited": waited,
+            "compute_per_chunk_s": seconds,
+            "chunk_bytes": chunk_tokens * WIDTH * 2, "chunks_per_forward": layers * count,
+            "found_in_flight": found_in_flight, "forwards": repeats + 1}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--history", type=int, default=16384)
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    res = run_ranks(worker, 2, args.layers, args.history, args.chunk, args.repeats, timeout_s=600)[0]
+    med = {k: statistics.median(res[k]) for k in ("serial", "prefetched", "transfer", "waited")}
+    hidden = (med["serial"] - med["prefetched"]) / med["transfer"]
+    not_waited = 1 - med["waited"] / med["transfer"]
+    per_forward = res["found_in_flight"] / res["forwards"]
+    print(f"{args.layers} layers, {args.history}-token history in {args.chunk}-token chunks "
+          f"({res['chunk_bytes'] / 2**20:.2f} MiB), compute {res['compute_per_chunk_s'] * 1e3:.2f} ms/chunk; "
+          f"{per_forward:.0f} of {res['chunks_per_forward']} chunks found in flight per forward")
+    print(f"serial {med['serial'] * 1e3:.1f} ms  prefetched {med['prefetched'] * 1e3:.1f} ms  "
+          f"transfer {med['transfer'] * 1e3:.1f} ms  -> hidden fraction {hidden:.3f}")
+    print(f"the calls waited {med['waited'] * 1e3:.1f} ms for chunks (the first included) -> {not_waited:.3f} of the "
+          "transfer not waited for")
+    write_result("history_overlap", {
+        "layers": args.layers, "history_tokens": args.history, "chunk_tokens": args.chunk,
+        "chunk_bytes": res["chunk_bytes"], "compute_per_chunk_ms": res["compute_per_chunk_s"] * 1e3,
+        "chunks_per_forward": res["chunks_per_forward"], "found_in_flight_per_forward": per_forward,
+        "seconds": {k: summary(res[k]) for k in ("serial", "prefetched", "transfer", "waited")},
+        "hidden_fraction": hidden, "transfer_not_waited_for": not_waited, "goal": 0.9}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
