@@ -64,6 +64,19 @@ def folded(checks: torch.Tensor) -> torch.Tensor:
     return (checks * torch.tensor(BITS, dtype=torch.int32, device=checks.device)).sum(dtype=torch.int32)
 
 
+FAILURES = (
+    (MISPAIRED, lambda forward: BlockSetMismatchError(
+        f"the block ids a rank received in forward {forward} were not that forward's set: a broadcast paired with "
+        "another forward's or another rank's; this rank's view of the group can no longer be trusted.")),
+    (OWNER_FAILED, lambda forward: OwnerRoutingError(
+        f"an owner failed to compute a layer in forward {forward}; that layer's outputs are zeros.")),
+    (UNLISTED_READ, lambda forward: UnlistedBlockError(
+        f"a row of forward {forward} read a block of a packed scratch slot that the forward did not list (the "
+        "step's host lists and the device's block tables disagree); its attention read another block's bytes, "
+        "and that step's tokens must not be used.")),
+)
+
+
 class PendingChecks:
     """One runtime's flags not yet read, oldest first, with the number of the forward each came from."""
 
@@ -105,19 +118,7 @@ class PendingChecks:
         forward, flag = self._pending.popleft()
         value = flag.value()
         self.read += 1
-        if value & MISPAIRED:
-            self._pending.clear()
-            raise self.health.broken_by(BlockSetMismatchError(
-                f"the block ids a rank received in forward {forward} were not that forward's set: a broadcast "
-                "paired with another forward's or another rank's; this rank's view of the group can no longer "
-                "be trusted."))
-        if value & OWNER_FAILED:
-            self._pending.clear()
-            raise self.health.broken_by(OwnerRoutingError(
-                f"an owner failed to compute a layer in forward {forward}; that layer's outputs are zeros."))
-        if value & UNLISTED_READ:
-            self._pending.clear()
-            raise self.health.broken_by(UnlistedBlockError(
-                f"a row of forward {forward} read a block of a packed scratch slot that the forward did not list "
-                "(the step's host lists and the device's block tables disagree); its attention read another "
-                "block's bytes, and that step's tokens must not be used."))
+        for bit, failure in FAILURES:  # the first that the flag holds names the cause
+            if value & bit:
+                self._pending.clear()
+                raise self.health.broken_by(failure(forward))

@@ -29,27 +29,38 @@ class _Issued(DeviceAPI):
         return super().broadcast(tensor, src, group)
 
 
-class WrongRankHistory(faults.WrongRankHistory, _Issued):
+class _Counted:
+    """A history fault that counts, per chunk broadcast, whether it acted (`acted(src)`, named `what`); first
+    in its method order, then the fault, then `_Issued`."""
+
+    what = ""
+
+    def acted(self, src) -> bool:
+        raise NotImplementedError
+
+    def broadcast(self, tensor, src, group):
+        self.issued_from = None
+        work = super().broadcast(tensor, src, group)
+        if faults._history_chunk(tensor):
+            counts = COUNTS[type(self).__name__]
+            counts["history_chunks"] += 1
+            counts[self.what] += self.acted(src)
+        return work
+
+
+class WrongRankHistory(_Counted, faults.WrongRankHistory, _Issued):
     """`faults.WrongRankHistory`, counted."""
 
-    def broadcast(self, tensor, src, group):
-        self.issued_from = None
-        work = super().broadcast(tensor, src, group)
-        if faults._history_chunk(tensor):
-            counts = COUNTS[type(self).__name__]
-            counts["history_chunks"] += 1
-            counts["wrong_rank"] += self.issued_from is not None and self.issued_from != src
-        return work
+    what = "wrong_rank"
+
+    def acted(self, src) -> bool:
+        return self.issued_from is not None and self.issued_from != src
 
 
-class SkippedHistory(faults.SkippedHistory, _Issued):
+class SkippedHistory(_Counted, faults.SkippedHistory, _Issued):
     """`faults.SkippedHistory`, counted."""
 
-    def broadcast(self, tensor, src, group):
-        self.issued_from = None
-        work = super().broadcast(tensor, src, group)
-        if faults._history_chunk(tensor):
-            counts = COUNTS[type(self).__name__]
-            counts["history_chunks"] += 1
-            counts["skipped"] += self.issued_from is None
-        return work
+    what = "skipped"
+
+    def acted(self, src) -> bool:
+        return self.issued_from is None
