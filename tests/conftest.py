@@ -30,4 +30,6 @@ def pytest_terminal_summary(terminalreporter):
     else:
         kind = ("CPU_MLA (this host has no AMX: block 16; vLLM CPU turns chunked prefill and prefix caching off for "
                 "MLA, and the checks of both restore them with tests/integrations/cpu_chunked_prefill.py)")
+    if os.environ.get("KVPP_TESTS_HIDE_AMX") == "1":
+        kind += " [AMX hidden by KVPP_TESTS_HIDE_AMX]"
     terminalreporter.write_line(f"vLLM CPU's own MLA backend here: {kind}")
