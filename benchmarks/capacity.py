@@ -8,9 +8,9 @@ fits the budget, the ratio taken at the worst rank, as the engine uses one block
 - the vLLM tests' tiny DeepSeek model (6 layers of fp32 latents, block 16) at TP 2 in 32 MiB per rank:
   with its MTP layer (local on every rank), whole-layer slots and compact ones at a max model length and
   budget of 256 (the vLLM integration takes whichever holds more: MTP's verification rows stream their
-  history, `integrations/vllm/context_stream.py`); without it, as the owner-mode
+  history, `integrations/vllm/attention/context_stream.py`); without it, as the owner-mode
   tests run it (64 MiB, max model length 768, vLLM CPU's budget of 2048: S = 176), compact slots (what
-  the integration allocates there on CPU_MLA, `integrations/vllm/scratch.py`) and whole-layer ones;
+  the integration allocates there on CPU_MLA, `integrations/vllm/cache/scratch.py`) and whole-layer ones;
 - the same model as the engines of vLLM's defaults run it in the tests (`streamed_runs`: chunked prefill
   and prefix caching on, a 128-token budget, a max model length of 512, 64 MiB per rank: S = 40), with
   its MTP layer and without: compact slots, since prefill history streams from the owners. The vLLM
@@ -43,10 +43,10 @@ from kvpp_fx.reference.config import PRESETS
 
 REFERENCE_MAX_MODEL_LEN, REFERENCE_BUDGET = 8192, 512
 VLLM_TINY_MAX_MODEL_LEN, VLLM_TINY_BUDGET = 256, 256
-# tests/integrations/test_vllm.py's compact engines: vLLM CPU sets CPU_MLA's token budget to
+# tests/integrations/vllm/test_vllm.py's compact engines: vLLM CPU sets CPU_MLA's token budget to
 # max(max_model_len, 2048), 64 MiB per rank
 VLLM_TINY_COMPACT_MAX_MODEL_LEN, VLLM_TINY_COMPACT_BUDGET, VLLM_TINY_COMPACT_MEMORY = 768, 2048, 64 << 20
-# tests/integrations/test_vllm.py's engines of vLLM's defaults (chunked prefill and prefix caching on)
+# tests/integrations/vllm/test_vllm.py's engines of vLLM's defaults (chunked prefill and prefix caching on)
 VLLM_TINY_DEFAULTS_MAX_MODEL_LEN, VLLM_TINY_DEFAULTS_BUDGET, VLLM_TINY_DEFAULTS_MEMORY = 512, 128, 64 << 20
 DEFAULTS_BACKENDS = ("FLASHMLA", "FLASH_ATTN_MLA")
 PLANS = ("deepseek-v3", "kimi-k2", "deepseek-v3.2-exp")
@@ -84,7 +84,7 @@ def measured(spec: ModelCacheSpec, tp: int, budget: int, max_model_len: int, tok
 
 
 def vllm_tiny_spec(mtp: bool = True) -> ModelCacheSpec:
-    """The cache vLLM reports for tests/integrations/tiny_model.py: 6 MLA layers and (with MTP) one MTP
+    """The cache vLLM reports for tests/integrations/vllm/tiny_model.py: 6 MLA layers and (with MTP) one MTP
     layer of 576 float32 values per token, 16 tokens per block."""
     def layer(index: int, draft: bool) -> LayerCacheSpec:
         return LayerCacheSpec(index, (ComponentSpec("kv", "float32", (576,)),), is_draft=draft)

@@ -18,7 +18,7 @@ prefixes its cache keeps, and that is measured alone.
 
 The engines run vLLM's default model runner (V2, its Triton kernels under Triton's interpreter), eagerly
 in bfloat16 on the platform's MLA backend. vLLM CPU caches prefixes for MLA only on AMX_MLA (CPUs with
-AMX); elsewhere the tests' shim `tests/integrations/cpu_chunked_prefill.py` keeps prefix caching (and
+AMX); elsewhere the tests' shim `tests/integrations/vllm/cpu_chunked_prefill.py` keeps prefix caching (and
 chunked prefill) on, as on CUDA.
 """
 
@@ -38,10 +38,10 @@ from _common import summary, write_result
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import tests.integrations.triton_interpreter  # noqa: E402, F401  (before vLLM: V2's Triton kernels, interpreted)
-from tests.integrations import cpu_chunked_prefill, mooncake_on_cpu  # noqa: E402
+import tests.integrations.vllm.triton_interpreter  # noqa: E402, F401  (before vLLM: V2's Triton kernels, interpreted)
+from tests.integrations.vllm import cpu_chunked_prefill, mooncake_on_cpu  # noqa: E402
 from kvpp_fx.cli.byte_sizes import parse_bytes  # noqa: E402
-from tests.integrations.tiny_model import make_tiny_deepseek  # noqa: E402
+from tests.integrations.vllm.tiny_model import make_tiny_deepseek  # noqa: E402
 
 
 def _counter(llm, name: str) -> float:
@@ -82,7 +82,7 @@ def run(model: str, connector: str, kvpp: bool, args: argparse.Namespace, port: 
         blocks = config.cache_config.num_gpu_blocks
         backends = None
         if kvpp:
-            from kvpp_fx.integrations.vllm.worker import worker_stats
+            from kvpp_fx.integrations.vllm.engine.stats import worker_stats
 
             backends = llm.collective_rpc(worker_stats)[0]["attention_backends"]
         return {"kvpp": kvpp, "attention_backends": backends,

@@ -1,6 +1,6 @@
 """The host time KVPP adds to a vLLM step, and its host-device synchronisations, as contexts grow.
 
-Two gloo ranks drive `kvpp_fx.integrations.vllm.step.step_forward` as vLLM's V1 runner does (a
+Two gloo ranks drive `kvpp_fx.integrations.vllm.engine.step.step_forward` as vLLM's V1 runner does (a
 `StepBatch` from host block-table rows, vLLM's MLA metadata in its forward context), for decode-only
 steps of R requests with H history blocks each (block 64, every block distinct), in owner, auto and
 broadcast mode. The cache, the metadata's tensors and the runtime's device values live on the ``meta``
@@ -36,7 +36,7 @@ from kvpp_fx.cache.allocate import allocate_cache  # noqa: E402
 from kvpp_fx.cache.cost import AttentionShape  # noqa: E402
 from kvpp_fx.cache.placement import KVPPPlan  # noqa: E402
 from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec  # noqa: E402
-from kvpp_fx.integrations.vllm.owner_rows import DEFAULT_LINKS  # noqa: E402
+from kvpp_fx.integrations.vllm.attention.owner_rows import DEFAULT_LINKS  # noqa: E402
 from kvpp_fx.launch import run_ranks  # noqa: E402
 from kvpp_fx.runtime.runtime import KVPPRuntime  # noqa: E402
 from kvpp_fx.topology import create_kvpp_process_groups, kvpp_groups  # noqa: E402

@@ -13,7 +13,7 @@ Reported per mode and context:
   broadcast: per layer, the request's history blocks, ``ceil(computed / 16) x (16 x 576 x 4 + 8)`` bytes
   (sent by the owner, received by the other rank), or, with whole-layer slots, the whole layer,
   ``num_blocks x 16 x 576 x 4``, once the blocks pass the crossover (``KVPPPlan.uses_active_blocks``;
-  this engine takes compact slots, which always pack: `integrations/vllm/scratch.py`); owner:
+  this engine takes compact slots, which always pack: `integrations/vllm/cache/scratch.py`); owner:
   per layer, ``T x 2 heads x (576 + 512) x 4`` bytes for T = 1 decode token, whatever the context;
 - the ratio of the longest context's bytes to the shortest's, per mode (the issue asks <= 1.3 for owner);
 - the median decode step time, against an engine with KVPP off, at the longest context.
@@ -34,8 +34,8 @@ from _common import summary, write_result
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import tests.integrations.triton_interpreter  # noqa: E402, F401  (vLLM's default runner, V2, on CPU; before vLLM)
-from tests.integrations.tiny_model import NUM_LAYERS, make_tiny_deepseek  # noqa: E402
+import tests.integrations.vllm.triton_interpreter  # noqa: E402, F401  (vLLM's default runner, V2, on CPU; before vLLM)
+from tests.integrations.vllm.tiny_model import NUM_LAYERS, make_tiny_deepseek  # noqa: E402
 
 BLOCK_SIZE, RECORD = 16, 576 * 4
 BLOCK_BYTES = BLOCK_SIZE * RECORD + 8  # one block of one layer in an active-block broadcast, with its id
@@ -53,7 +53,7 @@ def engine_main(model: str, kvpp: bool, contexts: list[int], decode_steps: int) 
     os.environ.update(HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     from vllm import LLM, SamplingParams
 
-    from kvpp_fx.integrations.vllm.worker import worker_stats
+    from kvpp_fx.integrations.vllm.engine.stats import worker_stats
 
     llm = LLM(model=model, skip_tokenizer_init=True, tensor_parallel_size=2, dtype="float32",
               attention_backend="CPU_MLA", enforce_eager=True, max_model_len=max(contexts) + decode_steps + 16,

@@ -5,9 +5,9 @@ what their steps cost, KVPP off and on.
 
 A tiny random DeepSeek-V3 (6 layers, 4 heads, kv_lora_rank 512, rope 64, float32) on CPU_MLA at TP 2,
 eagerly, with chunked prefill and prefix caching on (restored on vLLM CPU by the tests' shim,
-`tests/integrations/cpu_chunked_prefill.py`, as vLLM runs them on CUDA by default), so KVPP takes compact
+`tests/integrations/vllm/cpu_chunked_prefill.py`, as vLLM runs them on CUDA by default), so KVPP takes compact
 slots and each prefill row's history streams from the layer's owner into vLLM's context workspace
-(`kvpp_fx/integrations/vllm/context_stream.py`). Two workloads on one engine, each run on a fresh KVPP
+(`kvpp_fx/integrations/vllm/attention/context_stream.py`). Two workloads on one engine, each run on a fresh KVPP
 runtime (its counters its own):
 
 - ``chunked``: one prompt of ``--prompt`` tokens under a ``--budget`` token budget: its later chunks read
@@ -37,9 +37,9 @@ from _common import summary, write_result
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import tests.integrations.triton_interpreter  # noqa: E402, F401  (vLLM's default runner, V2, on CPU; before vLLM)
-from tests.integrations import cpu_chunked_prefill  # noqa: E402  (chunked prefill on CPU_MLA, in every process)
-from tests.integrations.tiny_model import NUM_LAYERS, make_tiny_deepseek  # noqa: E402
+import tests.integrations.vllm.triton_interpreter  # noqa: E402, F401  (vLLM's default runner, V2, on CPU; before vLLM)
+from tests.integrations.vllm import cpu_chunked_prefill  # noqa: E402  (chunked prefill on CPU_MLA, in every process)
+from tests.integrations.vllm.tiny_model import NUM_LAYERS, make_tiny_deepseek  # noqa: E402
 
 BLOCK_SIZE, RECORD = 16, 576 * 4
 MEMORY = 256 << 20
@@ -70,7 +70,7 @@ def engine_main(model: str, kvpp: bool, args) -> dict:
     cpu_chunked_prefill.apply()
     from vllm import LLM, SamplingParams
 
-    from kvpp_fx.integrations.vllm.worker import worker_stats
+    from kvpp_fx.integrations.vllm.engine.stats import worker_stats
 
     llm = LLM(model=model, skip_tokenizer_init=True, tensor_parallel_size=2, dtype="float32",
               attention_backend="CPU_MLA", enforce_eager=True, max_model_len=max(args.prompt, args.prefix + 128) + 16,

@@ -7,7 +7,7 @@ A tiny random DeepSeek-V3 with 16 layers (16 / (8 + 2) = 1.6x the blocks at TP 2
 off and then on, each driven by vLLM's own benchmark client (``vllm bench serve``, whose module runs
 here: the CPU wheel's ``vllm`` script does not start) with more concurrent long-prompt requests than
 KVPP off can hold. The servers run vLLM's default model runner, V2, its Triton kernels under Triton's
-interpreter (``tests/integrations/serve.py``). Both servers run eagerly in bfloat16 on the platform's MLA backend, so that only
+interpreter (``tests/integrations/vllm/serve.py``). Both servers run eagerly in bfloat16 on the platform's MLA backend, so that only
 KVPP differs. Reported, off and on: KV capacity in tokens as vLLM reports it (``vllm:cache_config_info``),
 the most requests running at once and the preemptions (vLLM's ``/metrics``, sampled while the client
 runs), output throughput, TTFT and TPOT medians, and whether the greedy outputs are equal where both
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvpp_fx.cli.byte_sizes import parse_bytes  # noqa: E402
-from tests.integrations.tiny_model import make_tiny_deepseek  # noqa: E402
+from tests.integrations.vllm.tiny_model import make_tiny_deepseek  # noqa: E402
 
 
 def _free_port() -> int:
@@ -68,7 +68,7 @@ class Server:
         self.port = _free_port()
         self.log = log
         self.command = [
-            sys.executable, "-m", "tests.integrations.serve", "--model", model, "--served-model-name",
+            sys.executable, "-m", "tests.integrations.vllm.serve", "--model", model, "--served-model-name",
             "tiny", "--host", "127.0.0.1", "--port", str(self.port), "--tensor-parallel-size", "2",
             "--kv-cache-memory-bytes", str(kv_memory), "--dtype", "bfloat16", "--enforce-eager",
             "--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]}),

@@ -29,7 +29,7 @@ def pytest_terminal_summary(terminalreporter):
         kind = "AMX_MLA (this host has AMX: bfloat16, block 128, chunked prefill and prefix caching)"
     else:
         kind = ("CPU_MLA (this host has no AMX: block 16; vLLM CPU turns chunked prefill and prefix caching off for "
-                "MLA, and the checks of both restore them with tests/integrations/cpu_chunked_prefill.py)")
+                "MLA, and the checks of both restore them with tests/integrations/vllm/cpu_chunked_prefill.py)")
     if os.environ.get("KVPP_TESTS_HIDE_AMX") == "1":
         kind += " [AMX hidden by KVPP_TESTS_HIDE_AMX]"
     terminalreporter.write_line(f"vLLM CPU's own MLA backend here: {kind}")

@@ -91,7 +91,7 @@ def test_the_plain_layers_import_no_torch():
     """The vLLM integration's config, topology, schedule and the cache's spec and placement are plain Python
     (docs/design.md): neither they nor what they import imports torch when loaded (topology's process-group
     helpers import it when called)."""
-    for name in ("kvpp_fx.integrations.vllm.config", "kvpp_fx.topology", "kvpp_fx.schedule",
+    for name in ("kvpp_fx.integrations.vllm.setup.config", "kvpp_fx.topology", "kvpp_fx.schedule",
                  "kvpp_fx.cache.spec", "kvpp_fx.cache.placement", "kvpp_fx.passes.sources"):
         for reached in (name, *closure(name)):
             assert "torch" not in module_level_imports(MODULES[reached]), (name, reached)
@@ -123,7 +123,7 @@ def test_the_runtime_loads_neither_pydantic_nor_an_integration():
     loaded = _loaded_after("import kvpp_fx.runtime.runtime")
     assert "pydantic" not in loaded
     assert sorted(m for m in loaded if m.startswith("kvpp_fx.integrations")) == []
-    assert "pydantic" in _loaded_after("import kvpp_fx.integrations.vllm.config")
+    assert "pydantic" in _loaded_after("import kvpp_fx.integrations.vllm.setup.config")
 
 
 def test_the_vllm_plugin_loads_no_torch():
@@ -133,7 +133,8 @@ def test_the_vllm_plugin_loads_no_torch():
     loaded = _loaded_after("import kvpp_fx.integrations.vllm.plugin")
     assert "torch" not in loaded
     assert sorted(m for m in loaded if m.startswith("kvpp_fx.integrations.")) == [
-        "kvpp_fx.integrations.vllm", "kvpp_fx.integrations.vllm.config", "kvpp_fx.integrations.vllm.plugin"]
+        "kvpp_fx.integrations.vllm", "kvpp_fx.integrations.vllm.plugin", "kvpp_fx.integrations.vllm.setup",
+        "kvpp_fx.integrations.vllm.setup.config"]
 
 
 def test_every_public_name_resolves():
@@ -173,19 +174,21 @@ def test_only_the_command_line_and_the_integrations_import_an_integration():
     found = {name: sorted(m for m in imports_of(MODULES[name]) if in_package(m, "kvpp_fx.integrations"))
              for name in core}
     assert {name: imported for name, imported in found.items() if imported} == {}
-    assert "kvpp_fx.integrations.vllm.backends" in imports_of(MODULES["kvpp_fx.cli.plan_report"])
+    assert "kvpp_fx.integrations.vllm.attention.backends" in imports_of(MODULES["kvpp_fx.cli.plan_report"])
 
 
 def test_the_modes_are_imported_from_the_cost_model(tmp_path):
-    """`Mode` and `KVPP_MODES` are the cost model's (kvpp_fx.cache.cost): kvpp_fx.integrations.vllm.config uses
-    them but is not where anyone imports them from. The control: such an import is found."""
+    """`Mode` and `KVPP_MODES` are the cost model's (kvpp_fx.cache.cost): the vLLM integration's
+    configuration (kvpp_fx.integrations.vllm.setup.config) uses them but is not where anyone imports them
+    from. The control: such an import is found."""
     root = PACKAGE.parent
     sources = [p for d in ("kvpp_fx", "tests", "benchmarks") for p in (root / d).rglob("*.py")]
-    reexported = {"kvpp_fx.integrations.vllm.config.Mode", "kvpp_fx.integrations.vllm.config.KVPP_MODES"}
+    config = "kvpp_fx.integrations.vllm.setup.config"
+    reexported = {f"{config}.Mode", f"{config}.KVPP_MODES"}
     assert sorted(str(p.relative_to(root)) for p in sources if imports_of(p) & reexported) == []
     planted = tmp_path / "planted.py"
-    planted.write_text("def f():\n    from kvpp_fx.integrations.vllm.config import KVPPConfig, Mode\n")
-    assert imports_of(planted) & reexported == {"kvpp_fx.integrations.vllm.config.Mode"}
+    planted.write_text("def f():\n    from kvpp_fx.integrations.vllm.setup.config import KVPPConfig, Mode\n")
+    assert imports_of(planted) & reexported == {f"{config}.Mode"}
 
 
 DESIGN = PACKAGE.parent / "docs" / "design.md"

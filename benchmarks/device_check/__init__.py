@@ -68,5 +68,5 @@ OVERLAP_GOAL = 0.90
 # `dist.new_group` without a timeout gets torch's 30 minutes, not the world's: every group here names its own
 MEASURE_GROUP_TIMEOUT = timedelta(seconds=60)
 E2E_GROUP_TIMEOUT = timedelta(seconds=120)  # below the world's 180 s, so a stuck peer times out before the barrier
-REQUIRED_MODULES = ("pydantic",)  # what kvpp_fx imports beyond torch (integrations/vllm/config.py)
+REQUIRED_MODULES = ("pydantic",)  # what kvpp_fx imports beyond torch (integrations/vllm/setup/config.py)
 

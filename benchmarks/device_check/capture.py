@@ -3,7 +3,7 @@
 vLLM's breakable capture (``VLLM_USE_BREAKABLE_CUDAGRAPH``, its default for DeepSeek-V3.2 and GLM-5 class
 models, and what a user may set for any model) ends a CUDA graph at each eager break, runs the break's Python, begins the next graph, and
 replays graph segments and breaks in order. KVPP records a target layer's MLA cache write as a break
-(`kvpp_fx.integrations.vllm.attention`), so each replayed step writes through its own slot mapping; a write
+(`kvpp_fx.integrations.vllm.attention.model_hooks`), so each replayed step writes through its own slot mapping; a write
 left inside a graph segment replays the capture's.
 
 The check captures one layer's step with real CUDA graphs: the new rows from a static input (graph), the
@@ -122,9 +122,9 @@ def capture_worker(rank: int, world: int, device_type: str) -> dict[str, Any]:
 
 
 def _captured_steps(device: torch.device, hooked: bool) -> dict[str, Any]:
-    from kvpp_fx.integrations.vllm.config import KVPPConfig
-    from kvpp_fx.integrations.vllm import attention
-    from kvpp_fx.integrations.vllm.state import EngineState
+    from kvpp_fx.integrations.vllm.setup.config import KVPPConfig
+    from kvpp_fx.integrations.vllm.attention import model_hooks
+    from kvpp_fx.integrations.vllm.engine.state import EngineState
     from kvpp_fx.runtime.graph_ops import passthrough
 
     class MLA(torch.nn.Module):  # vLLM's MLAAttention.update_kv_cache, less the backends' kernels
@@ -138,7 +138,7 @@ def _captured_steps(device: torch.device, hooked: bool) -> dict[str, Any]:
     layer.kv_cache = torch.zeros(CACHE_ROWS // 4, 4, RECORD, device=device)
     if hooked:
         layer._kvpp_engine, layer._kvpp_layer = EngineState(KVPPConfig(enable_kvpp=True, tp=2), None), 0
-        layer.__class__ = attention.waiting_class(MLA, True)
+        layer.__class__ = model_hooks.waiting_class(MLA, True)
     capture_cls, context = _capture_and_context(layer)
     x = torch.zeros(ROWS, RECORD, device=device)  # the step's static input buffer
     after = torch.zeros(ROWS, RECORD, device=device)  # a graph segment after the write

@@ -577,7 +577,7 @@ def _owner_kernel(backend: str, device: torch.device) -> dict[str, Any]:
     import dataclasses
     import types
 
-    from kvpp_fx.integrations.vllm.backends import owner_call, owner_metadata
+    from kvpp_fx.integrations.vllm.attention.backends import owner_call, owner_metadata
 
     s = OWNER_KERNEL_SHAPE
     h, g, b, block = s["heads_per_rank"], s["group"], s["batch"], s["block_size"]

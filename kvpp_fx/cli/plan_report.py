@@ -148,7 +148,7 @@ def vllm_backends(plan: KVPPPlan, available_bytes: int) -> dict[str, dict[str, A
     capacity at this plan's block size.
     An fp8 cache keeps whole-layer slots on the backends that quantize their queries for it."""
     # The command line sits above the integrations (docs/design.md's layers), so it may import one.
-    from kvpp_fx.integrations.vllm.backends import BACKENDS, owner_blocker
+    from kvpp_fx.integrations.vllm.attention.backends import BACKENDS, owner_blocker
 
     fp8 = any(c.dtype in ("uint8", "float8_e4m3fn") for layer in plan.spec.layers for c in layer.components)
     out = {}

@@ -295,9 +295,9 @@ def run_time_layer_input(node: torch.fx.Node, spec: AttentionOpSpec) -> torch.fx
 # vLLM's MLA/SFA ops (vllm/model_executor/layers/attention/mla_attention.py, sparse_attn_indexer.py).
 VLLM_SPECS = (
     # The worker's MLA hook exchanges the decode rows of owner-mode forwards and skips the non-owners'
-    # writes (`kvpp_fx.integrations.vllm.owner_rows`); the SFA indexer declares nothing, so SFA graphs
+    # writes (`kvpp_fx.integrations.vllm.attention.owner_rows`); the SFA indexer declares nothing, so SFA graphs
     # stay broadcast-only. Their block ids come from the per-layer metadata the worker remaps for packed
-    # slots (`kvpp_fx.integrations.vllm.packed_metadata`).
+    # slots (`kvpp_fx.integrations.vllm.attention.packed_metadata`).
     AttentionOpSpec("vllm::unified_mla_kv_cache_update", ("layer_name", 2), "name", owner=RoutesItself()),
     AttentionOpSpec("vllm::unified_mla_attention_with_output", ("layer_name", 4), "name", owner=RoutesItself()),
     AttentionOpSpec("vllm::sparse_attn_indexer", ("k_cache_prefix", 1), "name",

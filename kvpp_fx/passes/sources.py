@@ -4,11 +4,11 @@ worker imports torch).
 
 Invariant: `PIPELINE_SOURCES` covers every module the passes import, directly or not (the runtime,
 which runs the rewritten graph, is never among them: no pass imports it), and the two drivers that
-build the passes' configuration (`backend.py`, the vLLM integration's `compilation.py`); a test walks
-the passes' imports and fails on a module the list misses. `source_uuid` hashes every covered file, so
-any change to the code that decides what a rewritten graph holds changes the key
-(`kvpp_fx.integrations.vllm.compile_modes.compile_digest`). What the graph calls at run time (the kvpp
-ops' implementations, `RoutedOp`) is looked up by name when a cached graph loads, so it runs as the
+build the passes' configuration (`backend.py`, the vLLM integration's `attention/compilation.py`); a
+test walks the passes' imports and fails on a module the list misses. `source_uuid` hashes every
+covered file, so any change to the code that decides what a rewritten graph holds changes the key
+(`kvpp_fx.integrations.vllm.setup.compile_modes.compile_digest`). What the graph calls at run time (the
+kvpp ops' implementations, `RoutedOp`) is looked up by name when a cached graph loads, so it runs as the
 installed code has it and needs no key of its own. The configuration a compile runs with comes
 from vLLM's own config, which vLLM hashes into the same key.
 """
@@ -22,7 +22,8 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 
 # Relative to the package root; a folder stands for every .py file under it.
 PIPELINE_SOURCES = ("__init__.py", "arguments.py", "schedule.py", "ops.py", "backend.py", "passes",
-                    "cache/placement.py", "integrations/vllm/compilation.py", "integrations/vllm/compile_modes.py")
+                    "cache/placement.py", "integrations/vllm/attention/compilation.py",
+                    "integrations/vllm/setup/compile_modes.py")
 
 
 def source_files(root: Path = PACKAGE_ROOT) -> list[Path]:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvpp_fx.integrations.vllm.state import Counters
+from kvpp_fx.integrations.vllm.engine.state import Counters
 from kvpp_fx.passes import layers as layer_reading
 from kvpp_fx.passes.insert import insert_kvpp_ops
 from kvpp_fx.passes.layers import GraphLayers
@@ -28,7 +28,7 @@ from kvpp_fx.reference.ops import REFERENCE_SPECS
 from kvpp_fx.runtime.graph_ops import RoutedOp
 from kvpp_fx.schedule import LayerSchedule, ScheduleStep
 from tests.passes import toy
-from tests.integrations.test_vllm_plan import vllm_style_graph
+from tests.integrations.vllm.test_vllm_plan import vllm_style_graph
 from tests.passes.test_passes import CONFIG, capture, kvpp_nodes, node_named
 from tests.support.specs import TOY_VLLM_SPEC, pass_config
 from tests.test_imports import MODULES, closure
@@ -78,7 +78,7 @@ def count_readings(monkeypatch) -> list:
 def test_a_vllm_compile_reads_each_ops_layer_once(monkeypatch):
     """Mode 3's compile reads the graph's layers to choose the schedule, then hands that reading to the
     insert pass and the verifier: one reading per registered op, not one per consumer."""
-    from kvpp_fx.integrations.vllm import compilation
+    from kvpp_fx.integrations.vllm.attention import compilation
 
     monkeypatch.setattr(compilation, "VLLM_SPECS", (TOY_VLLM_SPEC,))
     names = {f"model.layers.{i}.self_attn.attn": i for i in range(2)}

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpp_fx.integrations.vllm import connectors
+from kvpp_fx.integrations.vllm.kv_connectors import example, mooncake, nixl
 
 
-class ExampleConnector(connectors.ExampleConnector):
+class ExampleConnector(example.ExampleConnector):
     """Each rank saves the layers it does not own, and none that it owns, reading them once the forward
     is done (``wait_for_save``), as connectors that move KV asynchronously (NIXL, LMCache) read it: from
     scratch slots that later layers of the step have overwritten since."""
@@ -25,10 +25,10 @@ class ExampleConnector(connectors.ExampleConnector):
 
     def wait_for_save(self) -> None:
         for layer_name, kv_layer, attn_metadata, kwargs in self.__dict__.pop("_deferred", []):
-            connectors.VllmExampleConnector.save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs)
+            example.VllmExampleConnector.save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs)
 
 
-class NixlConnector(connectors.NixlConnector):
+class NixlConnector(nixl.NixlConnector):
     """Rank 0 also exposes layer 3, which rank 1 owns (TP 2, 6 layers): its scratch slot for that layer,
     which holds layer 5's rows once the forward is done. The decode side reads a layer that two ranks
     expose from the rank it would read every layer from with KVPP off, rank 0."""
@@ -37,7 +37,7 @@ class NixlConnector(connectors.NixlConnector):
         return super().exposes(layer_name) or layer_name == "model.layers.3.self_attn.attn"
 
 
-class MooncakeConnector(connectors.MooncakeConnector):
+class MooncakeConnector(mooncake.MooncakeConnector):
     """Rank 0 also exposes layer 3, which rank 1 owns (TP 2, 6 layers), and so registers its scratch slot
     for that layer with the transfer engine: a decode rank that asks rank 0 would be written its rows."""
 

@@ -11,7 +11,7 @@ nothing, collectives that complete at once and move nothing, and deferred reads 
 device (the device's own pinned copy cannot run on a CPU-only torch; its `DeviceAPI.read_later` is a
 non-blocking copy and an event). It reports `immediate_checks` False, as a device does.
 
-`VllmStep` drives `kvpp_fx.integrations.vllm.step.step_forward` as vLLM's runners do: a V1 `StepBatch`
+`VllmStep` drives `kvpp_fx.integrations.vllm.engine.step.step_forward` as vLLM's runners do: a V1 `StepBatch`
 of host arrays, vLLM's MLA metadata with meta block tables in a vLLM forward context, every target
 layer's turn (owner exchanges where the forward sends rows to the owner) and the forward's end.
 """
@@ -195,8 +195,8 @@ class VllmStep:
 
     def __init__(self, runtime: Any, mode: str) -> None:
         from kvpp_fx.cache.cost import Mode
-        from kvpp_fx.integrations.vllm.owner_rows import MQA_RULE
-        from kvpp_fx.integrations.vllm.state import AttentionChoices, Communication, EngineState, Layout
+        from kvpp_fx.integrations.vllm.attention.owner_rows import MQA_RULE
+        from kvpp_fx.integrations.vllm.engine.state import AttentionChoices, Communication, EngineState, Layout
 
         plan = runtime.plan
         self.runtime = runtime
@@ -209,7 +209,7 @@ class VllmStep:
 
     def batch(self, computed: list[int], query: list[int], rows: np.ndarray, block_size: int) -> Any:
         """The `StepBatch` the V1 adapter builds from its host arrays."""
-        from kvpp_fx.integrations.vllm.batch import BlockRows, StepBatch
+        from kvpp_fx.integrations.vllm.engine.batch import BlockRows, StepBatch
 
         return StepBatch.of(computed, query, computed, (BlockRows(block_size, rows),))
 
@@ -218,7 +218,7 @@ class VllmStep:
         layer's prefetch, timed; every layer's turn (not timed); the forward's end, timed."""
         from vllm.forward_context import ForwardContext, override_forward_context
 
-        from kvpp_fx.integrations.vllm.step import step_forward
+        from kvpp_fx.integrations.vllm.engine.step import step_forward
 
         runtime, attention = self.runtime, self.runtime.attention
         schedule = runtime.plan.schedule()

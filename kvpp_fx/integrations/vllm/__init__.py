@@ -12,7 +12,7 @@ __all__ = ["backend"]
 
 def __getattr__(name: str) -> Any:
     if name == "backend":
-        from kvpp_fx.integrations.vllm.compilation import kvpp_vllm_backend
+        from kvpp_fx.integrations.vllm.attention.compilation import kvpp_vllm_backend
 
         return kvpp_vllm_backend
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

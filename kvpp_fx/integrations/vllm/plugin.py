@@ -7,12 +7,12 @@ cannot be applied (a vLLM this plugin does not know), `register` logs it and ret
 
 With ``enable_kvpp`` on, the wrapper validates the configuration as given with the KVPP rules
 (before vLLM's platform hooks, which on CPU quietly turn a requested FULL cudagraph mode into NONE) and
-notes what the user chose (`compile_modes.Requested`). After vLLM resolved it, it checks the platform,
-release and model runner (`validation.check_execution`), sets what the compilation mode needs
-(`compile_modes.configure_compilation`), applies the KVPP rules again (and checks an explicit
-``kvpp_scratch_blocks``, `scratch.check_explicit`), has vLLM's factory build KVPP's subclass of a KV
-connector (`connectors.route_connector`), and points
-``parallel_config.worker_cls`` at KVPP's subclass of the platform's worker (see `worker`), so only the
+notes what the user chose (`setup.compile_modes.Requested`). After vLLM resolved it, it checks the platform,
+release and model runner (`setup.validation.check_execution`), sets what the compilation mode needs
+(`setup.compile_modes.configure_compilation`), applies the KVPP rules again (and checks an explicit
+``kvpp_scratch_blocks``, `cache.scratch.check_explicit`), has vLLM's factory build KVPP's subclass of a KV
+connector (`kv_connectors.routing.route_connector`), and points
+``parallel_config.worker_cls`` at KVPP's subclass of the platform's worker (see `engine.worker`), so only the
 worker processes of that engine are hooked.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from kvpp_fx.integrations.vllm.config import Deployment, KVPPConfig
+from kvpp_fx.integrations.vllm.setup.config import Deployment, KVPPConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,18 +38,18 @@ def validate_vllm_config(vllm_config) -> KVPPConfig:
 
 def enable_kvpp(vllm_config, requested) -> KVPPConfig:
     """For a resolved config with KVPP on: check it runs, set what its compilation mode needs, then
-    route its workers to the KVPP hooks. `requested`: `compile_modes.Requested` of the config as given."""
-    from kvpp_fx.integrations.vllm.compile_modes import configure_compilation
-    from kvpp_fx.integrations.vllm.scratch import check_explicit
-    from kvpp_fx.integrations.vllm.state import hooked_worker_qualname
-    from kvpp_fx.integrations.vllm.validation import check_execution
+    route its workers to the KVPP hooks. `requested`: `setup.compile_modes.Requested` of the config as given."""
+    from kvpp_fx.integrations.vllm.setup.compile_modes import configure_compilation
+    from kvpp_fx.integrations.vllm.cache.scratch import check_explicit
+    from kvpp_fx.integrations.vllm.engine.state import hooked_worker_qualname
+    from kvpp_fx.integrations.vllm.setup.validation import check_execution
 
     check_execution(vllm_config)
     configure_compilation(vllm_config, requested, breakable=breakable_cudagraphs())
     config = validate_vllm_config(vllm_config)
     check_explicit(vllm_config, config)
     if getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector", None) is not None:
-        from kvpp_fx.integrations.vllm.connectors import route_connector
+        from kvpp_fx.integrations.vllm.kv_connectors.routing import route_connector
 
         route_connector(vllm_config)
     parallel = vllm_config.parallel_config
@@ -83,7 +83,7 @@ def register() -> None:
     def post_init(self) -> None:
         enabled = validate_vllm_config(self).enabled
         if enabled:
-            from kvpp_fx.integrations.vllm.compile_modes import Requested
+            from kvpp_fx.integrations.vllm.setup.compile_modes import Requested
 
             requested = Requested.of(self)
         original(self)
