@@ -1,39 +1,74 @@
-"""The import direction of DESIGN.md, read from the sources: the compiler never imports the runtime, the
-runtime's modules import each other without a cycle, only the command line and the integrations import an
-integration, and docs/design.md's layers name every package and top-level module."""
+"""The import direction of DESIGN.md, read from the sources: the compiler never imports the runtime, no
+kvpp_fx module is on an import cycle (lazy imports included), only the command line and the integrations
+import an integration, and docs/design.md's layers name every package and top-level module."""
 
 from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvpp_fx"
+# The calls that import the module a string literal names: ``importlib.import_module("kvpp_fx.x")``.
+IMPORT_CALLS = ("import_module", "__import__")
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def module_name(path: Path, root: Path = PACKAGE) -> str:
+    """The dotted name of the module at `path` in the package `root` (a package: its folder's name)."""
+    parts = path.relative_to(root.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every kvpp_fx module `path` imports, at any depth of its code (lazy imports and TYPE_CHECKING ones
-    included)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+def _walk(node: ast.AST, lazy: bool) -> Iterator[ast.AST]:
+    """`node` and the nodes below it; with `lazy` false, none inside a function (what an import runs)."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if lazy or not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield from _walk(child, lazy)
+
+
+def imported_names(path: Path, root: Path = PACKAGE, lazy: bool = True) -> list[tuple[str, str | None]]:
+    """What the code of `path` imports, as (module, name) pairs: ``import a.b`` is ("a.b", None), ``from a
+    import b`` is ("a", "b") (b a module or a name in a), ``importlib.import_module("a.b")`` (or
+    ``__import__``) with a literal is ("a.b", None). Relative imports are resolved. With `lazy` (the
+    default) at any depth of the code (functions, TYPE_CHECKING blocks); without, what importing it runs."""
+    found: list[tuple[str, str | None]] = []
+    for node in _walk(ast.parse(path.read_text()), lazy):
         if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
+            found += [(alias.name, None) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and (node.module or node.level):
             module = node.module
             if node.level:  # relative: resolved against the module's own package
-                package = module_name(path).split(".")[:None if path.name == "__init__.py" else -1]
+                package = module_name(path, root).split(".")[:None if path.name == "__init__.py" else -1]
                 module = ".".join(package[:len(package) - node.level + 1] + ([module] if module else []))
-            found.add(module)
-            found |= {f"{module}.{alias.name}" for alias in node.names}
-    return {name for name in found if name == "kvpp_fx" or name.startswith("kvpp_fx.")}
+            found += [(module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if called in IMPORT_CALLS and isinstance(node.args[0].value, str):
+                found.append((node.args[0].value, None))
+    return found
 
 
-MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+def in_package(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def imports_of(path: Path, root: Path = PACKAGE) -> set[str]:
+    """Every module of `root`'s package (kvpp_fx) that `path` imports, at any depth of its code (lazy
+    imports, TYPE_CHECKING ones and ``importlib.import_module`` of a literal included), and every
+    ``module.name`` it imports from one."""
+    found = set()
+    for module, name in imported_names(path, root):
+        found |= {module} if name is None else {module, f"{module}.{name}"}
+    return {name for name in found if in_package(name, root.name)}
+
+
+def modules_of(root: Path) -> dict[str, Path]:
+    return {module_name(p, root): p for p in root.rglob("*.py")}
+
+
+MODULES = modules_of(PACKAGE)
 
 
 def module_level_imports(path: Path) -> set[str]:
@@ -68,6 +103,45 @@ def closure(start: str, edges=imported_modules) -> set[str]:
     return seen
 
 
+BODY = ".__init__"  # the node of a package's body: what importing one of its modules runs of it
+
+
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the modules of `root`'s package its code depends on, lazy imports included, for finding
+    cycles. An import depends on the module it names (``from a.b import c``: a.b, or a.b.c where c is a
+    module) and on the bodies of the packages above it (node ``a.__init__``), which importing it first
+    runs (not those above the importer: they ran before it). A package's body depends only on what it
+    imports when it runs: a package's lazy ``__getattr__`` (``kvpp_fx.integrations.vllm.backend``) is
+    the package's own dependency, a module's only where the module imports that package's name."""
+    modules = modules_of(root)
+    packages = {name for name, path in modules.items() if path.name == "__init__.py"}
+
+    def depends(path: Path, lazy: bool) -> set[str]:
+        out = set()
+        importer = module_name(path, root)
+        above = {".".join(importer.split(".")[:k]) for k in range(1, importer.count(".") + 2)}
+        for module, name in imported_names(path, root, lazy):
+            dotted = module if name is None else f"{module}.{name}"
+            if not in_package(dotted, root.name):
+                continue
+            parts = dotted.split(".")
+            prefixes = [".".join(parts[:k]) for k in range(1, len(parts) + 1)]
+            target = next(p for p in reversed(prefixes) if p in modules)
+            out.add(target)
+            # The bodies of the packages above the importer ran before it (a package's own body included).
+            out |= {p + BODY for p in prefixes[:prefixes.index(target)] if p in packages and p not in above}
+        return out
+
+    graph = {name: depends(path, lazy=True) for name, path in modules.items()}
+    graph |= {name + BODY: depends(modules[name], lazy=False) for name in packages}
+    return graph
+
+
+def on_cycles(graph: dict[str, set[str]]) -> list[str]:
+    """The nodes of `graph` that reach themselves."""
+    return sorted(name for name in graph if name in closure(name, lambda n: graph.get(n, ())))
+
+
 def test_no_pass_reaches_the_runtime():
     passes = sorted(name for name in MODULES if name.startswith("kvpp_fx.passes"))
     assert len(passes) >= 8
@@ -77,14 +151,47 @@ def test_no_pass_reaches_the_runtime():
     assert "kvpp_fx.runtime.graph_ops" in closure("kvpp_fx.backend")
 
 
-def test_the_runtime_has_no_import_cycle():
-    runtime = {name for name in MODULES if name.startswith("kvpp_fx.runtime.")}
-    assert len(runtime) >= 10
-    cycles = sorted(name for name in runtime if name in closure(name))
-    assert cycles == []
-    # The control: the same walk finds a cycle where there is one, and none where there is none.
-    graph = {"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}
-    assert {"a", "b", "c"} <= closure("a", graph.__getitem__) and "d" not in closure("d", graph.__getitem__)
+def test_no_module_is_on_an_import_cycle():
+    """No kvpp_fx module reaches itself through imports, lazy ones (in a function, under TYPE_CHECKING,
+    ``importlib.import_module`` of a literal) included: two modules that need each other, even lazily, are
+    one concern split in two (the vLLM connectors were, through a lazy import). The runtime's and the
+    integration's modules are all walked."""
+    graph = import_graph()
+    assert len([name for name in graph if name.startswith("kvpp_fx.runtime.")]) >= 10
+    assert len([name for name in graph if name.startswith("kvpp_fx.integrations.vllm.")]) >= 25
+    assert on_cycles(graph) == []
+    # The control: the package bodies are nodes, and a module that imports a package's name depends on
+    # the package's lazy attribute (the vLLM package's ``backend``).
+    assert "kvpp_fx.integrations.vllm.attention.compilation" in graph["kvpp_fx.integrations.vllm"]
+    assert graph["kvpp_fx.integrations.vllm" + BODY] == set()
+
+
+def test_the_cycle_walk_finds_lazy_circles(tmp_path):
+    """The control of the cycle test, on a planted package: a circle closed by a function's import (the
+    connectors' former one), one closed by ``importlib.import_module`` of a literal and a lazy relative
+    import, and one through TYPE_CHECKING are found; a module that imports into a circle, and a
+    package's lazy ``__getattr__`` that imports one of its modules, are not on one."""
+    package = tmp_path / "planted"
+    package.mkdir()
+    sources = {
+        "__init__.py": "def __getattr__(name):\n    from planted import e\n    return e\n",
+        "connectors.py": "def route():\n    from planted import mooncake\n    return mooncake\n",
+        "mooncake.py": "from planted.connectors import route\n",
+        "c.py": "import importlib\n\ndef load():\n    return importlib.import_module('planted.d')\n",
+        "d.py": "def load():\n    from . import c\n    return c\n",
+        "t1.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from planted.t2 import T\n",
+        "t2.py": "import planted.t1\n\nT = 1\n",
+        "e.py": "import planted.mooncake\nfrom planted import c\n",
+    }
+    for name, text in sources.items():
+        (package / name).write_text(text)
+    graph = import_graph(package)
+    assert on_cycles(graph) == ["planted.c", "planted.connectors", "planted.d", "planted.mooncake",
+                                "planted.t1", "planted.t2"]
+    assert graph["planted"] == {"planted.e"} and graph["planted" + BODY] == set()
+    # The synthetic graph: a cycle is found where there is one, and none where there is none.
+    synthetic = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert on_cycles(synthetic) == ["a", "b", "c"]
 
 
 def test_the_plain_layers_import_no_torch():
@@ -158,8 +265,45 @@ def test_importing_the_command_line_loads_no_torch():
     assert sorted(m for m in loaded if m.startswith("kvpp_fx.integrations")) == []
 
 
-def in_package(name: str, package: str) -> bool:
-    return name == package or name.startswith(package + ".")
+# The vLLM integration's modules at the paths its docs give users: each only names what a subpackage defines.
+DOCUMENTED_PATHS = {"kvpp_fx.integrations.vllm.connectors": "kvpp_fx.integrations.vllm.kv_connectors",
+                    "kvpp_fx.integrations.vllm.worker": "kvpp_fx.integrations.vllm.engine"}
+
+
+def only_names(path: Path, package: str) -> list[str] | None:
+    """The names a module's body imports from `package` and lists in ``__all__``, where its body is only
+    that (a docstring, such imports, ``__all__``); None otherwise."""
+    names, listed = [], None
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and in_package(node.module, package):
+            names += [alias.asname or alias.name for alias in node.names]
+        elif (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
+              and isinstance(node.value, ast.List | ast.Tuple)):
+            listed = [element.value for element in node.value.elts]
+        else:
+            return None
+    return sorted(names) if listed is not None and sorted(listed) == sorted(names) else None
+
+
+def test_the_documented_paths_only_name_the_subpackages_objects(tmp_path):
+    """``kvpp_fx.integrations.vllm.connectors`` (what ``kv_connector_module_path`` names: vLLM's factory
+    reads KVPP's connector classes there) and ``kvpp_fx.integrations.vllm.worker`` (``worker_stats``) define
+    nothing. The control: a module that also defines something is seen."""
+    assert only_names(MODULES["kvpp_fx.integrations.vllm.connectors"], DOCUMENTED_PATHS[
+        "kvpp_fx.integrations.vllm.connectors"]) == [
+        "ExampleConnector", "MooncakeConnector", "NixlConnector", "NixlPullConnector"]
+    assert only_names(MODULES["kvpp_fx.integrations.vllm.worker"], DOCUMENTED_PATHS[
+        "kvpp_fx.integrations.vllm.worker"]) == ["worker_stats"]
+    from kvpp_fx.integrations.vllm.engine import stats
+    from kvpp_fx.integrations.vllm.worker import worker_stats
+
+    assert worker_stats is stats.worker_stats
+    planted = tmp_path / "planted.py"
+    planted.write_text('"""x"""\nfrom kvpp_fx.integrations.vllm.engine.stats import worker_stats\n\n'
+                       '__all__ = ["worker_stats"]\nLIMIT = 1\n')
+    assert only_names(planted, "kvpp_fx.integrations.vllm.engine") is None
 
 
 # The layers above the core (docs/design.md): only they may import an integration.
