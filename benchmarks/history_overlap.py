@@ -99,7 +99,7 @@ def worker(rank, world, layers, history, chunk_tokens, repeats):
             chunks = Chunks(runtime, layer, workspace, count)
             for c in range(count):
                 chunks.index = c
-                runtime.turn(layer).stream_history(workspace, chunks.gather(workspace, layer, c),
+                runtime.open_turn.stream_history(workspace, chunks.gather(workspace, layer, c),
                                                    chunks if prefetch else None)
                 if seconds:
                     time.sleep(seconds)  # the chunk's attention

@@ -120,7 +120,7 @@ class OwnerLocal:
 @dataclass(frozen=True)
 class RoutesItself:
     """The op's own implementation sends the rows the forward routes to the layer's owner through
-    ``runtime.turn(layer).owner_compute`` (vLLM's MLA attention, whose decode rows a worker hook exchanges below
+    its layer's turn's ``owner_compute`` (vLLM's MLA attention, whose decode rows a worker hook exchanges below
     the graph). The graph keeps the op as it is; its layer's wait is routed. The runtime checks, per
     layer, that a forward with owner rows did exchange them (`OwnerRoutingError` otherwise).
     """

@@ -105,6 +105,12 @@ class OwnerRoutingError(KVPPRuntimeError):
     """A routed cache op ran outside its layer's turn, or its head operands do not split as declared."""
 
     @classmethod
+    def outside_turn(cls, layer: int, open_layer: int | None) -> OwnerRoutingError:
+        open_turn = f"layer {open_layer}'s" if open_layer is not None else "no layer's"
+        return cls(f"a routed cache op of layer {layer} ran outside its turn ({open_turn} is open); it must follow "
+                   "kvpp.wait of its own layer, before the next layer's.")
+
+    @classmethod
     def not_exchanged(cls, layer: int, owner_tokens: int) -> OwnerRoutingError:
         return cls(f"layer {layer}'s attention ran in a forward with {owner_tokens} owner rows without exchanging "
                    "them: its op read a scratch slot that does not hold those rows' blocks. The op must send its "

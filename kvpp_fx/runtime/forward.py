@@ -3,11 +3,11 @@
     begin()                      choose the path (each request's rows, mode, history, packed blocks),
                                  prepare it, agree on it
     prefetch(first)              issue the first layer's broadcast, return at once
-    per layer: wait(L)           complete L's broadcast into its view (the compute stream waits for it)
-                                 and open L's turn (`LayerTurn`), which the next wait closes
+    per layer: wait(L)           complete L's broadcast into its view (the compute stream waits for it),
+                                 open L's turn (`LayerTurn`) and return it; the next wait closes it.
+                                 L's ops act on the turn: its views, its tables (packed slots: remapped,
+                                 `PackedTables`), its owner rows' exchange, its streamed history
                prefetch(next)    issue the next layer's broadcast
-               tables(L)         (packed slots) the block tables and slot mappings L reads, remapped
-               turn(L)           the open turn, on which L's routed ops act (owner rows: its exchange)
     end(error)                   complete what is in flight, then check what only the end can tell
 
 A forward is in one of three modes: broadcast (every row reads blocks broadcast into the scratch slot),
@@ -21,8 +21,8 @@ Invariants:
 - Everything a forward moves, every rank agreed on in `begin`, before any byte moved; that includes
   which requests' rows go to the owner.
 - A non-owner's attention reads a packed slot only through tables remapped for this forward's list
-  (`tables`): an unlisted block is out of the slot's range (or, asked for kernels that read padding,
-  position 0, which the caller checks).
+  (`PackedTables`, one per forward): an unlisted block is out of the slot's range (or, asked for kernels
+  that read padding, position 0, which the caller checks).
 - In a forward given ``requests=`` with owner rows, every target layer exchanged them before the next
   layer's wait (and the last before the forward ends): an op that skipped its exchange read a scratch
   slot that does not hold those rows' blocks (`OwnerRoutingError`).
@@ -34,11 +34,8 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
-
-import torch
 
 from kvpp_fx.cache.cost import BROADCAST, OWNER
 from kvpp_fx.runtime.active_blocks import PackedBlocks
@@ -51,32 +48,31 @@ from kvpp_fx.runtime.errors import (
     TransferFailedError,
 )
 from kvpp_fx.runtime.owner_exchange import OwnerExchange
-from kvpp_fx.runtime.layer_route import LayerRoute
+from kvpp_fx.runtime.packed_tables import PackedTables
 from kvpp_fx.runtime.parts import ForwardParts
 from kvpp_fx.runtime.path import ChosenPath, PathFacts, Step, choose_path
 from kvpp_fx.runtime.pending import check_flag, folded
-from kvpp_fx.runtime.protocol import ProtocolState, locate, position_of, refuse
+from kvpp_fx.runtime.protocol import ProtocolState, locate, refuse
 from kvpp_fx.runtime.transport import BroadcastInFlight
 from kvpp_fx.runtime.turn import LayerTurn
 from kvpp_fx.schedule import WAIT
 
 
 class Forward:
-    def __init__(self, parts: ForwardParts, step: Step, facts: PathFacts, number: int = 0) -> None:
-        self.parts = parts
+    def __init__(self, parts: ForwardParts, step: Step, facts: PathFacts, number: int = 0,
+                 on_turn: Callable[[LayerTurn], None] | None = None) -> None:
+        self.parts = parts  # everything else of the runtime a forward reads
         self.number = number  # the runtime's count of forwards, this one included
-        self.schedule, self.routes = parts.schedule, parts.routes
-        self.transport = parts.transport
-        self.health, self.stats, self.timeline = parts.health, parts.stats, parts.timeline
+        self.on_turn = on_turn  # handed each turn as its wait opens it
         self.immediate_checks = parts.api.immediate_checks
         self.protocol = ProtocolState(parts.schedule)
         self.step = step
         self.facts = facts
         self.path: ChosenPath | None = None
         self.active: PackedBlocks | None = None
+        self._tables: PackedTables | None = None  # a packing forward's remap, for non-owned layers
         self.exchange: OwnerExchange | None = None
-        # the last awaited layer's position (its turn is open), and the turn once asked for
-        self._open, self._turn = None, None
+        self._turn: LayerTurn | None = None  # the last awaited layer's, open until the next wait
         # issued in begin; checked before the first collective on gloo, at the end on a device (no host wait)
         self._agreement: PendingAgreement | None = None
         self._broadcasts = False  # each prefetch issues a broadcast (`begin`)
@@ -93,18 +89,19 @@ class Forward:
         parts = self.parts
         if path.exchanges:
             local_heads = parts.attention.split(parts.group_size) if parts.attention is not None else None
-            self.exchange = OwnerExchange(parts.api, self.transport.collectives, parts.exchange_group,
-                                          parts.group_size, local_heads, path.load.query_tokens, self.stats,
-                                          self.timeline)
+            self.exchange = OwnerExchange(parts.api, parts.transport.collectives, parts.exchange_group,
+                                          parts.group_size, local_heads, path.load.query_tokens, parts.stats,
+                                          parts.timeline)
         if path.pack:
             self.active = PackedBlocks.prepare(path.blocks if path.has_history else (), path.written, parts.storage,
                                                parts.api)
+            self._tables = PackedTables(self.active, parts.api, path.request_paths)
         if parts.agreement is not None:
             self._agreement = parts.agreement.issue(AgreementKey.of(path, self.active))
         rows = None
         if path.rows is not None:
             rows = {mode: path.rows.rows(mode, self.step.requests) for mode in (BROADCAST, OWNER)}
-        self.stats.begin_forward(path.has_history, path.mode, path.choice, rows)
+        parts.stats.begin_forward(path.has_history, path.mode, path.choice, rows)
         self._broadcasts = path.broadcasts
         self._checks_exchanges = path.rows is not None and self.exchange is not None
         return path
@@ -112,83 +109,78 @@ class Forward:
     # --- per layer: prefetch, wait ------------------------------------------------------------------
 
     def prefetch(self, layer: int, slot: int) -> None:
-        timeline = self.timeline
+        timeline = self.parts.timeline
         start = time.perf_counter_ns() if timeline is not None else 0
         if self._agreement is not None and self.immediate_checks:
             self._agreed()
         position = self.protocol.prefetch(layer, slot)
         if self._broadcasts:
             self.issued += 1  # counted first: a failure while issuing may have left a peer's half pending
-            self._issue(self.routes[position])
+            parts = self.parts
+            self._flight = parts.transport.issue_layer(parts.routes[position], self.active, parts.storage,
+                                                       parts.timeline is not None)
             if not self.parts.overlap:
                 self._complete()
         if timeline is not None:
             timeline.add(f"prefetch L{layer}", "prefetch", start, time.perf_counter_ns(), layer=layer, slot=slot,
                          communicate=self.path.has_history)
 
-    def wait(self, layer: int, slot: int, routed: bool) -> torch.Tensor:
-        """Complete `layer`'s broadcast and open its turn (which the next wait closes); the view attention reads."""
-        timeline = self.timeline
+    def wait(self, layer: int, slot: int, routed: bool) -> LayerTurn:
+        """Complete `layer`'s broadcast and open its turn (which the next wait closes); returns the turn."""
+        parts, timeline = self.parts, self.parts.timeline
         start = time.perf_counter_ns() if timeline is not None else 0
         if self.exchange is not None and not routed:
-            locate(self.schedule, layer, slot)  # an unknown layer or a wrong slot is named first
+            locate(parts.schedule, layer, slot)  # an unknown layer or a wrong slot is named first
             raise self._failed(OwnerModeUnsupportedError.unrouted(layer))
         position = self.protocol.wait(layer, slot)
         if self._checks_exchanges and position > 0:
-            self._check_exchanged(self.routes[position - 1].layer)
+            self._check_exchanged(parts.routes[position - 1].layer)
         self._complete()
         if timeline is not None:
             timeline.add(f"wait L{layer}", "wait", start, time.perf_counter_ns(), layer=layer)
-        self._turn, self._open = None, position  # the turn itself is built when first asked for (`turn`)
-        return self.routes[position].view
+        route, routes = parts.routes[position], parts.routes
+        ahead = self.step.history_ahead and position + 1 < len(routes)
+        self._turn = LayerTurn(route, self.path, None if route.owned else self._tables, self.exchange,
+                               parts.context_rows, self._before_exchange, routes[position + 1] if ahead else None)
+        if self.on_turn is not None:
+            self.on_turn(self._turn)
+        return self._turn
 
-    def enter_layer(self, layer: int, routed: bool) -> bool:
+    def enter_layer(self, layer: int, routed: bool) -> LayerTurn | None:
         """The schedule's entry for `layer` (`LayerSchedule.entry`), whose first prefetch follows what this
-        forward issued; False for a local draft layer, which has nothing to wait for."""
-        schedule, protocol = self.schedule, self.protocol
+        forward issued; returns the layer's turn, None for a local draft layer (nothing to wait for)."""
+        schedule, protocol = self.parts.schedule, self.protocol
         if schedule.position_or_none(layer) is None:
             if layer in schedule.draft_layers:
-                return False
+                return None
             refuse(schedule, layer, -1)
         for step in schedule.entry(layer, first_issued=protocol.next_position > 0 or protocol.in_flight is not None):
             if step.kind == WAIT:
                 self.wait(step.layer, step.slot, routed)
             else:
                 self.prefetch(step.layer, step.slot)
-        return True
+        return self._turn
 
-    def _issue(self, route: LayerRoute) -> None:
-        active, transport = self.active, self.transport
-        arrived = None
-        if active is None:  # a whole layer: the owner's persistent bundle into the receivers' slot
-            work = transport.issue(route.layer, route.slot, route.whole, route.src)
-            nbytes = route.nbytes
-        elif active.count == 0:  # the step reads no block with history: nothing to move
-            return
-        else:
-            ids, payload = active.payloads(self.parts.storage, route.slot, route.layer)
-            if route.owned:
-                pack = functools.partial(active.pack, self.parts.api, route.block_views, route.pack_views, ids)
-                work = transport.issue(route.layer, route.slot, payload, route.src, pack)
-            else:
-                work = transport.issue(route.layer, route.slot, payload, route.src)
-                arrived = functools.partial(active.check, ids)
-            nbytes = sum(part.numel() for part in payload)
-        self._flight = BroadcastInFlight(route, work, nbytes, arrived,
-                                         time.perf_counter_ns() if self.timeline is not None else 0)
+    def packed_tables(self) -> PackedTables | None:
+        """The forward's remap to packed slots (None where it packs nothing): one object per forward."""
+        return self._tables
+
+    def open_turn(self) -> LayerTurn | None:
+        """The turn the last wait opened (None before the first): what a hook below the graph acts on."""
+        return self._turn
 
     def _complete(self) -> None:
         """The broadcast in flight, if any, completes into its view (the compute stream waits for it)."""
         flight, self._flight = self._flight, None
         if flight is None:
             return
-        route = flight.route
-        self.transport.complete(route.layer, route.slot, flight.work, flight.arrived)
-        self.stats.record(route.position, flight.nbytes)
+        route, parts = flight.route, self.parts
+        parts.transport.complete(route.layer, route.slot, flight.work, flight.arrived)
+        parts.stats.record(route.position, flight.nbytes)
         if flight.arrived is not None and self.immediate_checks and not self.active.layer_arrived():
             raise self._mispaired(route.layer)
-        if self.timeline is not None:
-            self.timeline.add(f"broadcast L{route.layer}", "broadcast", flight.issued_ns, time.perf_counter_ns(),
+        if parts.timeline is not None:
+            parts.timeline.add(f"broadcast L{route.layer}", "broadcast", flight.issued_ns, time.perf_counter_ns(),
                               track="kvpp transfer stream", layer=route.layer, bytes=flight.nbytes, src=route.src)
 
     def _agreed(self) -> None:
@@ -196,54 +188,13 @@ class Forward:
         pending, self._agreement = self._agreement, None
         pending.check(late=not self.immediate_checks)
 
-    # --- tables, inside a layer's turn -----------------------------------------------------------------
-
-    def tables(self, layer: int, tables: list[torch.Tensor], kinds: list[str],
-               request_rows: bool = True, unlisted_in_range: bool = False) -> list[torch.Tensor]:
-        if len(tables) != len(kinds):
-            raise ValueError(f"layer {layer}: {len(tables)} tables but {len(kinds)} table kinds.")
-        active = self._reads_packed(layer)
-        if active is None:
-            return tables
-        paths = self.path.request_paths if request_rows else None
-        owner_rows = tuple(k for k, mode in enumerate(paths) if mode == OWNER) if paths is not None else ()
-        return [active.remap(self.parts.api, table, kind, owner_rows, unlisted_in_range)
-                for table, kind in zip(tables, kinds)]
-
-    def check_reads(self, layer: int, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Every block a row of `table` reads (its first ``ceil(seq_len / block)`` entries) is in the packed
-        slot (`PackedBlocks.check_reads`): on CPU now, on a device in the forward's checks."""
-        active = self._reads_packed(layer)
-        if active is not None:
-            active.check_reads(self.parts.api, layer, table, seq_lens)
-
-    def _reads_packed(self, layer: int) -> PackedBlocks | None:
-        """The forward's packed blocks where this rank reads `layer` from its packed slot, else None."""
-        return None if self.active is None or self.routes[position_of(self.schedule, layer)].owned else self.active
-
-    # --- owner mode, inside a layer's turn --------------------------------------------------------
-
-    def turn(self, layer: int) -> LayerTurn:
-        """The open turn, which must be `layer`'s (after its wait, before the next layer's)."""
-        position = self._open
-        if position is None or self.routes[position].layer != layer:
-            raise self._outside_turn(layer)
-        if self._turn is None:
-            ahead = self.step.history_ahead and position + 1 < len(self.routes)
-            self._turn = LayerTurn(self.routes[position], self.path, self.exchange, self.parts.context_rows,
-                                   self._before_exchange, self.routes[position + 1] if ahead else None)
-        return self._turn
+    # --- inside a layer's turn ---------------------------------------------------------------------
 
     def _before_exchange(self, turn: LayerTurn) -> None:
-        if turn is not self._turn:  # kept past the next layer's wait
-            raise self._outside_turn(turn.layer)
+        if turn is not self._turn:  # kept past the next layer's wait, or the forward's end
+            raise OwnerRoutingError.outside_turn(turn.layer, self._turn.layer if self._turn is not None else None)
         if self._agreement is not None and self.immediate_checks:  # gloo aborts on a collective of another size
             self._agreed()
-
-    def _outside_turn(self, layer: int) -> OwnerRoutingError:
-        open_turn = f"layer {self.routes[self._open].layer}'s" if self._open is not None else "no layer's"
-        return OwnerRoutingError(f"a routed cache op of layer {layer} ran outside its turn ({open_turn} is open); "
-                                 "it must follow kvpp.wait of its own layer, before the next layer's.")
 
     def _check_exchanged(self, layer: int) -> None:
         if layer not in self.exchange.exchanged:
@@ -267,7 +218,7 @@ class Forward:
                     # Checked late (a device), the ranks may have issued collectives that do not pair, some
                     # ranks none: every rank breaks. The disagreement is the cause of whatever else failed.
                     if late:
-                        self.health.broken_by(exc)
+                        self.parts.health.broken_by(exc)
                     if error is None:
                         raise self._failed(exc) from None
                     if error.__cause__ is None:
@@ -276,13 +227,13 @@ class Forward:
             self._settle(self.parts.context_rows.finish, propagate=error is None)
             if error is not None:
                 if self.issued_any:
-                    self.health.broken_by(error)
+                    self.parts.health.broken_by(error)
                 if self.exchange is not None and self.exchange.failed_here and not self.immediate_checks:
                     # The other ranks learnt this owner's failure from its status and finish the forward,
                     # whose end issues the checks' all-reduce: this rank issues its half too.
                     self._settle(self._leave_device_checks, propagate=False)
                 return
-            self.health.check()  # a failure inside this forward that the caller swallowed
+            self.parts.health.check()  # a failure inside this forward that the caller swallowed
             if not self.immediate_checks:
                 self._leave_device_checks()
             unawaited = self.protocol.unawaited()
@@ -290,12 +241,12 @@ class Forward:
                 raise self._failed(SkippedLayerError(
                     f"the forward ended without awaiting layers {unawaited}; every target layer must be "
                     "awaited once per forward."))
-            if self._checks_exchanges and self.routes:
-                self._check_exchanged(self.routes[-1].layer)
+            if self._checks_exchanges and self.parts.routes:
+                self._check_exchanged(self.parts.routes[-1].layer)
         finally:
             self._settle(self.parts.context_rows.finish, propagate=False)  # a chunk left in flight by a raise
             self._turn = None  # it refers back to this forward
-            self.stats.end_forward()
+            self.parts.stats.end_forward()
 
     def _leave_device_checks(self) -> None:
         """What the device checked in this forward, each check's maximum over the group folded into one flag,
@@ -307,8 +258,8 @@ class Forward:
                           exchange.failed if exchange is not None else None,
                           exchange is not None and exchange.failed_here,
                           active.unlisted_reads if active is not None else None)
-        if self.transport is not None:
-            self.transport.collectives.run(lambda: parts.api.all_reduce_max(flag, parts.group), "the forward's checks")
+        if parts.transport is not None:
+            parts.transport.collectives.run(lambda: parts.api.all_reduce_max(flag, parts.group), "the forward's checks")
         parts.checks.leave(self.number, parts.api.read_later(folded(flag)))
 
     def abandon(self) -> None:
@@ -316,7 +267,8 @@ class Forward:
         failure breaks the runtime, which is closing anyway)."""
         flight, self._flight = self._flight, None
         if flight is not None:
-            self._settle(lambda: self.transport.complete_on_host(flight.route.layer, flight.work), propagate=False)
+            self._settle(lambda: self.parts.transport.complete_on_host(flight.route.layer, flight.work),
+                         propagate=False)
         self._settle(self.parts.context_rows.finish, propagate=False)
 
     @property
@@ -327,8 +279,8 @@ class Forward:
     def _complete_on_host(self) -> None:
         flight, self._flight = self._flight, None
         if flight is not None:
-            self.transport.complete_on_host(flight.route.layer, flight.work)
-            self.stats.record(flight.route.position, flight.nbytes)
+            self.parts.transport.complete_on_host(flight.route.layer, flight.work)
+            self.parts.stats.record(flight.route.position, flight.nbytes)
 
     @staticmethod
     def _settle(complete: Callable[[], None], propagate: bool) -> None:
@@ -342,7 +294,7 @@ class Forward:
 
     def _failed(self, error: BaseException) -> BaseException:
         """A protocol error: it breaks the runtime when this rank already issued a collective."""
-        return self.health.broken_by(error) if self.issued_any else error
+        return self.parts.health.broken_by(error) if self.issued_any else error
 
     def _mispaired(self, layer: int) -> BaseException:
-        return self.health.broken_by(BlockSetMismatchError.mispaired(layer))
+        return self.parts.health.broken_by(BlockSetMismatchError.mispaired(layer))

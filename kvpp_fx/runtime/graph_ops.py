@@ -69,9 +69,8 @@ def _wait_impl(layer: int, slot: int, caches: list[torch.Tensor], components: li
     _check_lists("kvpp.wait", layer, caches, components, tables, table_kinds)
     if passing_through():
         return [*caches, *tables]
-    runtime = current_runtime()
-    runtime.wait(layer, slot, routed=routed)
-    return [*_views("kvpp.wait", runtime, layer, caches, components), *runtime.tables(layer, tables, table_kinds)]
+    turn = current_runtime().wait(layer, slot, routed=routed)
+    return [*turn.views(caches, components, "kvpp.wait"), *turn.tables(tables, table_kinds)]
 
 
 def _enter_layer_impl(layer: int, caches: list[torch.Tensor], components: list[str],
@@ -81,27 +80,10 @@ def _enter_layer_impl(layer: int, caches: list[torch.Tensor], components: list[s
     _check_lists("kvpp.enter_layer", layer, caches, components, tables, table_kinds)
     if passing_through():
         return [*caches, *tables]
-    runtime = current_runtime()
-    if not runtime.enter_layer(layer):  # a local draft layer: the graph's caches and tables are its own
+    turn = current_runtime().enter_layer(layer)
+    if turn is None:  # a local draft layer: the graph's caches and tables are its own
         return [*caches, *tables]
-    return [*_views("kvpp.enter_layer", runtime, layer, caches, components),
-            *runtime.tables(layer, tables, table_kinds)]
-
-
-def _views(op: str, runtime, layer: int, caches: list[torch.Tensor], components: list[str]) -> list[torch.Tensor]:
-    """The runtime's views of `layer` for the graph's cache operands, checked against them."""
-    views = runtime.typed_views(layer)
-    out = []
-    for cache, name in zip(caches, components):
-        if name not in views:
-            raise KeyError(f"{op}: layer {layer} has no cache component {name!r}; it has {sorted(views)}.")
-        view = views[name]
-        if view.shape != cache.shape or view.dtype != cache.dtype:
-            raise ValueError(
-                f"{op} for layer {layer}: the graph's {name!r} cache is {tuple(cache.shape)} "
-                f"{cache.dtype}, the runtime's view is {tuple(view.shape)} {view.dtype}.")
-        out.append(view)
-    return out
+    return [*turn.views(caches, components, "kvpp.enter_layer"), *turn.tables(tables, table_kinds)]
 
 
 _IMPL = torch.library.Library(NAMESPACE, "IMPL")
@@ -168,7 +150,9 @@ class RoutedOp:
         runtime = current_runtime()
         if not runtime.path.exchanges:  # every row reads the cache here
             return op(*args, **kwargs)
-        turn = runtime.turn(self.layer)
+        turn = runtime.open_turn
+        if turn is None or turn.layer != self.layer:
+            raise OwnerRoutingError.outside_turn(self.layer, turn.layer if turn is not None else None)
         if turn.path.hybrid:
             return self._hybrid(turn, args, kwargs)
         if not self.heads:

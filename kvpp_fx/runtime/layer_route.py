@@ -4,6 +4,7 @@ the history stream, the turn) need not import the parts that build it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -24,5 +25,6 @@ class LayerRoute:
     nbytes: int  # of a whole-layer broadcast
     block_views: tuple[torch.Tensor, ...]  # per component, [blocks, bytes per block], over `view`
     shape: Shape
+    typed_views: Mapping[str, torch.Tensor]  # per component, its typed view over `view`: what graphs read
     pack_views: tuple[torch.Tensor, ...] = ()  # the owner: per component, [S, bytes per block] of its own slot
     whole: tuple[torch.Tensor, ...] = ()  # a whole-layer broadcast's payload: (view,)

@@ -112,7 +112,7 @@ def layer_route(plan: Any, storage: Any, group: Any, rank: int, layer: int, posi
     src = dist.get_global_rank(group, plan.owners[layer]) if group is not None else 0
     nbytes = storage.num_blocks * plan.bundle_bytes_per_block(layer)  # a whole layer
     return LayerRoute(layer, position, slot, owned, src, view, nbytes, block_views,
-                      tuple(v.shape[1] for v in block_views), pack_views, (view,))
+                      tuple(v.shape[1] for v in block_views), storage.typed_views(layer), pack_views, (view,))
 
 
 class Routing:

@@ -3,12 +3,12 @@
 Per forward (``with runtime.forward(has_history): ...``) the graph calls the plan's `LayerSchedule`:
 ``prefetch(first)``, then ``wait(L)`` and ``prefetch(next)`` per target layer. ``prefetch`` issues the
 layer's broadcast on the calling thread and returns at once; ``wait`` makes the compute stream wait for
-it and returns the view attention must read: persistent on the owner, the layer's scratch slot
-elsewhere. A broadcast-mode forward without history moves no bytes. Owner mode (``mode="owner"``):
+it and returns the layer's turn (`LayerTurn`), whose views attention must read: persistent on the
+owner, the layer's scratch slot elsewhere. A broadcast-mode forward without history moves no bytes. Owner mode (``mode="owner"``):
 routed head-separable ops run on each layer's owner over every rank's heads (its turn's `owner_compute`), the
 owner-local ops (the writes) on the owner only. ``mode="auto"`` picks per forward with the cost model,
 and owner mode only for layers known to be routed (`note_routing`); with ``requests=`` each request
-takes its own path, and a forward with both is hybrid (`request_paths`, `owner_tokens`).
+takes its own path, and a forward with both is hybrid (``path.request_paths``, ``path.owner_tokens``).
 
 The runtime is a facade over its parts, one module each (docs/design.md, "The runtime"): `Forward` (one
 forward, its methods in the order of the work) hands each layer's ops a `LayerTurn`; the path choice,
@@ -26,7 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -45,6 +45,7 @@ from kvpp_fx.runtime.errors import (
     UnsupportedPlanError,
 )
 from kvpp_fx.runtime.forward import Forward
+from kvpp_fx.runtime.packed_tables import PackedTables
 from kvpp_fx.runtime.parts import ForwardParts, Routing, collective_timeout, group_rank
 from kvpp_fx.runtime.path import ChosenPath, PathFacts, step_of
 from kvpp_fx.runtime.health import Health
@@ -162,29 +163,17 @@ class KVPPRuntime:
         return self._path
 
     @property
-    def owner_mode(self) -> bool:
-        """True inside a forward that runs in owner mode (every row's attention on the owner)."""
-        return self._path is not None and self._path.owner
+    def open_turn(self) -> LayerTurn | None:
+        """Inside a forward, the turn its last wait opened (None before the first): what a hook below the
+        graph (vLLM's MLA impl, a cache write) acts on, after checking that it is its own layer's."""
+        return self._current().open_turn()
 
     @property
-    def packed(self) -> bool:
-        """True inside a forward that packs blocks into the scratch slots: a non-owner's attention must
-        read them through `tables`."""
-        return self._path is not None and self._path.pack
-
-    @property
-    def hybrid(self) -> bool:
-        """True inside a forward whose requests take both paths."""
-        return self._path is not None and self._path.hybrid
-
-    @property
-    def owner_tokens(self) -> int:
-        """The query tokens the current forward gathers to each layer's owner (0: none, or no forward)."""
-        return self._path.owner_tokens if self._path is not None else 0
-
-    def request_paths(self) -> tuple[str, ...] | None:
-        """Inside a forward given ``requests=``: each request's path ("broadcast" or "owner")."""
-        return self._path.request_paths if self._path is not None else None
+    def packed_tables(self) -> PackedTables | None:
+        """Inside a forward that packs blocks into the scratch slots, its remap of block tables and slot
+        mappings (`PackedTables`), one per forward: a caller that hands tables to many layers before they
+        run remaps them once, and keeps them for the layers this rank does not own. None otherwise."""
+        return self._current().packed_tables()
 
     def owns(self, layer: int) -> bool:
         return self.plan.owners[layer] == self.rank
@@ -193,7 +182,8 @@ class KVPPRuntime:
     def forward(self, has_history: bool, blocks: Any = None, *, written: Any = None, mode: str = BROADCAST,
                 load: StepLoad | None = None,
                 requests: Sequence[RequestRows] | None = None,
-                history_ahead: bool = False) -> Iterator[KVPPRuntime]:
+                history_ahead: bool = False,
+                on_turn: Callable[[LayerTurn], None] | None = None) -> Iterator[KVPPRuntime]:
         """One model forward. ``blocks``: ids of the blocks the step reads that hold tokens computed
         before it (every rank must pass the same set); None sends whole layers (whole-layer slots
         only). ``written``: the blocks the step writes that hold no history; they take positions after
@@ -209,11 +199,14 @@ class KVPPRuntime:
         blocks it reads; each request then takes its own path (`kvpp_fx.cache.cost.choose_rows`):
         "broadcast" sends every request's blocks, "owner" every owner-capable request's rows to the
         owner, "auto" the cheaper per request. Requests of both kinds make a hybrid forward, in which
-        the layer's op sends its owner rows through its turn's `owner_compute` (`request_paths` says which).
+        the layer's op sends its owner rows through its turn's `owner_compute` (``path.request_paths`` says which).
 
         ``history_ahead``: the first chunk of a layer's streamed history may be gathered by its owner while
         the previous layer computes (`ContextRows`), before this step writes that layer's cache: true only
         where no streamed history row is one this step writes. Every rank must pass the same value.
+
+        ``on_turn``: handed each layer's turn as its wait opens it, whoever waits (a graph's op, or a hook's
+        ``enter_layer``): how code below the graph gets the turn it acts on without asking for it.
         """
         if self._closed:
             raise KVPPRuntimeClosed("this KVPPRuntime was closed.")
@@ -226,7 +219,7 @@ class KVPPRuntime:
                              attention=self.attention, link=self.link, crossover=self.crossover)
         self._forwards += 1
         forward = Forward(self.parts, step_of(has_history, blocks, written, mode, load, requests, history_ahead),
-                          facts, self._forwards)
+                          facts, self._forwards, on_turn)
         try:
             path = forward.begin()
         except BaseException as exc:
@@ -259,41 +252,17 @@ class KVPPRuntime:
     def prefetch(self, layer: int, slot: int) -> None:
         self._current().prefetch(layer, slot)
 
-    def wait(self, layer: int, slot: int, *, routed: bool = False) -> torch.Tensor:
-        """Complete `layer`'s broadcast; the view its attention reads. It opens the layer's turn (`turn`)."""
+    def wait(self, layer: int, slot: int, *, routed: bool = False) -> LayerTurn:
+        """Complete `layer`'s broadcast and open its turn, which the next layer's wait closes; returns it."""
         return self._current().wait(layer, slot, routed)
 
-    def turn(self, layer: int) -> LayerTurn:
-        """`layer`'s turn, open from its wait until the next layer's (`OwnerRoutingError` outside it): what a
-        routed op or an attention hook of the layer acts on."""
-        return self._current().turn(layer)
-
-    def tables(self, layer: int, tables: Sequence[torch.Tensor], kinds: Sequence[str], *,
-               request_rows: bool = True, unlisted_in_range: bool = False) -> list[torch.Tensor]:
-        """The block tables and slot mappings `layer`'s attention reads, for tables of `kinds`
-        ("block_table", "slot_mapping"): remapped to the packed scratch slot where this rank reads the
-        layer from it (`PackedBlocks.remap`), the tables as given elsewhere (an owned layer, a
-        whole-layer broadcast, owner mode). ``request_rows``: a block table's rows are the forward's
-        requests in order (as ``requests=`` names them, the graph's contract), so in a hybrid forward the
-        owner requests' rows, which this rank reads but never uses, point at a position every slot holds.
-        ``unlisted_in_range``: a block-table entry of a block the forward did not list points at position
-        0 rather than out of the slot, for kernels that read padding entries; the caller checks the
-        entries its rows use."""
-        return self._current().tables(layer, list(tables), list(kinds), request_rows, unlisted_in_range)
-
-    def check_reads(self, layer: int, table: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Where this rank reads `layer` from its packed slot: every block the rows of `table` read (the
-        first ``ceil(seq_len / block)`` entries of each) is one the forward listed, else
-        `UnlistedBlockError`: raised here on CPU, on a device from the forward's checks one step later,
-        without the host waiting. Pass the table as given (not remapped)."""
-        self._current().check_reads(layer, table, seq_lens)
-
-    def enter_layer(self, layer: int, *, routed: bool = False) -> bool:
+    def enter_layer(self, layer: int, *, routed: bool = False) -> LayerTurn | None:
         """The plan's schedule for `layer`, run when a graph compiled for any layer reaches it (its layer
         is a run-time value): the first layer's prefetch when no graph issued it, the layer's wait, the
-        next layer's prefetch, each checked as the graph's own ops would be. False for a local draft
-        layer, which has nothing to wait for. ``routed``: the layer's ops send their owner rows through
-        their turn's `owner_compute` themselves (a hook below the graph, as vLLM's MLA layers have)."""
+        next layer's prefetch, each checked as the graph's own ops would be. Returns the layer's turn;
+        None for a local draft layer, which has nothing to wait for. ``routed``: the layer's ops send
+        their owner rows through their turn's `owner_compute` themselves (a hook below the graph, as
+        vLLM's MLA layers have)."""
         return self._current().enter_layer(layer, routed)
 
     @property

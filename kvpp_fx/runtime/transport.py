@@ -26,7 +26,9 @@ program order on the one host thread.
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,6 +39,8 @@ from kvpp_fx.runtime.collectives import Collectives
 from kvpp_fx.runtime.device import DeviceAPI
 
 if TYPE_CHECKING:
+    from kvpp_fx.cache.allocate import CacheStorage
+    from kvpp_fx.runtime.active_blocks import PackedBlocks
     from kvpp_fx.runtime.layer_route import LayerRoute
 
 logger = logging.getLogger(__name__)
@@ -67,6 +71,27 @@ class BroadcastTransport:
         self.stream = device_api.new_stream()
         self._ready = [device_api.new_event() for _ in range(depth)]
         self._done = [device_api.new_event() for _ in range(depth)]
+
+    def issue_layer(self, route: LayerRoute, active: PackedBlocks | None, storage: CacheStorage,
+                    timed: bool) -> BroadcastInFlight | None:
+        """Issue `route`'s layer for a forward: the whole layer (no packed blocks), or the forward's packed
+        blocks of it; returns the broadcast in flight, None when the step reads no block with history."""
+        arrived = None
+        if active is None:  # a whole layer: the owner's persistent bundle into the receivers' slot
+            work = self.issue(route.layer, route.slot, route.whole, route.src)
+            nbytes = route.nbytes
+        elif active.count == 0:
+            return None
+        else:
+            ids, payload = active.payloads(storage, route.slot, route.layer)
+            if route.owned:
+                pack = functools.partial(active.pack, self.api, route.block_views, route.pack_views, ids)
+                work = self.issue(route.layer, route.slot, payload, route.src, pack)
+            else:
+                work = self.issue(route.layer, route.slot, payload, route.src)
+                arrived = functools.partial(active.check, ids)
+            nbytes = sum(part.numel() for part in payload)
+        return BroadcastInFlight(route, work, nbytes, arrived, time.perf_counter_ns() if timed else 0)
 
     def issue(self, layer: int, slot: int, payload: tuple[torch.Tensor, ...], src: int,
               pack: Callable[[], None] | None = None) -> Any:

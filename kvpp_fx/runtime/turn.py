@@ -1,15 +1,17 @@
 """`LayerTurn`: one target layer's turn in a forward, from its wait until the next layer's wait.
 
-`Forward.wait` opens the turn, which `Forward.turn` hands out (built when first asked for); what runs
-inside the turn acts on it, never on the forward: a routed op (`RoutedOp`) or a vLLM attention hook
-asks the turn whether this rank runs the layer's owner-local ops (`owned`), which path the forward's
-requests take (`path`), sends a head-separable op's rows to the layer's owner (`owner_compute`), and
-streams a chunk of prefill history from the owner (`stream_history`).
-The facade hands the open turn to whoever asks for it by layer (`KVPPRuntime.turn`).
+`Forward.wait` opens the turn and returns it, through the facade's ``wait`` and ``enter_layer``, to the
+op that waited; a hook below the graph that runs inside the same turn reads it as the forward's open turn
+(`KVPPRuntime.open_turn`). Whatever runs inside the turn acts on it, never on the forward or on the
+runtime: the views of the layer's caches (`views`), its tables remapped to a packed slot (`tables`,
+`packed`), whether this rank owns the layer (`owned`), the forward's path (`path`), whether some of its
+rows go to the owner (`rows_to_owner`) and whether this rank skips the layer's cache write
+(`skips_cache_write`); it sends a head-separable op's rows to the owner (`owner_compute`) and streams a
+chunk of prefill history from the owner (`stream_history`).
 
-Invariant: a turn acts only while it is open. `Forward.turn` refuses a layer whose turn is not the open
-one, and a turn kept past the next layer's wait refuses to exchange (`OwnerRoutingError`), so an op that
-runs before its layer's wait or after the next layer's cannot reach another layer's owner.
+Invariant: a turn acts only while it is open. A turn kept past the next layer's wait (or its forward's end)
+refuses to exchange (`OwnerRoutingError`), so an op that runs after the next layer's wait cannot reach
+another layer's owner.
 """
 
 from __future__ import annotations
@@ -23,23 +25,28 @@ from kvpp_fx.runtime.errors import OwnerRoutingError
 
 if TYPE_CHECKING:
     from kvpp_fx.runtime.context_rows import ChunkPlan, ContextRows
-    from kvpp_fx.runtime.owner_exchange import HeadRule, OwnerExchange
     from kvpp_fx.runtime.layer_route import LayerRoute
+    from kvpp_fx.runtime.owner_exchange import HeadRule, OwnerExchange
+    from kvpp_fx.runtime.packed_tables import PackedTables
     from kvpp_fx.runtime.path import ChosenPath
 
 
 class LayerTurn:
-    """A target layer's turn: its route (slot, view, owner), the forward's path, and owner mode's exchange.
+    """A target layer's turn: its route (slot, view, owner), the forward's path, its packed tables, and owner
+    mode's exchange.
 
     A plain class with slots: a forward opens one per target layer, on the host's path of every step."""
 
-    __slots__ = ("route", "path", "exchange", "context_rows", "before_exchange", "history_next")
+    __slots__ = ("route", "path", "packed", "exchange", "context_rows", "before_exchange", "history_next")
 
-    def __init__(self, route: LayerRoute, path: ChosenPath, exchange: OwnerExchange | None,
-                 context_rows: ContextRows, before_exchange: Callable[[LayerTurn], None],
-                 history_next: LayerRoute | None = None) -> None:
+    def __init__(self, route: LayerRoute, path: ChosenPath, packed: PackedTables | None,
+                 exchange: OwnerExchange | None, context_rows: ContextRows,
+                 before_exchange: Callable[[LayerTurn], None], history_next: LayerRoute | None = None) -> None:
         self.route = route
         self.path = path
+        # the forward's remap to packed slots where this rank reads the layer from one; None for an owned
+        # layer, or a forward that packs nothing
+        self.packed = packed
         self.exchange = exchange  # None when no row of the forward goes to an owner
         self.context_rows = context_rows
         self.before_exchange = before_exchange  # the forward's checks before an exchange: still open, agreed
@@ -59,6 +66,43 @@ class LayerTurn:
     def owned(self) -> bool:
         """Whether this rank owns the layer: in owner mode, it runs the layer's owner-local ops (the writes)."""
         return self.route.owned
+
+    @property
+    def rows_to_owner(self) -> bool:
+        """Some rows of the forward (all in owner mode, the owner requests' in a hybrid one) run the layer's
+        attention on its owner."""
+        return self.path.owner_tokens > 0
+
+    @property
+    def skips_cache_write(self) -> bool:
+        """Every row of the forward goes to the owner and this rank does not own the layer: its writes would
+        land in a scratch slot nothing reads."""
+        return self.path.owner and not self.route.owned
+
+    def views(self, caches: Sequence[torch.Tensor], components: Sequence[str], op: str) -> list[torch.Tensor]:
+        """This rank's views of the layer for a graph's cache operands (by component), checked against them."""
+        views = self.route.typed_views
+        out = []
+        for cache, name in zip(caches, components):
+            if name not in views:
+                raise KeyError(f"{op}: layer {self.layer} has no cache component {name!r}; it has {sorted(views)}.")
+            view = views[name]
+            if view.shape != cache.shape or view.dtype != cache.dtype:
+                raise ValueError(
+                    f"{op} for layer {self.layer}: the graph's {name!r} cache is {tuple(cache.shape)} "
+                    f"{cache.dtype}, the runtime's view is {tuple(view.shape)} {view.dtype}.")
+            out.append(view)
+        return out
+
+    def tables(self, tables: Sequence[torch.Tensor], kinds: Sequence[str]) -> list[torch.Tensor]:
+        """The block tables and slot mappings the layer's attention reads (rows: the forward's requests in
+        order): remapped where this rank reads the layer from its packed slot (`PackedTables.remap`), as
+        given elsewhere (an owned layer, a whole-layer broadcast, owner mode)."""
+        if self.packed is None:
+            if len(tables) != len(kinds):
+                raise ValueError(f"layer {self.layer}: {len(tables)} tables but {len(kinds)} table kinds.")
+            return list(tables)
+        return self.packed.remap(tables, kinds)
 
     def owner_compute(self, rule: HeadRule, heads: Sequence[torch.Tensor],
                       compute: Callable[[list[torch.Tensor]], torch.Tensor],

@@ -35,7 +35,7 @@ def streaming_ranks(rank: int, world: int, fault: str | None):
             gathered.append(layer)
             rows.copy_(rt.typed_views(layer)["kv"][CHUNK])
 
-        rt.turn(layer).stream_history(rows, gather)
+        rt.open_turn.stream_history(rows, gather)
         # by value: a tensor travels back as a shared-memory handle, which a rank that has already exited
         # can no longer hand over (FileNotFoundError in the parent, seen on a loaded host)
         received[layer] = rows.numpy().copy()
@@ -47,7 +47,7 @@ def streaming_ranks(rank: int, world: int, fault: str | None):
         schedule = rt.plan.schedule()
         rt.prefetch(schedule.first().layer, schedule.first().slot)
         rt.wait(0, schedule.slot(0))
-        turn = rt.turn(0)
+        turn = rt.open_turn
         with pytest.raises(E.ContextStreamError, match="one contiguous buffer"):
             turn.stream_history(torch.zeros(4, 6).t(), lambda: None)
         rt.prefetch(1, schedule.slot(1))
@@ -114,7 +114,7 @@ def failed_gather_ranks(rank: int, world: int, timeout_s: float):
             schedule = rt.plan.schedule()
             rt.prefetch(schedule.first().layer, schedule.first().slot)
             rt.wait(0, schedule.slot(0))
-            rt.turn(0).stream_history(rows, gather)
+            rt.open_turn.stream_history(rows, gather)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the assertions name it
         first = exc
         cause = exc.__cause__

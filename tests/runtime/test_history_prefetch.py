@@ -80,7 +80,7 @@ def prefetch_ranks(rank: int, world: int, ahead: bool, drop: tuple[str, ...], sk
         chunks = ToyChunks(rt, layer, workspace, api, skew, adopts)
         for chunk in range(len(CHUNKS)):
             chunks.index = chunk
-            rt.turn(layer).stream_history(chunks.rows(workspace, chunk), chunks.gather(workspace, layer, chunk), chunks)
+            rt.open_turn.stream_history(chunks.rows(workspace, chunk), chunks.gather(workspace, layer, chunk), chunks)
             rows = chunks.rows(workspace, chunk)  # cut after the call, as vLLM's loop does
             if api is not None:
                 api.access(rows, "read", f"attention reads L{layer} chunk {chunk}")
@@ -157,7 +157,7 @@ def raised_with_a_chunk_in_flight_ranks(rank: int, world: int):
     def attend(layer, view):
         chunks = ToyChunks(rt, layer, workspace, None)
         chunks.index = 0
-        rt.turn(layer).stream_history(chunks.rows(workspace, 0), chunks.gather(workspace, layer, 0), chunks)
+        rt.open_turn.stream_history(chunks.rows(workspace, 0), chunks.gather(workspace, layer, 0), chunks)
         raise RuntimeError("the layer's attention failed")  # chunk 1 is in flight
 
     out = {}

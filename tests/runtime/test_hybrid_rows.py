@@ -44,16 +44,16 @@ def hybrid_forward(rt, rank, *, requests=REQUESTS, mode="owner", skip_exchange_o
         q_latent, q_pe = queries(rank, layer, tokens=3)
         cache = rt.typed_views(layer)["kv"]  # persistent on the owner, the layer's scratch slot elsewhere
         owner_rows = None
-        if layer != skip_exchange_of and rt.owner_tokens:
+        if layer != skip_exchange_of and rt.path.owner_tokens:
             table = torch.full_like(OWNER_TABLE, 99) if layer == failing_layer else OWNER_TABLE
 
             def on_owner(full):
                 return ATTENTION(full[0], full[1], rt.typed_views(layer)["kv"], table, OWNER_SEQ, OWNER_Q, SCALE,
                                  layer)
 
-            owner_rows = rt.turn(layer).owner_compute(routed_attention(layer), [q_latent[:1], q_pe[:1]], on_owner)
+            owner_rows = rt.open_turn.owner_compute(routed_attention(layer), [q_latent[:1], q_pe[:1]], on_owner)
         # the step's table, one row per request, as this rank reads the layer (remapped where packed)
-        (table,) = rt.tables(layer, [torch.cat([OWNER_TABLE, LOCAL_TABLE])], ["block_table"])
+        (table,) = rt.open_turn.tables([torch.cat([OWNER_TABLE, LOCAL_TABLE])], ["block_table"])
         local_rows = ATTENTION(q_latent[1:], q_pe[1:], cache, table[1:], LOCAL_SEQ, LOCAL_Q, SCALE, layer)
         out[layer] = (owner_rows, local_rows)
 
@@ -91,7 +91,7 @@ def hybrid_ranks(rank: int, world: int):
     rt = owner_runtime(world, attention=shape)
     write_owned(rt, 1)
     with rt.forward(True, mode="broadcast", requests=REQUESTS):
-        out["paths_inside"] = rt.request_paths()
+        out["paths_inside"] = rt.path.request_paths
         run_layers(rt, routed=True)
     out["broadcast_mode"] = rt.last_forward()["mode"]
 
@@ -226,5 +226,5 @@ def test_requests_exclude_blocks_and_load():
         with rt.forward(True, load=StepLoad(1, 1), requests=REQUESTS):
             pass
     with rt.forward(True, mode="owner", requests=REQUESTS):  # a group of one: nothing moves
-        assert rt.request_paths() == (BROADCAST, BROADCAST) and rt.owner_tokens == 0
+        assert rt.path.request_paths == (BROADCAST, BROADCAST) and rt.path.owner_tokens == 0
         run_layers(rt)

@@ -434,11 +434,11 @@ def hybrid_group_ranks(rank: int, world: int, own_group: bool):
 
     def attend(layer, view):  # the owner request's rows, as vLLM's MLA hook sends them (`owner_rows`)
         query = torch.cat(queries(rank, layer), dim=-1)
-        rt.turn(layer).owner_compute(rule, [query], lambda full: torch.zeros(3, HEADS_PER_RANK * world, RANK_WIDTH),
+        rt.open_turn.owner_compute(rule, [query], lambda full: torch.zeros(3, HEADS_PER_RANK * world, RANK_WIDTH),
                                      output_like=like)
 
     with rt.forward(True, mode="owner", requests=requests):
-        assert rt.hybrid
+        assert rt.path.hybrid
         run_layers(rt, attend, routed=True)
     return api.log
 

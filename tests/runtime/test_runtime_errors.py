@@ -27,7 +27,7 @@ def test_a_correct_forward_passes_and_returns_the_views():
         with rt.forward(has_history=True):
             assert current_runtime() is rt
             rt.prefetch(0, 0)
-            view = rt.wait(0, 0)
+            view = rt.wait(0, 0).view
             assert view.data_ptr() == rt.view(0).data_ptr()
             rt.prefetch(1, 1)
             rt.wait(1, 1)

@@ -64,7 +64,9 @@ def unlisted_ranks(rank: int, world: int, device: bool, entry: int, read_at: str
 
     def attend(layer, view):
         with detector:
-            rt.check_reads(layer, table, seq_lens)  # every rank: an owned layer checks nothing
+            turn = rt.open_turn
+            if turn.packed is not None:  # an owned layer reads its own cache: nothing to check
+                turn.packed.check_reads(layer, table, seq_lens)
 
     try:
         with rt.forward(has_history=True, blocks=LISTED):

@@ -239,7 +239,7 @@ class VllmStep:
                 for step in steps[1:]:
                     if step.kind == "wait":  # vLLM's MLA layers route their own decode rows (`owner_rows`)
                         runtime.wait(step.layer, step.slot, routed=True)
-                        if runtime.owner_tokens:
+                        if runtime.path.owner_tokens:
                             self._exchange(step.layer, attention)
                     else:
                         runtime.prefetch(step.layer, step.slot)
@@ -258,9 +258,9 @@ class VllmStep:
                 "agreement_wait_ms": agreement_s * 1e3, "mode": str(runtime.last_forward()["mode"])}
 
     def _exchange(self, layer: int, attention: Any) -> None:
-        tokens, heads = self.runtime.owner_tokens, attention.split(self.runtime.plan.group_size)
+        tokens, heads = self.runtime.path.owner_tokens, attention.split(self.runtime.plan.group_size)
         query = torch.empty(tokens, heads, attention.q_width, device="meta")
         like = torch.empty(tokens, heads, attention.out_width, device="meta")
-        self.runtime.turn(layer).owner_compute(
+        self.runtime.open_turn.owner_compute(
             self.rule, [query], lambda full: torch.empty(tokens, heads * self.runtime.plan.group_size,
                                                          attention.out_width, device="meta"), output_like=like)

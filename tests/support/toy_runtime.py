@@ -39,7 +39,7 @@ def run_layers(rt: KVPPRuntime, on_wait: Callable[[int, torch.Tensor], None] | N
         view = None
         for step in steps:
             if step.kind == "wait":
-                view = rt.wait(step.layer, step.slot, routed=routed)
+                view = rt.wait(step.layer, step.slot, routed=routed).view
                 continue
             rt.prefetch(step.layer, step.slot)
             if after_prefetch is not None:

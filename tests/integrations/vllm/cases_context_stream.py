@@ -116,7 +116,7 @@ def _stream_ranks(rank: int, world: int):
         try:
             with forward:
                 run_layers(rt, lambda layer, view: attend_layer_0() if layer == 0 else None,
-                           routed=rt.owner_mode)
+                           routed=rt.path.owner)
         except Exception as exc:  # noqa: BLE001 - whatever it is, the assertions name it
             return f"{type(exc).__name__}: {exc}"
         return None
@@ -127,17 +127,18 @@ def _stream_ranks(rank: int, world: int):
         expected[layer] = impls[layer]._compute_prefill_context(q, _owners_cache(layer), metadata, None)
 
     def attend(layer, view):
-        out["packed"][layer] = rt.packed
+        out["packed"][layer] = rt.path.pack
         got[layer] = context(layer)
 
-    with rt.forward(has_history=False):
+    with rt.forward(has_history=False, on_turn=engine.step.take_turn):
         run_layers(rt, attend)
     out["equal"] = {layer: all(torch.equal(a, b) for a, b in zip(got[layer], expected[layer]))
                     for layer in rt.plan.target_layers}
     out["streamed_chunks"] = {layer: s["context_chunks"] for layer, s in rt.stats()["per_layer"].items()}
 
     # 1. an owner-mode forward packs nothing: its compact slots hold no history
-    out["unpacked"] = refused(rt.forward(True, mode="owner", load=StepLoad(QUERY, QUERY * (CONTEXT + QUERY))),
+    out["unpacked"] = refused(rt.forward(True, mode="owner", load=StepLoad(QUERY, QUERY * (CONTEXT + QUERY)),
+                                           on_turn=engine.step.take_turn),
                               lambda: context(0))
     out["broken"] = rt.broken is not None  # the refusals before anything moved leave the runtime usable
 
@@ -156,7 +157,7 @@ def _stream_ranks(rank: int, world: int):
         finally:
             custom_ops.gather_mla_context_cache_cpu = wrapped
 
-    out["unwrapped"] = refused(rt.forward(has_history=False), unwrapped)
+    out["unwrapped"] = refused(rt.forward(has_history=False, on_turn=engine.step.take_turn), unwrapped)
     return out
 
 

@@ -1489,14 +1489,13 @@ def test_amx_mlas_token_table_follows_the_remapped_block_table():
     original.req_to_token = _expand_block_table(original.block_table, 16).to(torch.int64)
     original.extend_start_loc = torch.tensor([0, 3])
     remapped = dataclasses.replace(original, block_table=torch.tensor([[0, 1], [2, 0]], dtype=torch.int32))
-    runtime = types.SimpleNamespace(plan=types.SimpleNamespace(spec=types.SimpleNamespace(block_size=16)))
-    out = _with_backend_attributes(original, remapped, runtime, 3)
+    out = _with_backend_attributes(original, remapped, 16, 3)
     assert torch.equal(out.req_to_token, _expand_block_table(remapped.block_table, 16).to(torch.int64))
     assert out.req_to_token.dtype == torch.int64 and out.extend_start_loc is original.extend_start_loc
     assert torch.equal(original.req_to_token, _expand_block_table(original.block_table, 16).to(torch.int64))
     original.block_ids_of_its_own = torch.tensor([9])  # an attribute KVPP does not know: refused by name
     with pytest.raises(PackedMetadataError, match="block_ids_of_its_own"):
-        _with_backend_attributes(original, dataclasses.replace(original), runtime, 3)
+        _with_backend_attributes(original, dataclasses.replace(original), 16, 3)
 
 
 def _ops_calls(source: str) -> set[str]:
@@ -1551,9 +1550,9 @@ def test_a_marked_gather_streams_from_the_owner_and_an_unmarked_one_is_vllms():
         schedule = rt.plan.schedule()
         with rt.forward(has_history=False):
             rt.prefetch(schedule.first().layer, schedule.first().slot)
-            rt.wait(0, schedule.slot(0))
+            turn = rt.wait(0, schedule.slot(0))
             chunked = types.SimpleNamespace(workspace=torch.zeros(20, 8), chunks=[None])  # one chunk
-            stream = ChunkStream(rt.turn(0), types.SimpleNamespace(_kvpp_layer=0),
+            stream = ChunkStream(turn, types.SimpleNamespace(_kvpp_layer=0),
                                  types.SimpleNamespace(prefill=types.SimpleNamespace(chunked_context=chunked)))
             token = STREAMING.set(stream)
             try:

@@ -42,10 +42,9 @@ from typing import Any
 
 import torch
 
-from kvpp_fx.integrations.vllm.engine.state import EngineState, wrap_module_function
+from kvpp_fx.integrations.vllm.engine.state import EngineState, open_turn, wrap_module_function
 from kvpp_fx.runtime.context_rows import AheadChunk
 from kvpp_fx.runtime.errors import ContextStreamError
-from kvpp_fx.runtime.runtime import active_runtime
 
 OPS_MODULE = "vllm._custom_ops"
 
@@ -225,16 +224,16 @@ def streaming_impl_class(cls: type) -> type:
     def _compute_prefill_context(self, q: torch.Tensor, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: Any,
                                  k_scale: Any) -> Any:
         engine: EngineState = self._kvpp_engine
-        runtime = active_runtime()
-        if runtime is None or runtime is not engine.comm.runtime or engine.layout.scratch_blocks is None:
-            return cls._compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
         layer = self._kvpp_layer
-        if not runtime.packed:
+        turn = open_turn(engine, layer) if engine.layout.scratch_blocks is not None else None
+        if turn is None:
+            return cls._compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale)
+        if not turn.path.pack:
             raise ContextStreamError(
-                f"layer {layer}: a prefill row reads history in a {runtime.path.mode}-mode forward that packs "
+                f"layer {layer}: a prefill row reads history in a {turn.path.mode}-mode forward that packs "
                 "nothing; its compact scratch slot does not hold that history.")
         chunks = len(attn_metadata.prefill.chunked_context.chunks)
-        stream = ChunkStream(runtime.turn(layer), self, attn_metadata)
+        stream = ChunkStream(turn, self, attn_metadata)
         token = STREAMING.set(stream)
         try:
             result = cls._compute_prefill_context(self, q, kv_c_and_k_pe_cache, attn_metadata, k_scale)

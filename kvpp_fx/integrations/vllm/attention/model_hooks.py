@@ -31,10 +31,9 @@ from kvpp_fx.integrations.vllm.attention import context_stream, owner_rows
 from kvpp_fx.integrations.vllm.cache import scratch
 from kvpp_fx.integrations.vllm.cache.layout import plan_loaded_model
 from kvpp_fx.integrations.vllm.cache.specs import INDEXER_COMPONENT
-from kvpp_fx.integrations.vllm.engine.state import EngineState, hook_error
-from kvpp_fx.runtime.graph_ops import passing_through
+from kvpp_fx.integrations.vllm.engine.state import EngineState, hook_error, open_runtime
 from kvpp_fx.runtime.errors import NoActiveForwardError
-from kvpp_fx.runtime.runtime import active_runtime
+from kvpp_fx.runtime.graph_ops import passing_through
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +61,8 @@ def await_layer(state: EngineState, layer: int) -> None:
     layer share it): what the graph pass inserts, the plan's schedule for the layer
     (`KVPPRuntime.enter_layer`, as a graph whose layer is a run-time value runs it), routed when the MLA
     hooks exchange owner rows. Nothing in passthrough (dummy, profile and capture runs)."""
-    runtime = active_runtime()
-    if runtime is None or runtime is not state.comm.runtime:
+    runtime = open_runtime(state)
+    if runtime is None:
         if not passing_through():  # a model call outside a step and outside a dummy run
             raise NoActiveForwardError(
                 f"layer {layer}'s attention ran outside its engine's KVPP forward; its cache view would "

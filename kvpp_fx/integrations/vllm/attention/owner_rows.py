@@ -8,7 +8,7 @@ runs eagerly in every vLLM mode (a splitting op in mode 3, an eager piece in mod
 under breakable CUDA graphs), so an exchange placed in ``forward_mqa`` serves every mode with no graph
 change; the op's spec declares `RoutesItself`.
 
-In a forward whose decode rows go to the owner (`KVPPRuntime.owner_tokens` > 0), each target layer's
+In a forward whose decode rows go to the owner (the layer's turn's `rows_to_owner`), each target layer's
 ``forward_mqa`` sends this rank's absorbed queries to the layer's owner (its turn's `owner_compute`);
 the owner concatenates every rank's heads in rank order, runs the backend's own ``forward_mqa`` for
 all heads against its persistent cache with the step's metadata, and returns each rank the latent of
@@ -41,9 +41,9 @@ from kvpp_fx.cache.block_ids import EMPTY
 from kvpp_fx.cache.cost import AttentionShape, LinkModel, RequestRows
 from kvpp_fx.integrations.vllm.attention.backends import before_owner_call, owner_blocker, owner_call
 from kvpp_fx.integrations.vllm.engine.batch import StepBatch, history_blocks, written_blocks
+from kvpp_fx.integrations.vllm.engine.state import open_turn
 from kvpp_fx.runtime.errors import OwnerRoutingError
 from kvpp_fx.runtime.owner_exchange import HeadRule
-from kvpp_fx.runtime.runtime import KVPPRuntime, active_runtime
 
 # The cost model's link per platform. CPU: measured on the bench (gloo, 2 processes, 2 cores). CUDA
 # and NPU: estimates, not measured here (NVLink at about half its peak per rank; HCCS likewise).
@@ -123,18 +123,14 @@ def step_requests(attn_metadata: Any, layer_name: str, batch: StepBatch, owner_c
     return tuple(requests), num_decodes
 
 
-def decode_rows_to_owner(runtime: KVPPRuntime | None, engine_runtime: KVPPRuntime) -> bool:
-    return runtime is not None and runtime is engine_runtime and runtime.owner_tokens > 0
-
-
 @functools.cache
 def owner_impl_class(cls: type) -> type:
     """A subclass of an MLA impl class whose ``forward_mqa`` runs on the layer's owner when the forward
     sends its decode rows there."""
 
     def forward_mqa(self, q: Any, kv_cache: torch.Tensor, attn_metadata: Any, layer: Any) -> Any:
-        runtime = active_runtime()
-        if not decode_rows_to_owner(runtime, self._kvpp_engine.comm.runtime):
+        turn = open_turn(self._kvpp_engine, self._kvpp_layer)
+        if turn is None or not turn.rows_to_owner:
             return cls.forward_mqa(self, q, kv_cache, attn_metadata, layer)
         query = torch.cat(q, dim=-1) if isinstance(q, tuple) else q
         if query.element_size() == 1:
@@ -150,7 +146,7 @@ def owner_impl_class(cls: type) -> type:
                               full[0].contiguous(), self._kvpp_engine.step.owner_metadata(backend, attn_metadata),
                               query.shape[1])
 
-        part = runtime.turn(self._kvpp_layer).owner_compute(MQA_RULE, [query], on_owner, output_like=like)
+        part = turn.owner_compute(MQA_RULE, [query], on_owner, output_like=like)
         return part, None
 
     return type(f"KVPP{cls.__name__}", (cls,), {"forward_mqa": forward_mqa, "__module__": __name__})
@@ -165,7 +161,6 @@ def hook_impl(layer: Any, engine: Any, index: int) -> None:
 
 def skips_cache_write(layer: Any) -> bool:
     """A non-owner in a forward whose every row goes to the owner writes nothing for the layer."""
-    runtime = active_runtime()
-    return (runtime is not None and runtime is layer._kvpp_engine.comm.runtime and runtime.owner_mode
-            and not runtime.owns(layer._kvpp_layer))
+    turn = open_turn(layer._kvpp_engine, layer._kvpp_layer)
+    return turn is not None and turn.skips_cache_write
 

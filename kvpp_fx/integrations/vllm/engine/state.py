@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvpp_fx.cache.cost import Mode
-from kvpp_fx.integrations.vllm.setup.config import KVPPConfig
 from kvpp_fx.integrations.vllm.attention.backends import owner_metadata
+from kvpp_fx.integrations.vllm.setup.config import KVPPConfig
+from kvpp_fx.runtime.current import active_runtime
+from kvpp_fx.runtime.errors import OwnerRoutingError
 
 if TYPE_CHECKING:  # types only: this module is imported in vLLM's engine process, which imports no torch here
     from torch.distributed import ProcessGroup
@@ -36,6 +38,7 @@ if TYPE_CHECKING:  # types only: this module is imported in vLLM's engine proces
     from kvpp_fx.cache.placement import KVPPPlan
     from kvpp_fx.integrations.vllm.cache.specs import VllmPlan
     from kvpp_fx.runtime.runtime import KVPPRuntime
+    from kvpp_fx.runtime.turn import LayerTurn
 
 logger = logging.getLogger(__name__)
 
@@ -148,10 +151,17 @@ class StepState:
     awaited: set[int] = field(default_factory=set)  # layers the eager hooks waited for
     # the owner calls' metadata (`backends.owner_metadata`), by the id of vLLM's metadata object it is built from
     owner_calls: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    turn: LayerTurn | None = None  # the open layer's turn, as the step's forward handed it (`take_turn`)
 
     def begin(self) -> None:
         self.awaited.clear()
         self.owner_calls.clear()
+        self.turn = None
+
+    def take_turn(self, turn: LayerTurn | None) -> None:
+        """The forward's listener: each layer's turn as its wait opens it (a graph's op or the eager hook);
+        None once the forward ends."""
+        self.turn = turn
 
     def first_wait(self, layer: int) -> bool:
         """Whether `layer` is waited for here: once per step, as the SFA indexer and the MLA attention of
@@ -238,3 +248,22 @@ class EngineState:
 
 def current_engine() -> EngineState | None:
     return _ENGINE.get()
+
+
+def open_runtime(state: EngineState) -> KVPPRuntime | None:
+    """The engine's runtime while its step's forward is open on this thread; None otherwise (a dummy,
+    profile or capture run, another engine's step, no step)."""
+    runtime = active_runtime()
+    return runtime if runtime is not None and runtime is state.comm.runtime else None
+
+
+def open_turn(state: EngineState, layer: int) -> LayerTurn | None:
+    """What a hook of target layer `layer` acts on: its turn, as the engine's forward handed it; None outside
+    the engine's forward. A hook whose layer's turn is not the open one raises `OwnerRoutingError` (it would
+    act on another layer's view or owner)."""
+    if open_runtime(state) is None:
+        return None
+    turn = state.step.turn
+    if turn is None or turn.layer != layer:
+        raise OwnerRoutingError.outside_turn(layer, turn.layer if turn is not None else None)
+    return turn

@@ -14,7 +14,9 @@ the metadata, never from a device read:
 - whole layers where the metadata cannot be remapped to packed slots: micro-batched (DBO) steps, SFA
   models, and prefill context parallelism, whose metadata is each rank's part of the batch.
 
-Then, in a forward that packs blocks, non-owned layers read remapped metadata (`packed_metadata`).
+Then, in a forward that packs blocks, non-owned layers read remapped metadata (`packed_metadata`), remapped
+once per forward. The forward hands each layer's turn to the step's state as its wait opens it
+(`StepState.take_turn`), and the attention hooks act on that turn (`state.open_turn`).
 Every rank of a group opens the forward with the same arguments, derived from the same scheduler
 output; the runtime's agreement checks it.
 """
@@ -42,20 +44,25 @@ def step_forward(state: EngineState, batch: StepBatch) -> Iterator[None]:
     rows = step_rows(state, metadata, batch)
     state.counters.note_step(batch.prefill_rows_with_history, mixed=rows is not None and 0 < rows[1] < batch.num_reqs)
     state.step.begin()
-    has_history = batch.has_history
+    has_history, on_turn = batch.has_history, state.step.take_turn
     if not packs(state, metadata):  # whole layers: the step's metadata cannot be remapped to packed slots
-        forward = runtime.forward(has_history=has_history)
+        forward = runtime.forward(has_history=has_history, on_turn=on_turn)
     elif rows is None:  # no MLA metadata: every row reads its blocks by broadcast
-        forward = runtime.forward(has_history=has_history, blocks=active_blocks(batch), written=written_blocks(batch))
+        forward = runtime.forward(has_history=has_history, blocks=active_blocks(batch), written=written_blocks(batch),
+                                  on_turn=on_turn)
     else:
         forward = runtime.forward(has_history=has_history, mode=state.attention.mode, requests=rows[0],
-                                  history_ahead=history_ahead(state, batch, rows[1]))
-    with forward:
-        if runtime.packed:
-            # Non-owned layers read this forward's packed scratch slots through remapped tables.
-            state.counters.note_packed_layers(
-                packed_metadata.rebind(get_forward_context(), runtime, state.vplan.layer_index))
-        yield
+                                  history_ahead=history_ahead(state, batch, rows[1]), on_turn=on_turn)
+    try:
+        with forward:
+            tables = runtime.packed_tables
+            if tables is not None:
+                # Non-owned layers read this forward's packed scratch slots through remapped tables.
+                state.counters.note_packed_layers(packed_metadata.rebind(
+                    get_forward_context(), tables, runtime, state.vplan.layer_index))
+            yield
+    finally:
+        on_turn(None)  # a turn kept past its forward acts on nothing
 
 
 def step_rows(state: EngineState, metadata, batch: StepBatch):

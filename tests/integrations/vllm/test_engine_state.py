@@ -1,0 +1,101 @@
+"""An engine's state as its hooks read it: the turn its step's forward hands it, and one writer per part."""
+
+from __future__ import annotations
+
+import ast
+import types
+from pathlib import Path
+
+import pytest
+
+from kvpp_fx.integrations.vllm.engine.state import Communication, EngineState, open_runtime, open_turn
+from kvpp_fx.runtime import errors as E
+from tests.support.specs import toy_spec
+from tests.support.toy_runtime import toy_runtime
+
+PACKAGE = Path(__file__).resolve().parents[3] / "kvpp_fx" / "integrations" / "vllm"
+
+
+def test_hooks_get_the_turn_the_forward_handed_to_their_engine():
+    """Inside the engine's forward, `open_turn` is the turn its listener was handed, for that layer only;
+    outside it, or in another engine's forward, hooks see nothing (vLLM's own path runs)."""
+    with toy_runtime(None, spec=toy_spec(3), num_blocks=4) as rt:
+        state = EngineState(config=types.SimpleNamespace(pcp=1), vllm_config=None, comm=Communication(runtime=rt))
+        other = EngineState(config=types.SimpleNamespace(pcp=1), vllm_config=None)
+        assert open_runtime(state) is None and open_turn(state, 0) is None
+        with rt.forward(has_history=True, on_turn=state.step.take_turn):
+            assert open_runtime(state) is rt and open_runtime(other) is None and open_turn(other, 0) is None
+            with pytest.raises(E.OwnerRoutingError, match="layer 0 ran outside its turn .no layer's is open"):
+                open_turn(state, 0)  # before the layer's wait
+            turn = rt.enter_layer(0)
+            assert open_turn(state, 0) is turn
+            with pytest.raises(E.OwnerRoutingError, match="layer 1 ran outside its turn .layer 0's is open"):
+                open_turn(state, 1)
+            rt.enter_layer(1)
+            rt.enter_layer(2)
+            assert open_turn(state, 2).layer == 2
+        assert open_turn(state, 2) is None  # the forward closed
+
+
+# Each part of an engine's state and the one module that assigns it (`EngineState`'s docstring); StepState
+# and Counters change only through their own methods.
+WRITERS = {"layout": "cache/layout.py", "attention": "attention/model_hooks.py", "comm": "cache/allocation.py"}
+PARTS = {"layout", "attention", "comm", "step", "counters"}
+
+
+def _pairs(target: ast.expr, value: ast.expr) -> list[tuple[ast.expr, ast.expr | None]]:
+    if isinstance(target, ast.Tuple):
+        values = value.elts if isinstance(value, ast.Tuple) and len(value.elts) == len(target.elts) else None
+        return [(t, values[k] if values else None) for k, t in enumerate(target.elts)]
+    return [(target, value)]
+
+
+def part_writes(path: Path) -> list[tuple[str, str]]:
+    """(part, field) of each assignment ``<...>.<part>.<field> = ...`` (or augmented) in `path`, also through
+    a local name bound to a part (``comm = state.comm``, then ``comm.runtime = ...``)."""
+    tree = ast.parse(path.read_text())
+    aliases: dict[str, str] = {}  # local name -> the part it was bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                for name, value in _pairs(target, node.value):
+                    if (isinstance(name, ast.Name) and isinstance(value, ast.Attribute) and value.attr in PARTS):
+                        aliases[name.id] = value.attr
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            for element in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                if not isinstance(element, ast.Attribute):
+                    continue
+                holder = element.value
+                if isinstance(holder, ast.Attribute) and holder.attr in PARTS:
+                    found.append((node.lineno, holder.attr, element.attr))
+                elif isinstance(holder, ast.Name) and holder.id in aliases:
+                    found.append((node.lineno, aliases[holder.id], element.attr))
+    return [(part, name) for _, part, name in sorted(found)]
+
+
+def test_each_part_of_an_engines_state_has_one_writer():
+    """Layout is written by `layout`, the attention choices by `model_hooks`, the groups and the runtime by
+    `allocation`; the step's state and the counters by no one but their own methods."""
+    writes = {str(path.relative_to(PACKAGE)): part_writes(path) for path in sorted(PACKAGE.rglob("*.py"))}
+    wrong = [(module, part, name) for module, found in writes.items() for part, name in found
+             if part in ("step", "counters") or WRITERS.get(part) != module]
+    assert wrong == []
+    assert {part for module, found in writes.items() for part, _ in found} == set(WRITERS)
+
+
+def test_the_writer_finder_finds_a_write(tmp_path):
+    """The control: a hook that sets the layout's plan or bumps a counter is found."""
+    planted = tmp_path / "hook.py"
+    planted.write_text("def hook(state):\n    state.layout.vplan = None\n    state.counters.steps += 1\n"
+                       "    state.comm.runtime, x = None, 1\n    state.config.tp = 2\n"
+                       "    step, y = state.step, 0\n    step.turn = None\n")
+    assert part_writes(planted) == [("layout", "vplan"), ("counters", "steps"), ("comm", "runtime"),
+                                    ("step", "turn")]
