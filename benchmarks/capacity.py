@@ -101,7 +101,8 @@ def planned(model: str, max_model_len: int | None, mtp: bool = False) -> dict:
            "whole_layer_ratio": plan.whole_layer().capacity_ratio(budget)}
     if plan.compact:
         backends = vllm_backends(plan, budget)
-        row["vllm_defaults"] = {name: {"slots": backends[name]["slots"], "capacity_ratio": backends[name]["capacity_ratio"]}
+        row["vllm_defaults"] = {name: {"slots": backends[name]["slots"],
+                                       "capacity_ratio": backends[name]["capacity_ratio"]}
                                 for name in DEFAULTS_BACKENDS}
     return row
 
@@ -132,7 +133,8 @@ def main(argv=None):
     tiny_compact = measured(vllm_tiny_spec(mtp=False), 2, VLLM_TINY_COMPACT_MEMORY, VLLM_TINY_COMPACT_MAX_MODEL_LEN,
                             VLLM_TINY_COMPACT_BUDGET, replicated=VLLM_TINY_COMPACT_MEMORY // (6 * page))
     print(f"vLLM tiny DeepSeek TP2 in 64 MiB: compact {tiny_compact['compact']['measured_ratio']:.3f}x (S = "
-          f"{tiny_compact['compact']['slot_blocks']}), whole-layer slots {tiny_compact['whole_layer']['measured_ratio']:.3f}x")
+          f"{tiny_compact['compact']['slot_blocks']}), whole-layer slots "
+          f"{tiny_compact['whole_layer']['measured_ratio']:.3f}x")
     defaults = {}
     for mtp in (True, False):
         spec_ = vllm_tiny_spec(mtp=mtp)
@@ -140,7 +142,8 @@ def main(argv=None):
             spec_, 2, VLLM_TINY_DEFAULTS_MEMORY, VLLM_TINY_DEFAULTS_MAX_MODEL_LEN, VLLM_TINY_DEFAULTS_BUDGET,
             replicated=VLLM_TINY_DEFAULTS_MEMORY // (len(spec_.layers) * page))
     for name, row in defaults.items():
-        print(f"vLLM tiny DeepSeek {name} TP2 in 64 MiB with vLLM's defaults (chunked prefill, prefix caching): compact "
+        print(f"vLLM tiny DeepSeek {name} TP2 in 64 MiB with vLLM's defaults (chunked prefill, prefix caching): "
+              "compact "
               f"{row['compact']['measured_ratio']:.3f}x (S = {row['compact']['slot_blocks']}), whole-layer slots "
               f"{row['whole_layer']['measured_ratio']:.3f}x")
     plans = [planned(model, length) for model in PLANS for length in (32768, 131072, None)]
@@ -150,7 +153,8 @@ def main(argv=None):
               f"{p['max_model_len']}: {p['capacity_ratio']:.3f}x (formula {p['formula_ratio']:.3f}x; whole-layer "
               f"slots {p['whole_layer_ratio']:.3f}x)"
               + "".join(f"; vLLM defaults {n} {_ratio(d)}" for n, d in p.get("vllm_defaults", {}).items()))
-    write_result("capacity", {"kv_memory_bytes": budget, "reference": reference, "vllm_tiny": tiny, "vllm_tiny_compact": tiny_compact,
+    write_result("capacity", {"kv_memory_bytes": budget, "reference": reference, "vllm_tiny": tiny,
+                              "vllm_tiny_compact": tiny_compact,
                               "vllm_tiny_defaults": defaults,
                               "vllm_tiny_defaults_kv_memory_bytes": VLLM_TINY_DEFAULTS_MEMORY,
                               "vllm_tiny_compact_kv_memory_bytes": VLLM_TINY_COMPACT_MEMORY,

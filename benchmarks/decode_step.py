@@ -131,7 +131,8 @@ def main(argv=None):
     occupancy = {}
     for name in ("10pct", "100pct"):
         sent = occ[name]["bytes_per_decode_step"]
-        occupancy[name] = {**occ[name], "allocated": occ["allocated"], "broadcast_over_allocated": sent / occ["allocated"]}
+        occupancy[name] = {**occ[name], "allocated": occ["allocated"],
+                           "broadcast_over_allocated": sent / occ["allocated"]}
         print(f"occupancy {name:>6} ({occ[name]['live_blocks']}/{args.occupancy_blocks} blocks live, "
               f"{occ[name]['blocks_read']} read by the busiest decode step): "
               f"{format_bytes(sent)} broadcast per decode step, {sent / occ['allocated']:.2f}x this rank's "

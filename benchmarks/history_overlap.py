@@ -51,7 +51,8 @@ class Chunks:
 
     def gather(self, into: torch.Tensor, layer: int, chunk: int):
         tokens = into.shape[0]
-        return lambda: into.copy_(self.runtime.typed_views(layer)["kv"].view(-1, WIDTH)[chunk * tokens:(chunk + 1) * tokens])
+        rows = self.runtime.typed_views(layer)["kv"].view(-1, WIDTH)[chunk * tokens:(chunk + 1) * tokens]
+        return lambda: into.copy_(rows)
 
     def key(self) -> tuple:
         return (self.layer, self.index)

@@ -128,7 +128,8 @@ def main(argv=None):
     res = run_ranks(worker, 2, args.layers, args.layer_mib, args.repeats, timeout_s=600)[0]
     med = {k: statistics.median(res[k]) for k in ("serial", "overlapped", "transfer")}
     hidden = (med["serial"] - med["overlapped"]) / med["transfer"]
-    print(f"compiled model, {args.layers} layers of {args.layer_mib} MiB, compute {res['compute_per_layer_s']*1e3:.1f} ms/layer")
+    print(f"compiled model, {args.layers} layers of {args.layer_mib} MiB, "
+          f"compute {res['compute_per_layer_s']*1e3:.1f} ms/layer")
     print(f"serial {med['serial']*1e3:.1f} ms  overlapped {med['overlapped']*1e3:.1f} ms  "
           f"transfer {med['transfer']*1e3:.1f} ms  -> hidden fraction {hidden:.3f}")
     write_result("overlap_model", {"layers": args.layers, "layer_bytes": res["layer_bytes"],

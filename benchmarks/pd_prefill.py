@@ -9,11 +9,13 @@ vLLM's MooncakeConnector over TCP on loopback), with the same ``kv_cache_memory_
 then on, for each connector. The workload is what prefix caching is
 for: ``--prefixes`` shared prefixes of ``--prefix-len`` tokens, each of ``--requests`` requests one of
 them (drawn at random, the same sequence for both) plus a short suffix of its own, one request at a
-time, one output token each (a prefill node's work). Reported, off and on: the KV capacity in tokens, vLLM's prefix cache
+time, one output token each (a prefill node's work). Reported, off and on: the KV capacity in tokens, vLLM's prefix
+cache
 hit rate (``vllm:prefix_cache_hits`` over ``vllm:prefix_cache_queries``) and the time to first token,
 per request (on 2 cores, NIXL's own CPU use slows every step of its engines, and the TTFT ratio moved
 between runs: 0.52x and 0.85x with NIXL, 1.85x and 1.38x with Mooncake, the order of the runs swapped;
-the capacity and the hit rates did not). No decode instance reads the KV here: what KVPP changes on a prefill node is how many
+the capacity and the hit rates did not). No decode instance reads the KV here: what KVPP changes on a prefill node is
+how many
 prefixes its cache keeps, and that is measured alone.
 
 The engines run vLLM's default model runner (V2, its Triton kernels under Triton's interpreter), eagerly

@@ -65,7 +65,8 @@ def rows() -> list[tuple[str, str, str]]:
                 f"{cap['vllm_tiny_compact_kv_memory_bytes'] // 2**20} MiB: "
                 f"{cap['vllm_tiny_compact']['compact']['measured_ratio']:.3f}x with compact slots of "
                 f"{cap['vllm_tiny_compact']['compact']['slot_blocks']} blocks (max model length "
-                f"{cap['vllm_tiny_compact']['max_model_len']}, token budget {cap['vllm_tiny_compact']['token_budget']}: "
+                f"{cap['vllm_tiny_compact']['max_model_len']}, token budget "
+                f"{cap['vllm_tiny_compact']['token_budget']}: "
                 "what vLLM runs on CPU_MLA), "
                 f"{cap['vllm_tiny_compact']['whole_layer']['measured_ratio']:.3f}x with whole-layer slots", "same"))
     defaults = cap["vllm_tiny_defaults"]
@@ -73,8 +74,10 @@ def rows() -> list[tuple[str, str, str]]:
                 f"{cap['vllm_tiny_defaults_kv_memory_bytes'] // 2**20} MiB, real allocator",
                 f"with MTP {defaults['mtp']['compact']['measured_ratio']:.3f}x, without "
                 f"{defaults['no_mtp']['compact']['measured_ratio']:.3f}x with compact slots of "
-                f"{defaults['mtp']['compact']['slot_blocks']} blocks (max model length {defaults['mtp']['max_model_len']}, "
-                f"token budget {defaults['mtp']['token_budget']}; prefill history streams from the owners); whole-layer "
+                f"{defaults['mtp']['compact']['slot_blocks']} blocks (max model length "
+                f"{defaults['mtp']['max_model_len']}, "
+                f"token budget {defaults['mtp']['token_budget']}; prefill history streams from the owners); "
+                f"whole-layer "
                 f"slots {defaults['mtp']['whole_layer']['measured_ratio']:.3f}x / "
                 f"{defaults['no_mtp']['whole_layer']['measured_ratio']:.3f}x", "same"))
     for model in dict.fromkeys(p["model"] for p in cap["plans"]):
@@ -92,7 +95,8 @@ def rows() -> list[tuple[str, str, str]]:
     ph = _load("vllm_prefill_history")
     chunked, hit = ph["workloads"]["chunked"], ph["workloads"]["prefix_hit"]
     out.append((f"vLLM prefill history, tiny DeepSeek-V3 TP 2, a {chunked['prompt_tokens']}-token prompt in "
-                f"{ph['token_budget']}-token chunks / a {hit['prefix_hit_tokens']}-token prefix hit, KVPP on against off",
+                f"{ph['token_budget']}-token chunks / a {hit['prefix_hit_tokens']}-token prefix hit, KVPP on "
+                f"against off",
                 f"bytes per rank {_mib(max(chunked['bytes_per_rank']))} / {_mib(max(hit['bytes_per_rank']))} "
                 f"({'equal to' if ph['bytes_match_formula'] else 'NOT equal to'} the history read, once per layer; "
                 f"whole-layer slots would move {_mib(chunked['whole_layer_slots_bytes_per_rank'])} / "
@@ -111,10 +115,12 @@ def rows() -> list[tuple[str, str, str]]:
     ho = _load("history_overlap")
     out.append((f"streamed prefill history hidden, a {ho['history_tokens'] // 1024}K-token prefix hit in "
                 f"{ho['chunk_tokens'] // 1024}K-token chunks, {ho['layers']} layers",
-                f"{ho['hidden_fraction']:.3f} as (serial - prefetched) / transfer (goal >= {ho['goal']}; on 2 CPU cores "
+                f"{ho['hidden_fraction']:.3f} as (serial - prefetched) / transfer (goal >= {ho['goal']}; on 2 CPU "
+                f"cores "
                 f"each chunk's gloo launch and the owner's gather, µs on a GPU, are host time it counts); "
                 f"{ho['transfer_not_waited_for']:.3f} of the transfer not waited for; "
-                f"{ho['found_in_flight_per_forward']:.0f} of {ho['chunks_per_forward']} chunks in flight before their call",
+                f"{ho['found_in_flight_per_forward']:.0f} of {ho['chunks_per_forward']} chunks in flight before "
+                f"their call",
                 "`python benchmarks/history_overlap.py`"))
     ro = _load("runtime_overhead")
     out.append((f"runtime cost per layer, no-op transport, {ro['layers']} layers",
@@ -218,7 +224,8 @@ def rows() -> list[tuple[str, str, str]]:
                     f"({pair['capacity_ratio']:.2f}x); prefix cache hit rate {off['hit_rate']:.1%} / "
                     f"{on['hit_rate']:.1%}; median TTFT after the first {pd['prefixes']} requests "
                     f"{off['ttft_warm_s']['median'] * 1e3:.0f} / {on['ttft_warm_s']['median'] * 1e3:.0f} ms "
-                    f"({pair['ttft_warm_ratio']:.2f}x) ({', '.join(on['attention_backends'])}, block {on['block_size']})",
+                    f"({pair['ttft_warm_ratio']:.2f}x) ({', '.join(on['attention_backends'])}, block "
+                    f"{on['block_size']})",
                     "`python benchmarks/pd_prefill.py`"))
     hs = _load("hybrid_steps")
     pr, ps = hs["per_request"], hs["per_step"]
@@ -241,7 +248,8 @@ def rows() -> list[tuple[str, str, str]]:
                 "; ".join(f"{_mib(max(by[('owner', c)]['bytes_per_rank']))} / "
                           f"{_mib(max(by[('broadcast', c)]['bytes_per_rank']))}" for c in contexts)
                 + f" ({contexts[-1] // 1024}k / {contexts[0] // 1024}k: owner {ratio['owner']:.2f}x, broadcast "
-                f"{ratio['broadcast']:.1f}x; owner bytes {'equal' if vo['owner_bytes_match_formula'] else 'DIFFER FROM'}"
+                f"{ratio['broadcast']:.1f}x; owner bytes "
+                f"{'equal' if vo['owner_bytes_match_formula'] else 'DIFFER FROM'}"
                 f" the formula, broadcast {'within' if vo['broadcast_bytes_within_formula'] else 'OUTSIDE'} it)",
                 "`python benchmarks/vllm_owner_mode.py`"))
     off_step = vo["off_decode_step_s"][str(contexts[-1])]

@@ -127,7 +127,8 @@ def measure(layers: int, forwards: int, baseline: str | None, rounds: int) -> tu
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 env = {**os.environ, "PYTHONPATH": os.path.abspath(baseline)}
                 subprocess.run([sys.executable, __file__, "--layers", str(layers),
-                                "--forwards", str(forwards // rounds), "--raw", out.name], env=env, check=True, cwd=HERE)
+                                "--forwards", str(forwards // rounds), "--raw", out.name],
+                               env=env, check=True, cwd=HERE)
                 for key, values in json.loads(Path(out.name).read_text()).items():
                     theirs.setdefault(key, []).extend(values)
     return mine, theirs

@@ -7,7 +7,8 @@ A tiny random DeepSeek-V3 with 16 layers (16 / (8 + 2) = 1.6x the blocks at TP 2
 off and then on, each driven by vLLM's own benchmark client (``vllm bench serve``, whose module runs
 here: the CPU wheel's ``vllm`` script does not start) with more concurrent long-prompt requests than
 KVPP off can hold. The servers run vLLM's default model runner, V2, its Triton kernels under Triton's
-interpreter (``tests/integrations/vllm/serve.py``). Both servers run eagerly in bfloat16 on the platform's MLA backend, so that only
+interpreter (``tests/integrations/vllm/serve.py``). Both servers run eagerly in bfloat16 on the platform's MLA
+backend, so that only
 KVPP differs. Reported, off and on: KV capacity in tokens as vLLM reports it (``vllm:cache_config_info``),
 the most requests running at once and the preemptions (vLLM's ``/metrics``, sampled while the client
 runs), output throughput, TTFT and TPOT medians, and whether the greedy outputs are equal where both

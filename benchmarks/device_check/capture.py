@@ -1,7 +1,8 @@
 """Breakable CUDA-graph capture with KVPP's eager segments, on one GPU.
 
 vLLM's breakable capture (``VLLM_USE_BREAKABLE_CUDAGRAPH``, its default for DeepSeek-V3.2 and GLM-5 class
-models, and what a user may set for any model) ends a CUDA graph at each eager break, runs the break's Python, begins the next graph, and
+models, and what a user may set for any model) ends a CUDA graph at each eager break, runs the break's Python, begins
+the next graph, and
 replays graph segments and breaks in order. KVPP records a target layer's MLA cache write as a break
 (`kvpp_fx.integrations.vllm.attention.model_hooks`), so each replayed step writes through its own slot mapping; a write
 left inside a graph segment replays the capture's.

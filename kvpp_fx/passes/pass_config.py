@@ -66,7 +66,8 @@ class PassConfig:
 class NodeStamp:
     """What the insert pass wrote on a node: its ``role`` ("prefetch", "wait", "enter", "view", "table"
     or "cache_op", a registered op), its layer and layer name, the slot of a kvpp op, the component of a
-    view (the kind of a table), and the spec a registered op matched. In a graph whose layer is a run-time value the layer is
+    view (the kind of a table), and the spec a registered op matched. In a graph whose layer is a run-time value the
+    layer is
     -1 (`layers.RUN_TIME_LAYER`) and the name is the graph input that carries it."""
 
     role: str

@@ -6,7 +6,8 @@ owner rule (`HeadSeparable`, `OwnerLocal` or `RoutesItself` in its `AttentionOpS
 first two kinds gets as its target a routed op (the runtime's `RoutedOp`, which the caller hands the
 pass) that carries the op, the layer and the
 resolved head operands, a `RoutesItself` node stays as it is (its implementation exchanges its own owner
-rows), and each wait gets ``routed=True``. Otherwise the graph is left as it is and serves broadcast mode only: the runtime
+rows), and each wait gets ``routed=True``. Otherwise the graph is left as it is and serves broadcast mode only: the
+runtime
 refuses owner mode at its first wait (`OwnerModeUnsupportedError`), before any byte moves.
 
 Invariants after the pass, for a routed graph:
@@ -98,7 +99,8 @@ def resolve_heads(node: torch.fx.Node, rule: HeadSeparable) -> tuple[tuple[int |
         raise HeadOperandError(f"{node.format_node()}: the head operands disagree on the number of heads "
                                f"({sizes}); a head-separable op's head dimensions must all hold the rank's heads.")
     if len({v.dtype for v, _ in known}) > 1:
-        raise HeadOperandError(f"{node.format_node()}: head operands of dtypes {sorted(str(v.dtype) for v, _ in known)}; "
+        dtypes = sorted(str(v.dtype) for v, _ in known)
+        raise HeadOperandError(f"{node.format_node()}: head operands of dtypes {dtypes}; "
                                "owner mode packs them into one buffer of one dtype.")
     return tuple(heads)
 

@@ -4,7 +4,8 @@ The verifier does not trust the insert pass: it finds the kvpp ops by their over
 registered attention/cache ops by name, with the configuration's `OpMatcher` (the insert pass's
 precedence rule) but not the insert pass's stamps, and checks the graph as it stands. It takes an op's
 layer from the compile's one reading (`GraphLayers`) only while the op still passes the layer argument
-that reading saw; an op a pass added or changed is read again. `GraphFacts` reads the graph once; each check is a small function over it, listed with
+that reading saw; an op a pass added or changed is read again. `GraphFacts` reads the graph once; each check is a
+small function over it, listed with
 its name in `CHECKS`; a failure lists every problem with the check that found it
 (`KVPPGraphVerificationError.checks`):
 
@@ -29,7 +30,8 @@ its name in `CHECKS`; a failure lists every problem with the check that found it
   handles) are read only by waits, and each by the wait of one layer only;
 - ``routing``: owner mode is all or nothing: either no wait is routed and no registered op is a
   `RoutedOp`, or every wait is routed and every registered op of an awaited layer is declared
-  `RoutesItself` (and left as it is) or is a `RoutedOp` of that layer whose rule is its spec's declaration (owner-local, or head-separable with the declared
+  `RoutesItself` (and left as it is) or is a `RoutedOp` of that layer whose rule is its spec's declaration
+  (owner-local, or head-separable with the declared
   head operands, dimensions and output dimension), and an owner-local op's output is read only by
   routed ops of its layer, never as a head operand;
 - ``pieces``: no compiled piece contains a kvpp op or a registered op;

@@ -11,7 +11,8 @@ timeout, issued when the forward begins (`Agreement.issue`) and checked (`Pendin
   have issued collectives that do not pair; they raise `BlockSetMismatchError` at the end, which then
   breaks the runtime (and a collective that never completes is the communicator's watchdog's).
 
-The key travels as one fixed tensor of ``2 * len(key)`` int64 values, ``[key, -key]`` under MAX: afterwards the first half is the group's maximum and the negated second half
+The key travels as one fixed tensor of ``2 * len(key)`` int64 values, ``[key, -key]`` under MAX: afterwards the first
+half is the group's maximum and the negated second half
 its minimum, which are equal exactly when every rank has the same key. Ranks that disagree all raise
 `BlockSetMismatchError`, and where nothing was issued before the check (always on CPU) the runtime stays
 usable: the agreement itself kept the group in step.

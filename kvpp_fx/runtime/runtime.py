@@ -4,7 +4,8 @@ Per forward (``with runtime.forward(has_history): ...``) the graph calls the pla
 ``prefetch(first)``, then ``wait(L)`` and ``prefetch(next)`` per target layer. ``prefetch`` issues the
 layer's broadcast on the calling thread and returns at once; ``wait`` makes the compute stream wait for
 it and returns the layer's turn (`LayerTurn`), whose views attention must read: persistent on the
-owner, the layer's scratch slot elsewhere. A broadcast-mode forward without history moves no bytes. Owner mode (``mode="owner"``):
+owner, the layer's scratch slot elsewhere. A broadcast-mode forward without history moves no bytes. Owner mode
+(``mode="owner"``):
 routed head-separable ops run on each layer's owner over every rank's heads (its turn's `owner_compute`), the
 owner-local ops (the writes) on the owner only. ``mode="auto"`` picks per forward with the cost model,
 and owner mode only for layers known to be routed (`note_routing`); with ``requests=`` each request

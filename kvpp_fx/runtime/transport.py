@@ -16,7 +16,8 @@ Protocol (DESIGN.md, "Runtime"), on every rank of the group, the owner included,
 Invariants. Step 2 orders the broadcast into a slot, and the owner's gather into its own slot, after
 every compute-stream access issued before the prefetch: the previous layer that used the slot, and on
 the owner the writes into its persistent view. The owner of layer k reads its slot for k only through
-that layer's broadcast, never from attention, so the slot is free for the gather on every rank alike. Step 5 orders every compute-stream access issued after the wait (attention's reads and writes,
+that layer's broadcast, never from attention, so the slot is free for the gather on every rank alike. Step 5 orders
+every compute-stream access issued after the wait (attention's reads and writes,
 the owner's next writes) after the broadcast. No step blocks the host on a device; on CPU the gloo work
 runs on gloo's own threads and step 4 is a bounded host wait. Events are reused per slot, so the
 per-layer cost allocates nothing. Where streams and events do nothing (`DeviceAPI.orders_streams` is

@@ -119,7 +119,8 @@ def owner_query(backend: str, query: Any) -> Any:
     if backend != "CUTLASS_MLA":
         return query
     if query.shape[1] > CUTLASS_HEADS:
-        raise ValueError(f"CUTLASS_MLA computes at most {CUTLASS_HEADS} query heads; an owner call has {query.shape[1]}.")
+        raise ValueError(f"CUTLASS_MLA computes at most {CUTLASS_HEADS} query heads; an owner call has "
+                         f"{query.shape[1]}.")
     from vllm.v1.attention.ops.dcp import reserve_query_head_storage
 
     return reserve_query_head_storage(query, CUTLASS_HEADS)

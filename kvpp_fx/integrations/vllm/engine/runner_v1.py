@@ -30,7 +30,8 @@ KIND = "V1"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 ALLOCATOR_MODULE = RUNNER_MODULE  # V1's runner module calls allocate_kv_cache itself
 RUNNER_HOOKS = ("load_model", "initialize_kv_cache", "initialize_kv_cache_tensors", "execute_model", "_model_forward",
-                "_dummy_run", "sample_tokens", "get_kv_cache_spec", "_update_states", "_zero_block_ids", "_init_kv_zero_meta")
+                "_dummy_run", "sample_tokens", "get_kv_cache_spec", "_update_states", "_zero_block_ids",
+                "_init_kv_zero_meta")
 
 
 def is_v1_runner(cls: type) -> bool:

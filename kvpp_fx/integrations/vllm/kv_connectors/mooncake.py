@@ -84,7 +84,8 @@ class KVPPMooncakeWorker(vllm_mooncake.MooncakeConnectorWorker):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         kept = {name: cache for name, cache in kv_caches.items() if self._exposes(name)}
         if not kept:
-            raise KVPPConnectorError("this KVPP rank keeps no layer to register with Mooncake (more ranks than layers).")
+            raise KVPPConnectorError("this KVPP rank keeps no layer to register with Mooncake (more ranks than "
+                                     "layers).")
         # Read here, on the worker's thread, where the engine's plan is current; the sender threads check it.
         owners = {name: owner_rank(type(self).__name__, name) for name in kv_caches}
         self._owned = frozenset(name for name, rank in owners.items() if rank == self.tp_rank)

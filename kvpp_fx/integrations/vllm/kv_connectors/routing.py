@@ -30,5 +30,6 @@ def route_connector(vllm_config: Any) -> None:
     from kvpp_fx.integrations.vllm.kv_connectors.mooncake import MooncakeConnector
     from kvpp_fx.integrations.vllm.kv_connectors.nixl import NixlConnector
 
-    if not (isinstance(connector, type) and issubclass(connector, (ExampleConnector, NixlConnector, MooncakeConnector))):
+    kvpp_connectors = (ExampleConnector, NixlConnector, MooncakeConnector)
+    if not (isinstance(connector, type) and issubclass(connector, kvpp_connectors)):
         raise ValueError(MSG_NOT_KVPP_CONNECTOR.format(name=name, module=module))

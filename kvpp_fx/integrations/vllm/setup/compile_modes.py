@@ -26,7 +26,8 @@ runs with the kvpp ops, or the config was refused with a `ValueError` that says 
 vLLM keys its compile caches (the piece cache of mode 3 and the AOT artifacts of every mode) by the
 config hash, ``additional_config`` included. ``additional_config.kvpp_fx.digest`` is the KVPP pass
 pipeline's source uuid (`kvpp_fx.passes.sources`: every module the passes import, and the drivers that
-configure them), so pieces or artifacts compiled by another kvpp-fx never load. This module imports nothing but the standard library
+configure them), so pieces or artifacts compiled by another kvpp-fx never load. This module imports nothing but the
+standard library
 and that plain module: it runs in vLLM's engine process.
 """
 
