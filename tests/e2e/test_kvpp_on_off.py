@@ -34,7 +34,7 @@ CASES = [
     pytest.param("tiny-sfa", 2, {"graph_mode": "piecewise", "inner": "eager"}, False, id="sfa-tp2-piecewise"),
     pytest.param("tiny-mtp", 2, {"graph_mode": "eager", "speculative": True}, False, id="mtp-tp2-eager-speculative"),
 ]
-# Inductor compiles the pieces in vLLM's mode 2 and mode 3 engines (tests/integrations/vllm/test_vllm.py) and in
+# Inductor compiles the pieces in vLLM's mode 2 and mode 3 engines (tests/integrations/vllm/test_vllm_*.py) and in
 # `test_backend.py`; here the pieces run aot_eager, which keeps the same graphs at a fraction of the time.
 
 

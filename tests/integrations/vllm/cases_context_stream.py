@@ -3,8 +3,8 @@ ranks, without an engine: vLLM's CPU_MLA impl, hooked as a KVPP worker hooks it 
 then `context_stream.hook_impl`), its chunked-context metadata from vLLM's own chunk planner, its CPU
 prefill backend, and a compact-slot runtime over a cache of the impl's shape.
 
-Like `cases_vllm_objects`, `test_vllm.py::test_against_vllm_objects` runs this file in a pytest of its own
-(the name keeps the main run from collecting it); its ranks import vLLM themselves.
+Like the other `cases_*.py` files, `test_vllm_objects.py::test_against_vllm_objects` runs this file in a pytest
+of its own (the name keeps the main run from collecting it); its ranks import vLLM themselves.
 """
 
 from __future__ import annotations
