@@ -64,7 +64,8 @@ def test_report_marks_differing_tokens_and_the_demo_fails(monkeypatch, capsys):
                                            "bytes": 1, "exchanges": 0, "modes": {"broadcast": 1, "owner": 0}}}
         return {"rank": rank, "on": run, "off": dict(run, outputs=[[1, 2, 3]])}
 
-    monkeypatch.setattr(demo, "launch", lambda nproc, options: [rank_result(0, [[1, 2, 4]]), rank_result(1, [[1, 2, 3]])])
+    monkeypatch.setattr(demo, "launch",
+                        lambda nproc, options: [rank_result(0, [[1, 2, 4]]), rank_result(1, [[1, 2, 3]])])
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     args = demo.argparse.Namespace(nproc=2, preset="tiny", mode="eager", inner="eager", kv_memory="1MiB",

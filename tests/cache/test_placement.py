@@ -161,7 +161,8 @@ def test_scratch_blocks_come_from_the_longest_request_and_the_token_budget():
     spec = uniform_spec(61, width=576, block_size=128)
     plan = KVPPPlan.for_requests(spec, 8, max_model_len=131072, token_budget=8192)
     assert (plan.scratch_blocks, plan.request_blocks, plan.compact) == (1088, 1024, True)
-    assert KVPPPlan.for_requests(spec, 8, max_model_len=131072, token_budget=8192, scratch_blocks=50).scratch_blocks == 50
+    assert KVPPPlan.for_requests(spec, 8, max_model_len=131072, token_budget=8192,
+                                 scratch_blocks=50).scratch_blocks == 50
     assert not KVPPPlan.for_requests(spec, 8).compact
     with pytest.raises(ValueError, match="token budget"):
         KVPPPlan.for_requests(spec, 8, max_model_len=4096)

@@ -30,7 +30,8 @@ CASES = [
     pytest.param("tiny", 2, {"graph_mode": "eager"}, True, id="tiny-tp2-eager-and-off"),
     pytest.param("tiny", 4, {"graph_mode": "eager"}, False, id="tiny-tp4-eager"),
     pytest.param("tiny", 4, {"graph_mode": "eager", "pp": 2}, False, id="tiny-tp2xpp2-eager"),
-    pytest.param("tiny", 2, {"graph_mode": "piecewise", "inner": "aot_eager"}, False, id="tiny-tp2-piecewise-aot_eager"),
+    pytest.param("tiny", 2, {"graph_mode": "piecewise", "inner": "aot_eager"}, False,
+                 id="tiny-tp2-piecewise-aot_eager"),
     pytest.param("tiny-sfa", 2, {"graph_mode": "piecewise", "inner": "eager"}, False, id="sfa-tp2-piecewise"),
     pytest.param("tiny-mtp", 2, {"graph_mode": "eager", "speculative": True}, False, id="mtp-tp2-eager-speculative"),
 ]

@@ -174,7 +174,8 @@ def test_a_handle_that_reaches_a_cache_op_is_refused():
     plan = toy.toy_plan(4)
     storage = toy.allocate(plan)
     x, *meta = toy.step_inputs(0, 5, 5)
-    with pytest.raises(UnboundCacheError, match="layer 0: the cache operand is a KVPP cache handle, which holds no bytes"):
+    with pytest.raises(UnboundCacheError,
+                       match="layer 0: the cache operand is a KVPP cache handle, which holds no bytes"):
         toy.ToyMLA(4)(x, toy.runtime_caches(storage, range(4)), *meta)  # not compiled: nothing rebinds
 
 

@@ -435,7 +435,8 @@ MUTATIONS = [
     ("slots", mutate_prefetch_slot, "kvpp_prefetch_L3 uses slot 0 for layer 3"),
     ("outstanding", mutate_two_prefetches_in_flight,
      "kvpp_prefetch_L1 prefetches layer 1 while layer 0's prefetch is still outstanding"),
-    ("outstanding", mutate_prefetch_after_its_wait, "kvpp_wait_L2 waits for layer 2, but the outstanding prefetch is none"),
+    ("outstanding", mutate_prefetch_after_its_wait,
+     "kvpp_wait_L2 waits for layer 2, but the outstanding prefetch is none"),
     ("order", mutate_layers_run_out_of_plan_order, r"prefetches run over layers \[0, 1, 3, 2\]"),
     ("slot_reuse", mutate_late_reader_of_a_reused_slot,
      "kvpp_prefetch_L2 refills slot 0 for layer 2 before the last reader of layer 0"),
@@ -461,7 +462,8 @@ MUTATIONS = [
 ]
 
 
-@pytest.mark.parametrize("check,mutate,message", MUTATIONS, ids=[m[1].__name__.removeprefix("mutate_") for m in MUTATIONS])
+@pytest.mark.parametrize("check,mutate,message", MUTATIONS,
+                         ids=[m[1].__name__.removeprefix("mutate_") for m in MUTATIONS])
 def test_verifier_mutation(check, mutate, message):
     gm, config = mutate()
     with pytest.raises(KVPPGraphVerificationError, match=message) as err:
@@ -485,7 +487,8 @@ def test_verifier_rejects_cache_ops_in_a_compiled_piece():
     verify_graph(gm, CONFIG, split.pieces)
     eager = next(p for p in split.pieces if p.is_eager)
     disguised = Piece(eager.name, eager.index, False, eager.graph_module)
-    with pytest.raises(KVPPGraphVerificationError, match=f"compiled piece {eager.name} contains kvpp or cache ops") as err:
+    with pytest.raises(KVPPGraphVerificationError,
+                       match=f"compiled piece {eager.name} contains kvpp or cache ops") as err:
         verify_graph(gm, CONFIG, [disguised])
     assert err.value.checks == {"pieces"}
 

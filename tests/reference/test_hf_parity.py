@@ -74,7 +74,8 @@ def test_logits_match_huggingface(checkpoint, tp):
 
 
 def test_moe_configs_are_refused_clearly():
-    with pytest.raises(UnsupportedModelConfigError, match=r"first_k_dense_replace \(3\) must be >= num_hidden_layers \(61\)"):
+    with pytest.raises(UnsupportedModelConfigError,
+                       match=r"first_k_dense_replace \(3\) must be >= num_hidden_layers \(61\)"):
         RefConfig.from_hf_config({"num_hidden_layers": 61, "first_k_dense_replace": 3, "n_routed_experts": 256})
     with pytest.raises(UnsupportedModelConfigError, match="rope_type 'longrope'"):
         RefConfig(rope_parameters={"rope_type": "longrope"})

@@ -32,7 +32,8 @@ def staggered_prompts(vocab: int) -> list[list[int]]:
     """A 120-token prompt, then an unrelated 60-token one, whose prefill chunks run next to the first's
     decodes over its whole history."""
     gen = torch.Generator().manual_seed(11)
-    return [torch.randint(0, vocab, (120,), generator=gen).tolist(), torch.randint(0, vocab, (60,), generator=gen).tolist()]
+    return [torch.randint(0, vocab, (120,), generator=gen).tolist(),
+            torch.randint(0, vocab, (60,), generator=gen).tolist()]
 
 
 WORKLOADS = {"shared_prefix": shared_prefix_prompts, "staggered": staggered_prompts}

@@ -52,7 +52,8 @@ def test_equal_keys_agree_and_the_tensor_is_reused():
 
 
 @pytest.mark.parametrize("peer,named", [
-    (AgreementKey(ForwardPath.WHOLE_LAYERS, query_tokens=-1), ["history and path", "active-block count", "active-block set"]),
+    (AgreementKey(ForwardPath.WHOLE_LAYERS, query_tokens=-1),
+     ["history and path", "active-block count", "active-block set"]),
     (AgreementKey(ForwardPath.ACTIVE_BLOCKS, 3, (1 << 61) + 12346, -1), ["active-block set"]),
     (AgreementKey(ForwardPath.ACTIVE_BLOCKS, 4, (1 << 61) + 12345, -1), ["active-block count"]),
     (AgreementKey(ForwardPath.ACTIVE_BLOCKS, 3, (1 << 61) + 12345, 7), ["query tokens"]),

@@ -451,7 +451,8 @@ def test_a_layers_exchange_does_not_queue_behind_the_next_layers_broadcast(own_g
     finish = queued_finish_times(log)
     exchanges = [i for i, (kind, _) in enumerate(log) if kind == "gather"]
     assert len(exchanges) == 4, log
-    groups = {group for kind, group in log if kind != "broadcast"}, {group for kind, group in log if kind == "broadcast"}
+    groups = ({group for kind, group in log if kind != "broadcast"},
+              {group for kind, group in log if kind == "broadcast"})
     queued = [i for i in exchanges if finish[i] - i > 10]  # finished long after it was issued
     if own_group:
         assert not groups[0] & groups[1] and queued == [], (log, finish)

@@ -86,7 +86,8 @@ def test_every_rank_reads_the_owners_bytes(world, tp, pp):
                 assert record["bytes"] == len(stage_layers) * bytes_per_layer
         with_history = sum(1 for f in range(forwards) if f % 3)
         assert res["stats"]["bytes"] == with_history * len(stage_layers) * bytes_per_layer
-        assert all(v == {"broadcasts": with_history, "exchanges": 0, "context_chunks": 0, "bytes": with_history * bytes_per_layer}
+        assert all(v == {"broadcasts": with_history, "exchanges": 0, "context_chunks": 0,
+                         "bytes": with_history * bytes_per_layer}
                    for v in res["stats"]["per_layer"].values())
         # each rank keeps only its own layers, plus two scratch buffers
         assert res["stats"]["persistent_layers"] == res["owned"]
@@ -323,7 +324,8 @@ def test_an_aborted_forward_never_yields_wrong_bytes_later(mode):
     for rank, res in enumerate(results):
         assert res["wrong"] == [], res
         for outcomes in res["outcomes"]:
-            assert set(outcomes) <= {"exact", "broken", "failed:TransferTimeoutError", "failed:TransferFailedError"}, outcomes
+            assert set(outcomes) <= {"exact", "broken", "failed:TransferTimeoutError",
+                                     "failed:TransferFailedError"}, outcomes
             assert outcomes[-1] == "broken"  # every rank ends up refusing: the group is out of step
     if mode == "after-first":  # every rank issued a broadcast and raised: all broken at once
         assert all(o == ["broken"] * 3 for res in results for o in res["outcomes"])

@@ -177,8 +177,8 @@ def mla_metadata(batch: Any, num_decodes: int, device: str = "meta") -> Any:
     table = torch.empty((n, width), dtype=torch.int32, device=device)
     decode = prefill = None
     if num_decodes:
-        decode = MLACommonDecodeMetadata(table[:num_decodes], torch.empty(num_decodes, dtype=torch.int32, device=device),
-                                         None)
+        decode = MLACommonDecodeMetadata(table[:num_decodes],
+                                         torch.empty(num_decodes, dtype=torch.int32, device=device), None)
     if num_decodes < n:
         prefill = MLACommonPrefillMetadata(table[num_decodes:], torch.empty(n - num_decodes + 1, dtype=torch.int32,
                                                                             device=device),

@@ -96,7 +96,8 @@ def breakable_env():
 
 
 @pytest.mark.parametrize("architecture", ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"])
-def test_models_that_default_to_breakable_graphs_resolve_to_piecewise_on_vllms_defaults(architecture, breakable_env, caplog):
+def test_models_that_default_to_breakable_graphs_resolve_to_piecewise_on_vllms_defaults(architecture, breakable_env,
+                                                                                        caplog):
     from vllm.config import CUDAGraphMode
 
     from kvpp_fx.integrations.vllm.setup.compile_modes import MSG_LOWERED, Requested, configure_compilation

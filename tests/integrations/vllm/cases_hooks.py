@@ -139,7 +139,8 @@ def test_kvpp_workers_make_their_groups_before_vllm_measures_memory(monkeypatch)
 
 
 @pytest.mark.parametrize("block_size,kernel", [(128, 64), (64, 64)])
-def test_a_block_size_the_backend_splits_into_kernel_blocks_is_refused_before_allocation(block_size, kernel, monkeypatch):
+def test_a_block_size_the_backend_splits_into_kernel_blocks_is_refused_before_allocation(block_size, kernel,
+                                                                                         monkeypatch):
     """FlashMLA reads 64-token kernel blocks; vLLM splits larger cache blocks into them, and its metadata
     tables then hold kernel block ids, which KVPP's positions and remapped tables do not count."""
     from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend

@@ -178,7 +178,8 @@ def flashmla_interface():
         calls.append(h_q)
         assert out is None or out.shape == (b, s_q, h_q, head_dim_v)
         out = torch.zeros(b, s_q, h_q, head_dim_v, dtype=q.dtype) if out is None else out.zero_()
-        return out, torch.zeros(b, h_q, s_q), torch.zeros(1, 8, dtype=torch.int32), torch.zeros(b + 1, dtype=torch.int32)
+        return (out, torch.zeros(b, h_q, s_q), torch.zeros(1, 8, dtype=torch.int32),
+                torch.zeros(b + 1, dtype=torch.int32))
 
     interface.flash_mla_cuda = types.SimpleNamespace(dense_decode_fwd=dense_decode_fwd)
     return interface, calls

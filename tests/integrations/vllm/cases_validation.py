@@ -82,7 +82,8 @@ def test_dbo_and_dspark_are_refused_by_name():
     for config, message in ((types.SimpleNamespace(parallel_config=types.SimpleNamespace(use_ubatching=True),
                                                    speculative_config=None), MSG_DBO),
                             (types.SimpleNamespace(parallel_config=plain.parallel_config,
-                                                   speculative_config=types.SimpleNamespace(method="dspark")), MSG_DSPARK)):
+                                                   speculative_config=types.SimpleNamespace(method="dspark")),
+                             MSG_DSPARK)):
         with pytest.raises(ValueError) as err:
             check_execution(config, platform=cpu)
         assert str(err.value) == message

@@ -208,7 +208,8 @@ def nixl_pair(model_dir: str, spec_json: str) -> dict:
     TP 2, ``spec["producer"]`` its LLM arguments) in a process of its own, the decode instance (TP 1,
     ``spec["decode"]``) here. Returns the decode instance's tokens, the prompt tokens it loaded (vLLM's
     ``vllm:external_prefix_cache_hits``), a digest of each of its layers' cache afterwards, the connector
-    errors it logged, and the producer's report; or the decode's error (``error``: its type and message) and the producer's report."""
+    errors it logged, and the producer's report; or the decode's error (``error``: its type and message) and
+    the producer's report."""
     import traceback
 
     spec = json.loads(spec_json)

@@ -200,7 +200,8 @@ def test_mode_3_runs_the_pass_before_vllms_split(owner_runs):
     broadcast = run["phases"]["broadcast"]
     assert broadcast["tokens"] == owner_runs["off"]["tokens"]
     for stats in broadcast["stats"]:
-        assert ("target", tuple(range(NUM_LAYERS))) in {(g["kind"], tuple(g["layers"])) for g in stats["compiled_graphs"]}
+        assert ("target", tuple(range(NUM_LAYERS))) in {(g["kind"], tuple(g["layers"]))
+                                                        for g in stats["compiled_graphs"]}
         assert stats["broadcasts"] == NUM_LAYERS * (stats["forwards"] - 1)
 
 
@@ -238,7 +239,8 @@ def test_triton_mla_decode_rows_go_to_their_owners_with_the_tokens_of_kvpp_off(t
         assert run["tokens"] == reference, name
         for stats in run["stats"]:
             assert stats["attention_backends"] == ["TRITON_MLA"] and stats["model_runner"] == "V2", stats
-            assert stats["owner_blocker"] is None and stats["exchanges"] > 0 and stats["rows"]["owner"] > 0, (name, stats)
+            assert stats["owner_blocker"] is None and stats["exchanges"] > 0 and stats["rows"]["owner"] > 0, \
+                (name, stats)
     assert on["config"]["chunked_prefill"] and on["config"]["prefix_caching"]
     # vLLM's defaults without MTP: at least 1.7x the blocks of KVPP off (MTP: `triton_streamed_runs`)
     assert on["num_blocks"][0] >= 1.7 * off["num_blocks"][0], (on["num_blocks"], off["num_blocks"])

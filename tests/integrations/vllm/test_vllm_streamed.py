@@ -99,8 +99,8 @@ def test_streamed_history_moves_what_it_reads_never_whole_layers(streamed_runs):
     for run in (mtp, plain):  # prefetched: every chunk but each streaming step's first (or each layer's first)
         steps = sum(any(computed > 0 and scheduled > 1 for computed, scheduled in step) for step in run["schedule"])
         for stats in run["stats"]:
-            assert 0 < stats["context_ahead"] and stats["context_chunks"] - steps * NUM_LAYERS <= stats["context_ahead"], \
-                (stats, steps)
+            assert 0 < stats["context_ahead"] and \
+                stats["context_chunks"] - steps * NUM_LAYERS <= stats["context_ahead"], (stats, steps)
             assert stats["context_ahead"] <= stats["context_chunks"] - steps, (stats, steps)
 
 

@@ -134,7 +134,8 @@ def runner_runs(tiny_deepseek):
     v1 = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
     common = {**FP32, **EAGER}
     pcp = {**common, "tensor_parallel_size": 1, "prefill_context_parallel_size": 2}
-    variants = {"v1-off": {"args": common, "env": v1}, "v1-on": {"kvpp": True, "args": common, "env": v1, "fault": FAULT},
+    variants = {"v1-off": {"args": common, "env": v1},
+                "v1-on": {"kvpp": True, "args": common, "env": v1, "fault": FAULT},
                 "pcp-off": {"args": pcp},
                 "pcp-on": {"kvpp": True, "args": pcp, "fault": "tests.support.faults:dropped_broadcast_of_layer_2"}}
     return run_engines(tiny_deepseek, variants)
