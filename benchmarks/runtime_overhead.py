@@ -94,7 +94,7 @@ def worker(rank, world, layers, forwards):
         _forward(rt, True, calls)
     with_history, without, agreement, all_reduce, at_end = [], [], [], [], []
     late = None
-    if hasattr(agreeing.agreement, "issue"):  # the agreement checked at the forward's end (a device's order)
+    if hasattr(agreeing.parts.agreement, "issue"):  # the agreement checked at the forward's end (a device's order)
         late = KVPPRuntime.create(plan, storage, group, device_api=DeviceChecks("cpu"),
                                   agreement_group=create_kvpp_process_groups(kvpp_groups(world, tp=world),
                                                                              backend="gloo"))
@@ -104,14 +104,14 @@ def worker(rank, world, layers, forwards):
         with_history.append(_forward(rt, True, calls) / layers * 1e6)
         without.append(_forward(rt, False, calls) / layers * 1e6)
         start = time.perf_counter()
-        agreeing.agreement.agree(key)
+        agreeing.parts.agreement.agree(key)
         agreement.append((time.perf_counter() - start) * 1e6)
         start = time.perf_counter()
         dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
         all_reduce.append((time.perf_counter() - start) * 1e6)
         if late is not None:
             _forward(late, False, late_calls)
-            at_end.append(late.agreement.last_wait_s * 1e6)
+            at_end.append(late.parts.agreement.last_wait_s * 1e6)
     rt.close(), agreeing.close()
     return {"with_history_us": with_history, "without_history_us": without, "agreement_us": agreement,
             "all_reduce_us": all_reduce, "agreement_wait_at_end_us": at_end}

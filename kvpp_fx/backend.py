@@ -47,7 +47,7 @@ from kvpp_fx.runtime.graph_ops import RoutedOp
 
 logger = logging.getLogger(__name__)
 
-MODES = ("eager", "piecewise")
+GRAPH_MODES = ("eager", "piecewise")  # the graph modes the backend runs; "full" is refused
 DUMP_ENV = "KVPP_DUMP_DIR"
 
 
@@ -176,8 +176,9 @@ class KVPPBackend:
                  first_prefetch: str = "entry", specs: Iterable[AttentionOpSpec] | None = None) -> None:
         if mode == "full":
             raise ValueError(MSG_GRAPH_MODE)
-        if mode not in MODES:
-            raise KVPPBackendError(f"mode must be one of {MODES} (or 'full', which KVPP refuses), got {mode!r}.")
+        if mode not in GRAPH_MODES:
+            raise KVPPBackendError(f"mode must be one of {GRAPH_MODES} (or 'full', which KVPP refuses), "
+                                   f"got {mode!r}.")
         if mode == "eager" and inner != "eager":
             raise KVPPBackendError(
                 f"mode='eager' runs the rewritten graph as is and compiles nothing, so inner={inner!r} would be "

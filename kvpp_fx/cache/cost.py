@@ -46,7 +46,6 @@ class Mode(str, enum.Enum):
 # What a user or a caller of `KVPPRuntime.forward` may ask for; hybrid is an outcome, never asked.
 KVPP_MODES = (Mode.BROADCAST, Mode.OWNER, Mode.AUTO)
 BROADCAST, OWNER, AUTO, HYBRID = Mode.BROADCAST, Mode.OWNER, Mode.AUTO, Mode.HYBRID
-MODES = KVPP_MODES
 
 
 def _check_count(name: str, value: object, minimum: int) -> None:
@@ -251,8 +250,8 @@ def choose_rows(shape: AttentionShape, requests: tuple[RequestRows, ...], mode: 
     the fixed cost of the collectives is shared by the step), then keeps the hybrid only if it beats
     broadcasting everything, collectives included. ``broadcast``: what a broadcast of n blocks moves
     (a `BroadcastCost`, or one block's bytes when there is no whole-layer limit)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    if mode not in KVPP_MODES:
+        raise ValueError(f"mode must be one of {[str(m) for m in KVPP_MODES]}, got {mode!r}.")
     if not isinstance(broadcast, BroadcastCost):
         _check_count("block_bytes", broadcast, minimum=1)
         broadcast = BroadcastCost(broadcast, 1 << 62, 0)

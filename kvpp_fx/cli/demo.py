@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpp_fx.cli.argtypes import non_negative_int, positive_int
-from kvpp_fx.cache.cost import MODES as KVPP_MODES
+from kvpp_fx.cache.cost import KVPP_MODES
 
 GRAPH_MODES = ("eager", "piecewise")  # the backend's; the demo always compiles
 

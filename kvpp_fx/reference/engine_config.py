@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvpp_fx.cache.cost import MODES as KVPP_MODES
+from kvpp_fx.cache.cost import KVPP_MODES
 from kvpp_fx.cache.cost import LinkModel
 
 GRAPH_MODES = ("none", "eager", "piecewise")

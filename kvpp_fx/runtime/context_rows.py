@@ -53,7 +53,7 @@ from kvpp_fx.runtime.errors import ContextStreamError
 if TYPE_CHECKING:
     from kvpp_fx.runtime.collectives import Collectives
     from kvpp_fx.runtime.device import DeviceAPI
-    from kvpp_fx.runtime.layer_route import LayerRoute
+    from kvpp_fx.runtime.layer_place import LayerPlace
     from kvpp_fx.runtime.stats import TransferStats
     from kvpp_fx.runtime.timeline import Timeline
 
@@ -90,9 +90,9 @@ class ChunkPlan(Protocol):
 
 @dataclass
 class InFlight:
-    """The chunk issued ahead (at most one): its layer's route, its chunk, its work and its issue time."""
+    """The chunk issued ahead (at most one): its layer's place, its chunk, its work and its issue time."""
 
-    route: LayerRoute
+    place: LayerPlace
     chunk: AheadChunk
     work: Any
     issued_ns: int
@@ -118,43 +118,43 @@ class ContextRows:
         self.in_flight: InFlight | None = None
         self.issued = 0  # broadcasts issued, ever (a forward that issued any breaks the runtime if it raises)
 
-    def stream(self, route: LayerRoute, rows: torch.Tensor, gather: Callable[[], Any],
-               plan: ChunkPlan | None = None, next_route: LayerRoute | None = None) -> None:
+    def stream(self, place: LayerPlace, rows: torch.Tensor, gather: Callable[[], Any],
+               plan: ChunkPlan | None = None, next_place: LayerPlace | None = None) -> None:
         """Fill ``rows`` with one chunk of the layer's history: from the chunk in flight if it is this
         call's, else ``gather()`` on the owner and one broadcast from it; then issue the next chunk
-        (`plan`), of this layer or of `next_route`'s."""
+        (`plan`), of this layer or of `next_place`'s."""
         if not isinstance(rows, torch.Tensor) or not rows.is_contiguous():
-            raise ContextStreamError(f"layer {route.layer}: a history chunk streams into one contiguous buffer, got "
+            raise ContextStreamError(f"layer {place.layer}: a history chunk streams into one contiguous buffer, got "
                                      f"{type(rows).__name__} {tuple(getattr(rows, 'shape', ()))}.")
         if self.collectives is None:  # a group of one: the owner gathers, nothing moves
-            self._gather(route, gather)
-            self.stats.record_context(route.position, 0)
+            self._gather(place, gather)
+            self.stats.record_context(place.position, 0)
             return
         flight, self.in_flight = self.in_flight, None
         if flight is None:
-            self._gather(route, gather)
+            self._gather(place, gather)
             start = time.perf_counter_ns()
             self.issued += 1
-            self.collectives.run(lambda: self.api.broadcast(rows, route.src, self.group), STREAMED, route.layer)
-            self._record(route, rows, start)
+            self.collectives.run(lambda: self.api.broadcast(rows, place.src, self.group), STREAMED, place.layer)
+            self._record(place, rows, start)
         else:
-            self._check(flight, route, rows, plan)
+            self._check(flight, place, rows, plan)
             self._complete(flight)
             if not self._adopted(flight, rows, plan):
                 self.api.copy(rows, flight.chunk.rows)
-            self._record(route, rows, flight.issued_ns, ahead=True)
+            self._record(place, rows, flight.issued_ns, ahead=True)
         if plan is not None:
-            self._issue_ahead(route, plan, next_route)
+            self._issue_ahead(place, plan, next_place)
 
-    def _check(self, flight: InFlight, route: LayerRoute, rows: torch.Tensor, plan: ChunkPlan | None) -> None:
+    def _check(self, flight: InFlight, place: LayerPlace, rows: torch.Tensor, plan: ChunkPlan | None) -> None:
         """The chunk in flight must be this call's; otherwise it completes, and the runtime breaks."""
         chunk = flight.chunk
-        if (chunk.layer != route.layer or plan is None or chunk.key != plan.key()
+        if (chunk.layer != place.layer or plan is None or chunk.key != plan.key()
                 or chunk.rows.shape != rows.shape or chunk.rows.dtype != rows.dtype):
             self._complete(flight)
             what = "a call without its chunk plan" if plan is None else f"rows {tuple(rows.shape)}"
             raise self.collectives.health.broken_by(ContextStreamError(
-                f"layer {route.layer}: the history chunk issued ahead (layer {chunk.layer}, rows "
+                f"layer {place.layer}: the history chunk issued ahead (layer {chunk.layer}, rows "
                 f"{tuple(chunk.rows.shape)}) is not the one this call reads ({what}, other arguments); "
                 "its rows would be another chunk's."))
 
@@ -169,18 +169,18 @@ class ContextRows:
         self.buffer = former
         return True
 
-    def _issue_ahead(self, route: LayerRoute, plan: ChunkPlan, next_route: LayerRoute | None) -> None:
+    def _issue_ahead(self, place: LayerPlace, plan: ChunkPlan, next_place: LayerPlace | None) -> None:
         workspace = plan.workspace
         buffer = self.buffer
         if buffer is None or buffer.shape != workspace.shape or buffer.dtype != workspace.dtype \
                 or buffer.device != workspace.device:
             buffer = self.buffer = torch.empty_like(workspace)
-        chunk = plan.ahead(buffer, next_route.layer if next_route is not None else None)
+        chunk = plan.ahead(buffer, next_place.layer if next_place is not None else None)
         if chunk is None:
             return
-        target = route if chunk.layer == route.layer else next_route
+        target = place if chunk.layer == place.layer else next_place
         if target is None or chunk.layer != target.layer:
-            raise ContextStreamError(f"layer {route.layer}: a chunk of layer {chunk.layer} was planned ahead, which "
+            raise ContextStreamError(f"layer {place.layer}: a chunk of layer {chunk.layer} was planned ahead, which "
                                      "is neither this layer nor the next.")
         self._gather(target, chunk.gather)
         start = time.perf_counter_ns()
@@ -202,38 +202,38 @@ class ContextRows:
         """The compute stream waits for the chunk in flight (on CPU, the host, bounded)."""
         start = time.perf_counter_ns() if self.timeline is not None else 0
         if self.side_stream is None:
-            self.collectives.complete(flight.work, STREAMED, flight.route.layer)
+            self.collectives.complete(flight.work, STREAMED, flight.place.layer)
         else:
             with self.api.stream(self.side_stream):
-                self.collectives.complete(flight.work, STREAMED, flight.route.layer)
+                self.collectives.complete(flight.work, STREAMED, flight.place.layer)
                 self._done.record(self.side_stream)
             self.api.current_stream().wait_event(self._done)
         if self.timeline is not None:  # what the chunk's call waited for it: the transfer not hidden
-            self.timeline.add(f"history wait L{flight.route.layer}", "history wait", start, time.perf_counter_ns(),
-                              layer=flight.route.layer)
+            self.timeline.add(f"history wait L{flight.place.layer}", "history wait", start, time.perf_counter_ns(),
+                              layer=flight.place.layer)
 
-    def _gather(self, route: LayerRoute, gather: Callable[[], Any]) -> None:
-        if not route.owned:
+    def _gather(self, place: LayerPlace, gather: Callable[[], Any]) -> None:
+        if not place.owned:
             return
         try:
             gather()
         except Exception as exc:
-            failure = ContextStreamError(f"layer {route.layer}: the owner's gather of a history chunk failed "
+            failure = ContextStreamError(f"layer {place.layer}: the owner's gather of a history chunk failed "
                                          f"({type(exc).__name__}: {exc}); the other ranks wait for it in vain.")
             if self.collectives is not None:
                 self.collectives.health.broken_by(failure)
             raise failure from exc
 
-    def _record(self, route: LayerRoute, rows: torch.Tensor, start: int, ahead: bool = False) -> None:
+    def _record(self, place: LayerPlace, rows: torch.Tensor, start: int, ahead: bool = False) -> None:
         nbytes = rows.numel() * rows.element_size()
-        self.stats.record_context(route.position, nbytes, ahead)  # as a slot's broadcast: its payload, on every rank
+        self.stats.record_context(place.position, nbytes, ahead)  # as a slot's broadcast: its payload, on every rank
         if self.timeline is not None:
-            self.timeline.add(f"history L{route.layer}", "history", start, time.perf_counter_ns(),
-                              track="kvpp history stream", layer=route.layer, bytes=nbytes, owner=route.src)
+            self.timeline.add(f"history L{place.layer}", "history", start, time.perf_counter_ns(),
+                              track="kvpp history stream", layer=place.layer, bytes=nbytes, owner=place.src)
 
     def finish(self) -> None:
         """A forward ends: a chunk still in flight (its call never came) completes on the host, bounded;
         its failure has broken the runtime."""
         flight, self.in_flight = self.in_flight, None
         if flight is not None:
-            self.collectives.complete_on_host(flight.work, STREAMED, flight.route.layer)
+            self.collectives.complete_on_host(flight.work, STREAMED, flight.place.layer)

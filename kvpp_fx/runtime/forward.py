@@ -50,7 +50,7 @@ from kvpp_fx.runtime.errors import (
 from kvpp_fx.runtime.owner_exchange import OwnerExchange
 from kvpp_fx.runtime.packed_tables import PackedTables
 from kvpp_fx.runtime.parts import ForwardParts
-from kvpp_fx.runtime.path import ChosenPath, PathFacts, Step, choose_path
+from kvpp_fx.runtime.path import ChosenPath, PathFacts, ForwardArguments, choose_path
 from kvpp_fx.runtime.pending import check_flag, folded
 from kvpp_fx.runtime.protocol import ProtocolState, locate, refuse
 from kvpp_fx.runtime.transport import BroadcastInFlight
@@ -59,14 +59,14 @@ from kvpp_fx.schedule import WAIT
 
 
 class Forward:
-    def __init__(self, parts: ForwardParts, step: Step, facts: PathFacts, number: int = 0,
+    def __init__(self, parts: ForwardParts, arguments: ForwardArguments, facts: PathFacts, number: int = 0,
                  on_turn: Callable[[LayerTurn], None] | None = None) -> None:
         self.parts = parts  # everything else of the runtime a forward reads
         self.number = number  # the runtime's count of forwards, this one included
         self.on_turn = on_turn  # handed each turn as its wait opens it
         self.immediate_checks = parts.api.immediate_checks
         self.protocol = ProtocolState(parts.schedule)
-        self.step = step
+        self.arguments = arguments  # what the caller of ``runtime.forward`` asked for
         self.facts = facts
         self.path: ChosenPath | None = None
         self.active: PackedBlocks | None = None
@@ -85,7 +85,7 @@ class Forward:
     def begin(self) -> ChosenPath:
         """Everything this forward moves is decided, prepared and agreed on here, before any byte moves;
         returns the path, which the forward keeps to the end."""
-        path = self.path = choose_path(self.step, self.facts)
+        path = self.path = choose_path(self.arguments, self.facts)
         parts = self.parts
         if path.exchanges:
             local_heads = parts.attention.split(parts.group_size) if parts.attention is not None else None
@@ -100,7 +100,7 @@ class Forward:
             self._agreement = parts.agreement.issue(AgreementKey.of(path, self.active))
         rows = None
         if path.rows is not None:
-            rows = {mode: path.rows.rows(mode, self.step.requests) for mode in (BROADCAST, OWNER)}
+            rows = {mode: path.rows.rows(mode, self.arguments.requests) for mode in (BROADCAST, OWNER)}
         parts.stats.begin_forward(path.has_history, path.mode, path.choice, rows)
         self._broadcasts = path.broadcasts
         self._checks_exchanges = path.rows is not None and self.exchange is not None
@@ -109,17 +109,17 @@ class Forward:
     # --- per layer: prefetch, wait ------------------------------------------------------------------
 
     def prefetch(self, layer: int, slot: int) -> None:
-        timeline = self.parts.timeline
+        parts = self.parts
+        timeline = parts.timeline
         start = time.perf_counter_ns() if timeline is not None else 0
         if self._agreement is not None and self.immediate_checks:
             self._agreed()
         position = self.protocol.prefetch(layer, slot)
         if self._broadcasts:
             self.issued += 1  # counted first: a failure while issuing may have left a peer's half pending
-            parts = self.parts
-            self._flight = parts.transport.issue_layer(parts.routes[position], self.active, parts.storage,
-                                                       parts.timeline is not None)
-            if not self.parts.overlap:
+            self._flight = parts.transport.issue_layer(parts.places[position], self.active, parts.storage,
+                                                       timeline is not None)
+            if not parts.overlap:
                 self._complete()
         if timeline is not None:
             timeline.add(f"prefetch L{layer}", "prefetch", start, time.perf_counter_ns(), layer=layer, slot=slot,
@@ -134,17 +134,15 @@ class Forward:
             raise self._failed(OwnerModeUnsupportedError.unrouted(layer))
         position = self.protocol.wait(layer, slot)
         if self._checks_exchanges and position > 0:
-            self._check_exchanged(parts.routes[position - 1].layer)
-        self._complete()
+            self._check_exchanged(parts.places[position - 1].layer)
+        if self._flight is not None:
+            self._complete()
         if timeline is not None:
             timeline.add(f"wait L{layer}", "wait", start, time.perf_counter_ns(), layer=layer)
-        route, routes = parts.routes[position], parts.routes
-        ahead = self.step.history_ahead and position + 1 < len(routes)
-        self._turn = LayerTurn(route, self.path, None if route.owned else self._tables, self.exchange,
-                               parts.context_rows, self._before_exchange, routes[position + 1] if ahead else None)
+        turn = self._turn = parts.turns[position].open(self)
         if self.on_turn is not None:
-            self.on_turn(self._turn)
-        return self._turn
+            self.on_turn(turn)
+        return turn
 
     def enter_layer(self, layer: int, routed: bool) -> LayerTurn | None:
         """The schedule's entry for `layer` (`LayerSchedule.entry`), whose first prefetch follows what this
@@ -174,14 +172,14 @@ class Forward:
         flight, self._flight = self._flight, None
         if flight is None:
             return
-        route, parts = flight.route, self.parts
-        parts.transport.complete(route.layer, route.slot, flight.work, flight.arrived)
-        parts.stats.record(route.position, flight.nbytes)
+        place, parts = flight.place, self.parts
+        parts.transport.complete(place.layer, place.slot, flight.work, flight.arrived)
+        parts.stats.record(place.position, flight.nbytes)
         if flight.arrived is not None and self.immediate_checks and not self.active.layer_arrived():
-            raise self._mispaired(route.layer)
+            raise self._mispaired(place.layer)
         if parts.timeline is not None:
-            parts.timeline.add(f"broadcast L{route.layer}", "broadcast", flight.issued_ns, time.perf_counter_ns(),
-                              track="kvpp transfer stream", layer=route.layer, bytes=flight.nbytes, src=route.src)
+            parts.timeline.add(f"broadcast L{place.layer}", "broadcast", flight.issued_ns, time.perf_counter_ns(),
+                              track="kvpp transfer stream", layer=place.layer, bytes=flight.nbytes, src=place.src)
 
     def _agreed(self) -> None:
         """The agreement issued in `begin` completed and every rank's key is this rank's."""
@@ -190,7 +188,8 @@ class Forward:
 
     # --- inside a layer's turn ---------------------------------------------------------------------
 
-    def _before_exchange(self, turn: LayerTurn) -> None:
+    def before_exchange(self, turn: LayerTurn) -> None:
+        """A turn's exchange is about to issue: the turn is still the open one, the ranks agreed."""
         if turn is not self._turn:  # kept past the next layer's wait, or the forward's end
             raise OwnerRoutingError.outside_turn(turn.layer, self._turn.layer if self._turn is not None else None)
         if self._agreement is not None and self.immediate_checks:  # gloo aborts on a collective of another size
@@ -241,8 +240,8 @@ class Forward:
                 raise self._failed(SkippedLayerError(
                     f"the forward ended without awaiting layers {unawaited}; every target layer must be "
                     "awaited once per forward."))
-            if self._checks_exchanges and self.parts.routes:
-                self._check_exchanged(self.parts.routes[-1].layer)
+            if self._checks_exchanges and self.parts.places:
+                self._check_exchanged(self.parts.places[-1].layer)
         finally:
             self._settle(self.parts.context_rows.finish, propagate=False)  # a chunk left in flight by a raise
             self._turn = None  # it refers back to this forward
@@ -267,7 +266,7 @@ class Forward:
         failure breaks the runtime, which is closing anyway)."""
         flight, self._flight = self._flight, None
         if flight is not None:
-            self._settle(lambda: self.parts.transport.complete_on_host(flight.route.layer, flight.work),
+            self._settle(lambda: self.parts.transport.complete_on_host(flight.place.layer, flight.work),
                          propagate=False)
         self._settle(self.parts.context_rows.finish, propagate=False)
 
@@ -279,8 +278,8 @@ class Forward:
     def _complete_on_host(self) -> None:
         flight, self._flight = self._flight, None
         if flight is not None:
-            self.parts.transport.complete_on_host(flight.route.layer, flight.work)
-            self.parts.stats.record(flight.route.position, flight.nbytes)
+            self.parts.transport.complete_on_host(flight.place.layer, flight.work)
+            self.parts.stats.record(flight.place.position, flight.nbytes)
 
     @staticmethod
     def _settle(complete: Callable[[], None], propagate: bool) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from kvpp_fx import ops
 from kvpp_fx.arguments import Location, read_arg, write_arg
+from kvpp_fx.cache.cost import Mode
 from kvpp_fx.runtime.current import active_runtime, current_runtime
 from kvpp_fx.runtime.errors import OwnerRoutingError
 from kvpp_fx.runtime.owner_exchange import HeadRule
@@ -193,8 +194,8 @@ class RoutedOp:
                 f"query tokens and {like.shape[0]} token rows; the forward names {len(paths)} requests. A hybrid "
                 "forward cuts the call by request, so they must agree.")
         starts = [sum(lens[:k]) for k in range(len(lens))]
-        owner = [k for k, path in enumerate(paths) if path == "owner"]
-        local = [k for k, path in enumerate(paths) if path != "owner"]
+        owner = [k for k, path in enumerate(paths) if path == Mode.OWNER]
+        local = [k for k, path in enumerate(paths) if path != Mode.OWNER]
         device = query_lens.device
         owner_tokens = torch.tensor([t for k in owner for t in range(starts[k], starts[k] + lens[k])],
                                     dtype=torch.long, device=device)

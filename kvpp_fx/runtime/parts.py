@@ -1,4 +1,4 @@
-"""What every forward of a runtime works with: each target layer's route, and the runtime's parts.
+"""What every forward of a runtime works with: each target layer's place and turn, and the runtime's parts.
 
 Both are built once per runtime (`ForwardParts.assemble`) and handed to each `Forward`, which reads
 nothing else of the runtime.
@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from kvpp_fx.runtime.agreement import Agreement
 from kvpp_fx.runtime.context_rows import ContextRows
-from kvpp_fx.runtime.layer_route import LayerRoute
+from kvpp_fx.runtime.layer_place import LayerPlace
 from kvpp_fx.runtime.pending import PendingChecks
 from kvpp_fx.runtime.stats import TransferStats
+from kvpp_fx.runtime.turn import LayerTurn
 from kvpp_fx.schedule import LayerSchedule
 from kvpp_fx.topology import group_timeout
 
@@ -35,7 +36,7 @@ class ForwardParts:
     """What every forward of a runtime works with, built once by the runtime and handed to each."""
 
     schedule: LayerSchedule
-    routes: tuple[LayerRoute, ...]
+    places: tuple[LayerPlace, ...]
     storage: CacheStorage
     api: DeviceAPI
     transport: BroadcastTransport | None  # None for a group of one
@@ -50,14 +51,15 @@ class ForwardParts:
     exchange_group: dist.ProcessGroup | None  # owner mode's gathers and scatters: `group`'s ranks, its own communicator
     checks: PendingChecks  # a device's checks of earlier forwards, read later
     context_rows: ContextRows  # prefill history streamed from each layer's owner, inside its turn
+    turns: tuple[LayerTurn, ...]  # each target layer's, re-opened by each forward's wait of the layer
 
     @classmethod
     def assemble(cls, plan: Any, storage: CacheStorage, group: Any, rank: int, api: DeviceAPI, health: Health,
                  transport: BroadcastTransport | None, timeline: Timeline | None, overlap: bool, agreement_group: Any,
                  attention: AttentionShape | None, exchange_group: Any) -> ForwardParts:
-        """A runtime's parts: each target layer's route, the agreement (on `agreement_group` when given,
+        """A runtime's parts: each target layer's place, the agreement (on `agreement_group` when given,
         host-side), the counters and the pending checks."""
-        routes = tuple(layer_route(plan, storage, group, rank, layer, k) for k, layer in enumerate(plan.target_layers))
+        places = tuple(layer_place(plan, storage, group, rank, layer, k) for k, layer in enumerate(plan.target_layers))
         agreement = None
         if transport is not None:
             agreement = Agreement(api, transport.collectives, agreement_group if agreement_group is not None else group,
@@ -66,8 +68,10 @@ class ForwardParts:
         exchange_group = exchange_group if exchange_group is not None else group
         context_rows = ContextRows(api, transport.collectives if transport is not None else None, exchange_group,
                                    plan.group_size, stats, timeline)
-        return cls(plan.schedule(), routes, storage, api, transport, agreement, health, stats, timeline, overlap,
-                   group, plan.group_size, attention, exchange_group, PendingChecks(health), context_rows)
+        turns = tuple(LayerTurn(place, places[k + 1] if k + 1 < len(places) else None, context_rows)
+                      for k, place in enumerate(places))
+        return cls(plan.schedule(), places, storage, api, transport, agreement, health, stats, timeline, overlap,
+                   group, plan.group_size, attention, exchange_group, PendingChecks(health), context_rows, turns)
 
 
 def group_rank(plan: Any, storage: CacheStorage, group: Any, **others: Any) -> int:
@@ -102,8 +106,8 @@ def collective_timeout(timeout: timedelta | float | None, group: Any, device: to
     return timeout
 
 
-def layer_route(plan: Any, storage: Any, group: Any, rank: int, layer: int, position: int) -> LayerRoute:
-    """`layer`'s route on `rank`: its view, its slot, its owner, its sizes."""
+def layer_place(plan: Any, storage: Any, group: Any, rank: int, layer: int, position: int) -> LayerPlace:
+    """`layer`'s place on `rank`: its view, its slot, its owner, its sizes."""
     view = storage.byte_view(layer)
     block_views = tuple(storage.block_views(layer))
     slot, owned = plan.slot(layer), plan.owners[layer] == rank
@@ -111,7 +115,7 @@ def layer_route(plan: Any, storage: Any, group: Any, rank: int, layer: int, posi
     pack_views = tuple(storage.slot_block_views(slot, layer)) if owned and storage.scratch else ()
     src = dist.get_global_rank(group, plan.owners[layer]) if group is not None else 0
     nbytes = storage.num_blocks * plan.bundle_bytes_per_block(layer)  # a whole layer
-    return LayerRoute(layer, position, slot, owned, src, view, nbytes, block_views,
+    return LayerPlace(layer, position, slot, owned, src, view, nbytes, block_views,
                       tuple(v.shape[1] for v in block_views), storage.typed_views(layer), pack_views, (view,))
 
 

@@ -40,8 +40,8 @@ from kvpp_fx.runtime.errors import InvalidBlocksError, OwnerModeUnsupportedError
 
 
 @dataclass(frozen=True)
-class Step:
-    """What a caller of ``runtime.forward`` asked for."""
+class ForwardArguments:
+    """What a caller of ``runtime.forward`` asked for: its arguments, checked."""
 
     has_history: bool
     blocks: Any = None
@@ -72,10 +72,10 @@ class PathFacts:
     layer_bytes: int  # the first layer, whole
 
     @classmethod
-    def of(cls, plan: Any, storage: Any, routes: Sequence[Any], routing: Any, *, alone: bool,
+    def of(cls, plan: Any, storage: Any, places: Sequence[Any], routing: Any, *, alone: bool,
            attention: AttentionShape | None, link: LinkModel, crossover: float) -> PathFacts:
         """A runtime's facts now (the routing changes as graphs compile)."""
-        first = routes[0] if routes else None
+        first = places[0] if places else None
         return cls(alone=alone, group_size=plan.group_size, attention=attention, link=link,
                    has_layers=first is not None, not_known_routed=routing.not_known_routed(),
                    unrouted=routing.unrouted(), compact=plan.compact, crossover=crossover,
@@ -131,7 +131,7 @@ class ChosenPath:
         return self.rows.modes if self.rows is not None else None
 
 
-def choose_path(step: Step, facts: PathFacts) -> ChosenPath:
+def choose_path(step: ForwardArguments, facts: PathFacts) -> ChosenPath:
     mode, has_history, blocks, written, load = step.mode, step.has_history and not facts.alone, step.blocks, \
         step.written, step.load
     rows = choice = None
@@ -155,7 +155,7 @@ def choose_path(step: Step, facts: PathFacts) -> ChosenPath:
     return ChosenPath(mode, has_history, blocks, written, load, rows, choice, pack)
 
 
-def _choose_rows(step: Step, facts: PathFacts) -> tuple[RowChoice, dict[str, Any]]:
+def _choose_rows(step: ForwardArguments, facts: PathFacts) -> tuple[RowChoice, dict[str, Any]]:
     """``requests=``: each request's path by `choose_rows`; the broadcast moves only the broadcast
     requests' blocks, and the owner rows are the forward's load."""
     requests, mode = step.requests, step.mode
@@ -232,9 +232,9 @@ def _packs(facts: PathFacts, has_history: bool, blocks: Any) -> bool:
     return False
 
 
-def step_of(has_history: bool, blocks: Any, written: Any, mode: str, load: StepLoad | None,
-            requests: Sequence[RequestRows] | None, history_ahead: bool = False) -> Step:
-    """A `Step` from ``runtime.forward``'s arguments, checked."""
+def forward_arguments(has_history: bool, blocks: Any, written: Any, mode: str, load: StepLoad | None,
+            requests: Sequence[RequestRows] | None, history_ahead: bool = False) -> ForwardArguments:
+    """``runtime.forward``'s arguments, checked."""
     if mode not in (BROADCAST, OWNER, AUTO):
         raise ValueError(f"mode must be one of {[m.value for m in (BROADCAST, OWNER, AUTO)]}, got {mode!r}.")
     if requests is not None:
@@ -244,4 +244,4 @@ def step_of(has_history: bool, blocks: Any, written: Any, mode: str, load: StepL
         requests = tuple(requests)
         if not all(isinstance(r, RequestRows) for r in requests):
             raise ValueError("requests must be RequestRows.")
-    return Step(bool(has_history), blocks, written, Mode(mode), load, requests, bool(history_ahead))
+    return ForwardArguments(bool(has_history), blocks, written, Mode(mode), load, requests, bool(history_ahead))

@@ -48,7 +48,7 @@ from kvpp_fx.runtime.errors import (
 from kvpp_fx.runtime.forward import Forward
 from kvpp_fx.runtime.packed_tables import PackedTables
 from kvpp_fx.runtime.parts import ForwardParts, Routing, collective_timeout, group_rank
-from kvpp_fx.runtime.path import ChosenPath, PathFacts, step_of
+from kvpp_fx.runtime.path import ChosenPath, PathFacts, forward_arguments
 from kvpp_fx.runtime.health import Health
 from kvpp_fx.runtime.timeline import Timeline
 from kvpp_fx.runtime.transport import BroadcastTransport
@@ -76,8 +76,6 @@ class KVPPRuntime:
         self.health = health
         self.parts = ForwardParts.assemble(plan, storage, group, rank, device_api, health, transport, timeline, overlap,
                                            agreement_group, attention, exchange_group)
-        self.schedule, self.routes, self.agreement = self.parts.schedule, self.parts.routes, self.parts.agreement
-        self.counters, self.checks = self.parts.stats, self.parts.checks
         self._forwards = 0
         self._routing = Routing(plan.target_layers)  # what the engine reported for each layer's compiled graph
         self._forward: Forward | None = None
@@ -214,12 +212,12 @@ class KVPPRuntime:
         self.health.check()
         if self._forward is not None:
             raise NestedForwardError("runtime.forward() is already open.")
-        if self.checks:
-            self.checks.read_ready()  # earlier forwards' device checks that completed; never waits
-        facts = PathFacts.of(self.plan, self.storage, self.routes, self._routing, alone=self.transport is None,
+        if self.parts.checks:
+            self.parts.checks.read_ready()  # earlier forwards' device checks that completed; never waits
+        facts = PathFacts.of(self.plan, self.storage, self.parts.places, self._routing, alone=self.transport is None,
                              attention=self.attention, link=self.link, crossover=self.crossover)
         self._forwards += 1
-        forward = Forward(self.parts, step_of(has_history, blocks, written, mode, load, requests, history_ahead),
+        forward = Forward(self.parts, forward_arguments(has_history, blocks, written, mode, load, requests, history_ahead),
                           facts, self._forwards, on_turn)
         try:
             path = forward.begin()
@@ -271,12 +269,17 @@ class KVPPRuntime:
         """Forwards begun so far: the number `settle` takes."""
         return self._forwards
 
+    @property
+    def pending_checks(self) -> int:
+        """Forwards whose device checks are left to read (`settle`); always 0 on CPU."""
+        return len(self.parts.checks)
+
     def settle(self, upto: int | None = None) -> None:
         """Read what the device checked in the forwards up to number `upto` (None: all), waiting for it
         where it has not finished; raises the check's named error (which broke the runtime) if one
         failed. Call it before using those forwards' results, where the host has waited for the device
         anyway (on CPU nothing is left to read: every check is read where it is computed)."""
-        self.checks.settle(upto)
+        self.parts.checks.settle(upto)
 
     # --- counters and lifetime ---------------------------------------------------------------------
 
@@ -289,14 +292,14 @@ class KVPPRuntime:
         ``last_forward`` ({has_history, mode, broadcasts, exchanges, bytes, layers, choice} or None),
         ``broken`` (the first cause, or None), and the allocation.
         """
-        return self.counters.snapshot(rank=self.rank, allocated_bytes=self.storage.allocated_bytes,
+        return self.parts.stats.snapshot(rank=self.rank, allocated_bytes=self.storage.allocated_bytes,
                                       persistent_layers=list(self.storage.persistent_layers),
                                       scratch_buffers=len(self.storage.scratch), broken=self.health.describe())
 
     def last_forward(self) -> dict[str, Any] | None:
         """What the last completed forward moved: {has_history, mode, broadcasts, exchanges, bytes, layers,
         choice}."""
-        last = self.counters.last
+        last = self.parts.stats.last
         return last.as_dict() if last is not None else None
 
     def close(self) -> None:
@@ -307,7 +310,7 @@ class KVPPRuntime:
         if self._forward is not None:
             self._forward.abandon()
         try:
-            self.checks.settle()  # a failure of the last forwards is reported, not dropped
+            self.parts.checks.settle()  # a failure of the last forwards is reported, not dropped
         except Exception:  # noqa: BLE001 - it broke the runtime, which is closing; Health logged it
             pass
 

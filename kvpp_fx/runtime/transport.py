@@ -42,7 +42,7 @@ from kvpp_fx.runtime.device import DeviceAPI
 if TYPE_CHECKING:
     from kvpp_fx.cache.allocate import CacheStorage
     from kvpp_fx.runtime.active_blocks import PackedBlocks
-    from kvpp_fx.runtime.layer_route import LayerRoute
+    from kvpp_fx.runtime.layer_place import LayerPlace
 
 logger = logging.getLogger(__name__)
 
@@ -51,10 +51,10 @@ BROADCAST = "broadcast of layer %d"
 
 @dataclass(frozen=True)
 class BroadcastInFlight:
-    """A forward's broadcast in flight, built where it is issued: its layer's route, its work handles, its
+    """A forward's broadcast in flight, built where it is issued: its layer's place, its work handles, its
     bytes, a receiver's check of the ids that arrive (packed blocks), its issue time (timeline only)."""
 
-    route: LayerRoute
+    place: LayerPlace
     work: Any
     nbytes: int
     arrived: Callable[[], None] | None
@@ -73,26 +73,26 @@ class BroadcastTransport:
         self._ready = [device_api.new_event() for _ in range(depth)]
         self._done = [device_api.new_event() for _ in range(depth)]
 
-    def issue_layer(self, route: LayerRoute, active: PackedBlocks | None, storage: CacheStorage,
+    def issue_layer(self, place: LayerPlace, active: PackedBlocks | None, storage: CacheStorage,
                     timed: bool) -> BroadcastInFlight | None:
-        """Issue `route`'s layer for a forward: the whole layer (no packed blocks), or the forward's packed
+        """Issue `place`'s layer for a forward: the whole layer (no packed blocks), or the forward's packed
         blocks of it; returns the broadcast in flight, None when the step reads no block with history."""
         arrived = None
         if active is None:  # a whole layer: the owner's persistent bundle into the receivers' slot
-            work = self.issue(route.layer, route.slot, route.whole, route.src)
-            nbytes = route.nbytes
+            work = self.issue(place.layer, place.slot, place.whole, place.src)
+            nbytes = place.nbytes
         elif active.count == 0:
             return None
         else:
-            ids, payload = active.payloads(storage, route.slot, route.layer)
-            if route.owned:
-                pack = functools.partial(active.pack, self.api, route.block_views, route.pack_views, ids)
-                work = self.issue(route.layer, route.slot, payload, route.src, pack)
+            ids, payload = active.payloads(storage, place.slot, place.layer)
+            if place.owned:
+                pack = functools.partial(active.pack, self.api, place.block_views, place.pack_views, ids)
+                work = self.issue(place.layer, place.slot, payload, place.src, pack)
             else:
-                work = self.issue(route.layer, route.slot, payload, route.src)
+                work = self.issue(place.layer, place.slot, payload, place.src)
                 arrived = functools.partial(active.check, ids)
             nbytes = sum(part.numel() for part in payload)
-        return BroadcastInFlight(route, work, nbytes, arrived, time.perf_counter_ns() if timed else 0)
+        return BroadcastInFlight(place, work, nbytes, arrived, time.perf_counter_ns() if timed else 0)
 
     def issue(self, layer: int, slot: int, payload: tuple[torch.Tensor, ...], src: int,
               pack: Callable[[], None] | None = None) -> Any:

@@ -17,7 +17,7 @@ another layer's owner.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -25,63 +25,91 @@ from kvpp_fx.runtime.errors import OwnerRoutingError
 
 if TYPE_CHECKING:
     from kvpp_fx.runtime.context_rows import ChunkPlan, ContextRows
-    from kvpp_fx.runtime.layer_route import LayerRoute
+    from kvpp_fx.runtime.layer_place import LayerPlace
     from kvpp_fx.runtime.owner_exchange import HeadRule, OwnerExchange
     from kvpp_fx.runtime.packed_tables import PackedTables
-    from kvpp_fx.runtime.path import ChosenPath
+    from kvpp_fx.runtime.path import ChosenPath, ForwardArguments
+
+
+class TurnSource(Protocol):
+    """What a turn reads of the forward that opened it (`Forward`)."""
+
+    arguments: ForwardArguments
+    path: ChosenPath
+    exchange: OwnerExchange | None  # None when no row of the forward goes to an owner
+
+    def packed_tables(self) -> PackedTables | None: ...
+
+    def before_exchange(self, turn: LayerTurn) -> None:
+        """The forward's checks before a turn exchanges: the turn is still the open one, the ranks agreed."""
 
 
 class LayerTurn:
-    """A target layer's turn: its route (slot, view, owner), the forward's path, its packed tables, and owner
-    mode's exchange.
+    """A target layer's turn: its place (slot, view, owner) and the forward that opened it last, whose path,
+    packed tables and owner exchange the turn's ops act on.
 
-    A plain class with slots: a forward opens one per target layer, on the host's path of every step."""
+    One per target layer for the runtime's life (FSDP2 keeps its per-group state the same way), built with
+    the layer's place; each forward's wait of the layer re-opens it (`open`), on the host's path of every
+    step. A turn acts only while it is its forward's open turn (`TurnSource.before_exchange`)."""
 
-    __slots__ = ("route", "path", "packed", "exchange", "context_rows", "before_exchange", "history_next")
+    __slots__ = ("place", "next_place", "context_rows", "forward")
 
-    def __init__(self, route: LayerRoute, path: ChosenPath, packed: PackedTables | None,
-                 exchange: OwnerExchange | None, context_rows: ContextRows,
-                 before_exchange: Callable[[LayerTurn], None], history_next: LayerRoute | None = None) -> None:
-        self.route = route
-        self.path = path
-        # the forward's remap to packed slots where this rank reads the layer from one; None for an owned
-        # layer, or a forward that packs nothing
-        self.packed = packed
-        self.exchange = exchange  # None when no row of the forward goes to an owner
-        self.context_rows = context_rows
-        self.before_exchange = before_exchange  # the forward's checks before an exchange: still open, agreed
-        # the next target layer, whose first history chunk may be issued in this turn (``history_ahead``)
-        self.history_next = history_next
+    def __init__(self, place: LayerPlace, next_place: LayerPlace | None, context_rows: ContextRows) -> None:
+        self.place = place
+        self.next_place = next_place  # the next target layer's, None for the last
+        self.context_rows = context_rows  # the runtime's history stream
+        self.forward: TurnSource | None = None
+
+    def open(self, forward: TurnSource) -> LayerTurn:
+        self.forward = forward
+        return self
+
+    @property
+    def history_next(self) -> LayerPlace | None:
+        """The next target layer, whose first history chunk may be issued in this turn, where the forward
+        allows it (``history_ahead``)."""
+        return self.next_place if self.forward.arguments.history_ahead else None
+
+    @property
+    def path(self) -> ChosenPath:
+        """The forward's path: its mode, each request's path, whether it packs."""
+        return self.forward.path
+
+    @property
+    def packed(self) -> PackedTables | None:
+        """The forward's remap to packed slots where this rank reads the layer from one; None for an owned
+        layer, or a forward that packs nothing."""
+        return None if self.place.owned else self.forward.packed_tables()
 
     @property
     def layer(self) -> int:
-        return self.route.layer
+        return self.place.layer
 
     @property
     def view(self) -> torch.Tensor:
         """The bytes attention reads: the persistent cache on the owner, the layer's scratch slot elsewhere."""
-        return self.route.view
+        return self.place.view
 
     @property
     def owned(self) -> bool:
         """Whether this rank owns the layer: in owner mode, it runs the layer's owner-local ops (the writes)."""
-        return self.route.owned
+        return self.place.owned
 
     @property
     def rows_to_owner(self) -> bool:
         """Some rows of the forward (all in owner mode, the owner requests' in a hybrid one) run the layer's
         attention on its owner."""
-        return self.path.owner_tokens > 0
+        return self.forward.path.owner_tokens > 0
 
     @property
     def skips_cache_write(self) -> bool:
         """Every row of the forward goes to the owner and this rank does not own the layer: its writes would
         land in a scratch slot nothing reads."""
-        return self.path.owner and not self.route.owned
+        return self.forward.path.owner and not self.place.owned
 
     def views(self, caches: Sequence[torch.Tensor], components: Sequence[str], op: str) -> list[torch.Tensor]:
         """This rank's views of the layer for a graph's cache operands (by component), checked against them."""
-        views = self.route.typed_views
+        views = self.place.typed_views
         out = []
         for cache, name in zip(caches, components):
             if name not in views:
@@ -98,11 +126,12 @@ class LayerTurn:
         """The block tables and slot mappings the layer's attention reads (rows: the forward's requests in
         order): remapped where this rank reads the layer from its packed slot (`PackedTables.remap`), as
         given elsewhere (an owned layer, a whole-layer broadcast, owner mode)."""
-        if self.packed is None:
+        packed = self.packed
+        if packed is None:
             if len(tables) != len(kinds):
                 raise ValueError(f"layer {self.layer}: {len(tables)} tables but {len(kinds)} table kinds.")
             return list(tables)
-        return self.packed.remap(tables, kinds)
+        return packed.remap(tables, kinds)
 
     def owner_compute(self, rule: HeadRule, heads: Sequence[torch.Tensor],
                       compute: Callable[[list[torch.Tensor]], torch.Tensor],
@@ -111,12 +140,12 @@ class LayerTurn:
         part (`OwnerExchange.compute`). ``rule`` is the op's declaration (its head operands' dimensions,
         token dimensions, output dimension and output-like operand); ``heads`` are this rank's head
         operands; ``output_like`` a tensor shaped as this rank's part of the output, when no head operand is."""
-        self.before_exchange(self)
-        route = self.route
-        if self.exchange is None:
-            raise OwnerRoutingError(f"a head-separable op of layer {route.layer} asked for owner mode's exchange in "
-                                    f"a {self.path.mode}-mode forward.")
-        return self.exchange.compute(route.layer, route.position, route.owned, route.src, rule, heads, compute,
+        forward, place = self.forward, self.place
+        forward.before_exchange(self)
+        if forward.exchange is None:
+            raise OwnerRoutingError(f"a head-separable op of layer {place.layer} asked for owner mode's exchange in "
+                                    f"a {forward.path.mode}-mode forward.")
+        return forward.exchange.compute(place.layer, place.position, place.owned, place.src, rule, heads, compute,
                                      output_like)
 
     def stream_history(self, rows: torch.Tensor, gather: Callable[[], object], plan: ChunkPlan | None = None) -> None:
@@ -124,5 +153,5 @@ class LayerTurn:
         writes it there on the owner, one broadcast brings it to every rank (`ContextRows.stream`). With
         ``plan``, the next chunk (this layer's, or the next layer's first) is issued before this returns,
         and its own call finds it in flight."""
-        self.before_exchange(self)
-        self.context_rows.stream(self.route, rows, gather, plan, self.history_next)
+        self.forward.before_exchange(self)
+        self.context_rows.stream(self.place, rows, gather, plan, self.history_next)

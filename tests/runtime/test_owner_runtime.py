@@ -353,7 +353,7 @@ def late_check_ranks(rank: int, world: int, read_at: str):
         out["forward"] = "returned"
     except E.KVPPRuntimeError as exc:
         out["forward"] = type(exc).__name__
-    out["pending"] = len(rt.checks)
+    out["pending"] = rt.pending_checks
     if not owner_of_1:
         try:
             if read_at == "settle":

@@ -28,7 +28,7 @@ def test_a_turn_is_handed_out_by_its_wait_and_open_until_the_next_wait():
             assert rt.open_turn is None
             turn = rt.wait(0, schedule.slot(0))
             assert (turn.layer, turn.owned, rt.open_turn is turn) == (0, True, True)
-            assert turn.view is rt.view(0) and turn.route.typed_views["kv"] is rt.typed_views(0)["kv"]
+            assert turn.view is rt.view(0) and turn.place.typed_views["kv"] is rt.typed_views(0)["kv"]
             assert (turn.rows_to_owner, turn.skips_cache_write, turn.packed) == (False, False, None)
             with pytest.raises(E.OwnerRoutingError, match="owner mode's exchange in a broadcast-mode forward"):
                 turn.owner_compute(None, [], lambda full: full[0])  # nothing goes to an owner in this forward

@@ -74,7 +74,7 @@ def unlisted_ranks(rank: int, world: int, device: bool, entry: int, read_at: str
         out["step"] = "ok"
     except E.KVPPRuntimeError as exc:
         out["step"] = f"{type(exc).__name__}: {exc}"
-    out["reads"], out["pending"] = detector.reads, len(rt.checks)
+    out["reads"], out["pending"] = detector.reads, rt.pending_checks
     try:
         if read_at == "settle":
             rt.settle()

@@ -253,7 +253,7 @@ class VllmStep:
             end = time.perf_counter()
         # the host waits for the agreement when the forward ends; on a device the layers' work runs while it
         # is in flight (here the layers take no time), so that wait is reported on its own
-        agreement_s = runtime.agreement.last_wait_s if runtime.agreement is not None else 0.0
+        agreement_s = runtime.parts.agreement.last_wait_s if runtime.parts.agreement is not None else 0.0
         return {"host_ms": ((opened - start) + (end - closing) - agreement_s) * 1e3,
                 "agreement_wait_ms": agreement_s * 1e3, "mode": str(runtime.last_forward()["mode"])}
 

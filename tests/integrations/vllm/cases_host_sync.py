@@ -62,7 +62,7 @@ def host_sync_ranks(rank: int, world: int, api_kind: str):
             with detector:
                 out = step.run(lambda: step.batch(computed, query, rows, BLOCK), decodes)
             results[name] = {"path": out["mode"], "reads": detector.reads, "host_waits": api.host_waits,
-                             "pending": len(runtime.checks), "packed": step.state.counters.packed_layers}
+                             "pending": runtime.pending_checks, "packed": step.state.counters.packed_layers}
         except HostSyncError as exc:
             results[name] = {"error": str(exc), "reads": detector.reads}
         runtime.close()
@@ -108,7 +108,7 @@ def test_the_runners_read_a_devices_checks_before_vllm_hands_on_the_tokens():
 
     class Runtime:
         def __init__(self, pending: int, fails: bool = False) -> None:
-            self.checks, self.settled, self.fails, self.forwards, self.upto = [None] * pending, 0, fails, 3, []
+            self.pending_checks, self.settled, self.fails, self.forwards, self.upto = pending, 0, fails, 3, []
 
         def settle(self, upto=None) -> None:
             self.settled += 1

@@ -103,7 +103,7 @@ def settled(state: EngineState, output: Any) -> Any:
     that hands the tokens on, in its output thread; each forward's flag holds every rank's checks. On
     CPU every check was read in the forward and nothing is left."""
     runtime = state.comm.runtime
-    if runtime is None or not len(runtime.checks):
+    if runtime is None or not runtime.pending_checks:
         return output
     upto = runtime.forwards
     get_output = getattr(output, "get_output", None)

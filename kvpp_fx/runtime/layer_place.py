@@ -1,5 +1,5 @@
-"""`LayerRoute`: one target layer as every forward's ops need it (its slot, owner and views), built once
-per runtime by `parts.layer_route`; in a module of its own so that what acts on a route (the transport,
+"""`LayerPlace`: one target layer as every forward's ops need it (its slot, owner and views), built once
+per runtime by `parts.layer_place`; in a module of its own so that what acts on a place (the transport,
 the history stream, the turn) need not import the parts that build it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from kvpp_fx.runtime.active_blocks import Shape
 
 
 @dataclass(frozen=True)
-class LayerRoute:
+class LayerPlace:
     """One target layer as the ops of every forward need it, computed once per runtime."""
 
     layer: int
