@@ -43,10 +43,10 @@ from kvpp_fx.reference.config import PRESETS
 
 REFERENCE_MAX_MODEL_LEN, REFERENCE_BUDGET = 8192, 512
 VLLM_TINY_MAX_MODEL_LEN, VLLM_TINY_BUDGET = 256, 256
-# tests/integrations/vllm/test_vllm.py's compact engines: vLLM CPU sets CPU_MLA's token budget to
+# tests/integrations/vllm/test_vllm_owner.py's compact engines: vLLM CPU sets CPU_MLA's token budget to
 # max(max_model_len, 2048), 64 MiB per rank
 VLLM_TINY_COMPACT_MAX_MODEL_LEN, VLLM_TINY_COMPACT_BUDGET, VLLM_TINY_COMPACT_MEMORY = 768, 2048, 64 << 20
-# tests/integrations/vllm/test_vllm.py's engines of vLLM's defaults (chunked prefill and prefix caching on)
+# tests/integrations/vllm/test_vllm_streamed.py's engines of vLLM's defaults (chunked prefill and prefix caching on)
 VLLM_TINY_DEFAULTS_MAX_MODEL_LEN, VLLM_TINY_DEFAULTS_BUDGET, VLLM_TINY_DEFAULTS_MEMORY = 512, 128, 64 << 20
 DEFAULTS_BACKENDS = ("FLASHMLA", "FLASH_ATTN_MLA")
 PLANS = ("deepseek-v3", "kimi-k2", "deepseek-v3.2-exp")

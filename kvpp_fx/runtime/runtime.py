@@ -217,8 +217,8 @@ class KVPPRuntime:
         facts = PathFacts.of(self.plan, self.storage, self.parts.places, self._routing, alone=self.transport is None,
                              attention=self.attention, link=self.link, crossover=self.crossover)
         self._forwards += 1
-        forward = Forward(self.parts, forward_arguments(has_history, blocks, written, mode, load, requests, history_ahead),
-                          facts, self._forwards, on_turn)
+        arguments = forward_arguments(has_history, blocks, written, mode, load, requests, history_ahead)
+        forward = Forward(self.parts, arguments, facts, self._forwards, on_turn)
         try:
             path = forward.begin()
         except BaseException as exc:
