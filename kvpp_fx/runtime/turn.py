@@ -1,17 +1,19 @@
 """`LayerTurn`: one target layer's turn in a forward, from its wait until the next layer's wait.
 
 `Forward.wait` opens the turn and returns it, through the facade's ``wait`` and ``enter_layer``, to the
-op that waited; a hook below the graph that runs inside the same turn reads it as the forward's open turn
-(`KVPPRuntime.open_turn`). Whatever runs inside the turn acts on it, never on the forward or on the
-runtime: the views of the layer's caches (`views`), its tables remapped to a packed slot (`tables`,
-`packed`), whether this rank owns the layer (`owned`), the forward's path (`path`), whether some of its
-rows go to the owner (`rows_to_owner`) and whether this rank skips the layer's cache write
-(`skips_cache_write`); it sends a head-separable op's rows to the owner (`owner_compute`) and streams a
-chunk of prefill history from the owner (`stream_history`).
+op that waited, and hands it to the forward's listener (``runtime.forward(on_turn=)``), through which code
+below the graph gets it (vLLM's hooks: `integrations.vllm.engine.state.open_turn`); a routed op, a graph
+target nothing can hand it to, reads the forward's open turn (`KVPPRuntime.open_turn`) and checks its layer.
+Whatever runs inside the turn acts on it, never on the forward or on the runtime: the views of the layer's
+caches (`views`), its tables remapped to a packed slot (`tables`, `packed`), whether this rank owns the
+layer (`owned`), the forward's path (`path`), whether some of its rows go to the owner (`rows_to_owner`)
+and whether this rank skips the layer's cache write (`skips_cache_write`); it sends a head-separable op's
+rows to the owner (`owner_compute`) and streams a chunk of prefill history from the owner
+(`stream_history`).
 
 Invariant: a turn acts only while it is open. A turn kept past the next layer's wait (or its forward's end)
 refuses to exchange (`OwnerRoutingError`), so an op that runs after the next layer's wait cannot reach
-another layer's owner.
+another layer's owner; the layer's wait in a later forward re-opens the same object for that forward.
 """
 
 from __future__ import annotations
