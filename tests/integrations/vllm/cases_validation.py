@@ -87,3 +87,19 @@ def test_dbo_and_dspark_are_refused_by_name():
         with pytest.raises(ValueError) as err:
             check_execution(config, platform=cpu)
         assert str(err.value) == message
+
+
+def test_deepseek_v4_is_refused_at_construction_by_its_model_type():
+    """A DeepSeek-V4-family config (its model type, or per-layer ``compress_ratios`` under another name) is
+    refused by name; the control: DeepSeek-V3's passes the same check."""
+    from kvpp_fx.integrations.vllm.setup.validation import MSG_DEEPSEEK_V4, check_execution
+
+    def config(**hf):
+        return types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(**hf)))
+
+    for model_type, extra in (("deepseek_v4", {}), ("deepseek_v41", {}), ("my_v4_finetune", {"compress_ratios": [4]})):
+        with pytest.raises(ValueError) as err:
+            check_execution(config(model_type=model_type, **extra))
+        assert str(err.value) == MSG_DEEPSEEK_V4.format(model_type=model_type)
+    check_execution(config(model_type="deepseek_v3"))
+    check_execution(config(model_type="deepseek_v32", index_topk=2048))

@@ -4,7 +4,7 @@ session. (The `cases_*.py` files' own pytest process loads this file too; nothin
 import pytest
 
 from tests.integrations.vllm.engine_runs import ENV
-from tests.integrations.vllm.tiny_model import make_tiny_deepseek
+from tests.integrations.vllm.tiny_model import make_tiny_deepseek, make_tiny_deepseek_v4_config
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -18,3 +18,8 @@ def vllm_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_deepseek(tmp_path_factory):
     return make_tiny_deepseek(tmp_path_factory.mktemp("tiny_deepseek"))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v4_config(tmp_path_factory):
+    return make_tiny_deepseek_v4_config(tmp_path_factory.mktemp("tiny_deepseek_v4"))

@@ -19,6 +19,7 @@ from kvpp_fx.integrations.vllm.setup.config import (
     MSG_VLLM_CONNECTOR,
 )
 from kvpp_fx.integrations.vllm.setup.compile_modes import KVPP_BACKEND, MSG_BACKEND, TORCH_BACKENDS, compile_digest
+from kvpp_fx.integrations.vllm.setup.validation import MSG_DEEPSEEK_V4
 from tests.integrations.vllm.engine_runs import CPU_WORKER, KVPP_CPU_WORKER, MTP, NO_HISTORY_ROWS, run_check
 
 pytestmark = pytest.mark.vllm
@@ -41,7 +42,7 @@ def _on(**args):
     return {"args": {"tensor_parallel_size": 2, "additional_config": {"enable_kvpp": True}, **args}}
 
 
-def test_configs_at_construction(tiny_deepseek):
+def test_configs_at_construction(tiny_deepseek, tiny_deepseek_v4_config):
     """vLLM's defaults with only enable_kvpp run; every config under which attention would run without
     kvpp ops fails at construction with a message that says what to set."""
     eager = dict(model=tiny_deepseek, enforce_eager=True)
@@ -99,6 +100,12 @@ def test_configs_at_construction(tiny_deepseek):
                                    additional_config={"enable_kvpp": False})},
     }
     results = run_check("construct_many", json.dumps(cases))
+    # DeepSeek-V4 in an interpreter of its own: after vLLM resolved a V4 config, the next config it resolved
+    # in that interpreter came out in mode 0 (measured)
+    v4 = {"deepseek-v4": _on(model=tiny_deepseek_v4_config, max_model_len=4096),
+          # the control: vLLM builds the same model's config with KVPP off
+          "deepseek-v4-off": {"args": dict(model=tiny_deepseek_v4_config, max_model_len=4096, tensor_parallel_size=2)}}
+    results.update(run_check("construct_many", json.dumps(v4)))
     no_plugin = run_check("construct_many", json.dumps({"off": cases["off"]}), env={"VLLM_PLUGINS": "none"})["off"]
 
     refused = {
@@ -124,6 +131,7 @@ def test_configs_at_construction(tiny_deepseek):
             name="ExampleConnector", module="vllm.distributed.kv_transfer.kv_connector.v1.example_connector"),
         "ngram": MSG_SPEC_METHOD,
         "mtp-dynamic": MSG_SPEC_TOKENS,
+        "deepseek-v4": MSG_DEEPSEEK_V4.format(model_type="deepseek_v4"),
     }
     for name, message in refused.items():
         assert results[name]["is_value_error"], (name, results[name])
@@ -150,6 +158,7 @@ def test_configs_at_construction(tiny_deepseek):
         # vLLM resolves copies of a config again (the MTP drafter's): nothing changes the second time.
         assert result["replaced"] == {k: result[k] for k in ("mode", "backend", "additional_config")}, name
     # KVPP off: exactly vLLM's own config, as without the plugin (whatever the graph mode).
+    assert results["deepseek-v4-off"]["error"] is None and results["deepseek-v4-off"]["worker_cls"] == CPU_WORKER
     for name in ("off", "off-unset"):
         assert results[name]["error"] is None, results[name]
         assert results[name]["worker_cls"] == no_plugin["worker_cls"] == CPU_WORKER

@@ -68,3 +68,29 @@ def _write_tokenizer(path: Path) -> None:
     tokenizer.train_from_iterator(TEXT.splitlines(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
+
+
+# A tiny DeepSeek-V4 configuration (vLLM 0.32's `deepseek_v4` model type): a window-only layer, ratio-4
+# layers (with the indexer) and a ratio-128 layer, with vLLM CPU's 512/64 latent. Config only: enough for
+# vLLM to build an engine config, which is where KVPP refuses the model.
+TINY_DEEPSEEK_V4 = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "num_hidden_layers": 4,
+    "compress_ratios": [0, 4, 128, 4, 0], "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 1,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 64, "o_lora_rank": 64, "o_groups": 2,
+    "index_n_heads": 4, "index_head_dim": 128, "index_topk": 512, "sliding_window": 128, "n_routed_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 64, "n_shared_experts": 1, "num_hash_layers": 1,
+    "hc_mult": 4, "hc_sinkhorn_iters": 2, "hc_eps": 1e-6, "swiglu_limit": 10.0, "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True, "routed_scaling_factor": 1.5, "topk_method": "noaux_tc", "vocab_size": VOCAB,
+    "max_position_embeddings": 4096, "rope_theta": 10000, "compress_rope_theta": 160000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 256,
+                     "type": "yarn"},
+    "num_nextn_predict_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
+    "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+}
+
+
+def make_tiny_deepseek_v4_config(path: Path) -> str:
+    """A directory holding `TINY_DEEPSEEK_V4` as its config.json."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(TINY_DEEPSEEK_V4))
+    return str(path)

@@ -33,6 +33,27 @@ MSG_DSPARK = (
     "context KV cache layers of its own, which kvpp-fx has not placed and tested (vLLM's CPU build cannot "
     "run a DSpark checkpoint). Use method='mtp', or run without additional_config.enable_kvpp."
 )
+MSG_DEEPSEEK_V4 = (
+    "KVPP does not run DeepSeek-V4 (model_type {model_type!r}) in kvpp-fx yet: each of its attention layers "
+    "keeps up to five caches (compressed KV at ratio 4 or 128, indexer keys, a sliding-window cache, "
+    "compressor states) in KV cache groups of block sizes 4 to 256 over one shared pool, which kvpp-fx does not "
+    "place yet; the engine would fail in each worker after loading the model. Run it without "
+    "additional_config.enable_kvpp."
+)
+# The model types of vLLM 0.32's DeepSeek-V4 family (`vllm/transformers_utils/configs/deepseek_v4.py`, and
+# V4.1's package); a config with per-layer ``compress_ratios`` is one of them under another name.
+DEEPSEEK_V4_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
+
+
+def deepseek_v4_model_type(model_config: Any) -> str | None:
+    """The model type when `model_config` is a DeepSeek-V4-family model (compressed, windowed MLA caches)."""
+    for hf_config in (getattr(model_config, "hf_config", None), getattr(model_config, "hf_text_config", None)):
+        if hf_config is None:
+            continue
+        model_type = getattr(hf_config, "model_type", None)
+        if model_type in DEEPSEEK_V4_MODEL_TYPES or getattr(hf_config, "compress_ratios", None) is not None:
+            return str(model_type)
+    return None
 
 
 def is_ascend(platform: Any) -> bool:
@@ -67,3 +88,6 @@ def check_execution(vllm_config: Any, platform: Any = None, version: str | None 
     speculative = getattr(vllm_config, "speculative_config", None)
     if getattr(speculative, "method", None) == "dspark":
         raise ValueError(MSG_DSPARK)
+    model_type = deepseek_v4_model_type(getattr(vllm_config, "model_config", None))
+    if model_type is not None:
+        raise ValueError(MSG_DEEPSEEK_V4.format(model_type=model_type))
