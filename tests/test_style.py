@@ -58,3 +58,24 @@ def test_the_checker_reports_a_long_line_and_not_a_golden_one(tmp_path):
     assert (len(long_code), len(golden_text)) == (121, 121)
     assert long_lines(planted, goldens=True) == [(2, 121)]
     assert long_lines(planted) == [(2, 121), (4, 121)]
+
+
+MAX_TEST_FILE_LINES = 800
+
+
+def long_files(top: Path) -> list[str]:
+    """Each .py file under `top` longer than `MAX_TEST_FILE_LINES` lines, with its count."""
+    return [f"{path.relative_to(top).as_posix()}: {count} lines" for path in sorted(top.rglob("*.py"))
+            if (count := len(path.read_text().splitlines())) > MAX_TEST_FILE_LINES]
+
+
+def test_no_test_file_is_longer_than_800_lines():
+    """A test module over 800 lines is split by concern (the vLLM cases and engine tests are)."""
+    assert long_files(ROOT / "tests") == []
+
+
+def test_the_file_length_check_finds_a_long_file(tmp_path):
+    """The control: a file of 801 lines is found, one of 800 is not."""
+    (tmp_path / "long.py").write_text("x = 1\n" * 801)
+    (tmp_path / "fits.py").write_text("x = 1\n" * 800)
+    assert long_files(tmp_path) == ["long.py: 801 lines"]

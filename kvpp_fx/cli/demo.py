@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpp_fx.cli.argtypes import non_negative_int, positive_int
-from kvpp_fx.cache.cost import KVPP_MODES
+from kvpp_fx.cache.cost import KVPP_MODES, Mode
 
 GRAPH_MODES = ("eager", "piecewise")  # the backend's; the demo always compiles
 
@@ -165,7 +165,7 @@ def format_report(report: dict[str, Any]) -> str:
     lines += ["", f"{'step':>4}  {'tokens':>6}  {'mode':<9}  {'blocks read (with history) / pool':>34}  "
                   f"{'bytes moved':>12}"]
     for i, st in enumerate(report["steps"]):
-        read = "-" if st["mode"] == "owner" or (not st["broadcast_bytes"] and i == 0) else \
+        read = "-" if st["mode"] == Mode.OWNER or (not st["broadcast_bytes"] and i == 0) else \
             f"{st['active_blocks']} / {st['pool_blocks']}"
         moved = st["broadcast_bytes"] + st["owner_bytes"]
         lines.append(f"{i:>4}  {st['tokens']:>6}  {st['mode']:<9}  {read:>34}  {format_bytes(moved):>12}")
