@@ -272,13 +272,21 @@ DOCUMENTED_PATHS = {"kvpp_fx.integrations.vllm.connectors": "kvpp_fx.integration
 
 def only_names(path: Path, package: str) -> list[str] | None:
     """The names a module's body imports from `package` and lists in ``__all__``, where its body is only
-    that (a docstring, such imports, ``__all__``); None otherwise."""
+    that (a docstring, such imports, ``__all__``, and a module ``__getattr__`` that imports names of
+    `package` when first asked for); None otherwise."""
     names, listed = [], None
     for node in ast.parse(path.read_text()).body:
         if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
             continue
+        if isinstance(node, ast.ImportFrom) and node.module == "typing":
+            continue
         if isinstance(node, ast.ImportFrom) and node.level == 0 and in_package(node.module, package):
             names += [alias.asname or alias.name for alias in node.names]
+        elif isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            lazy = [n for n in ast.walk(node) if isinstance(n, ast.ImportFrom)]
+            if not lazy or not all(n.level == 0 and in_package(n.module, package) for n in lazy):
+                return None
+            names += [alias.asname or alias.name for n in lazy for alias in n.names]
         elif (isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["__all__"]
               and isinstance(node.value, ast.List | ast.Tuple)):
             listed = [element.value for element in node.value.elts]
@@ -304,6 +312,11 @@ def test_the_documented_paths_only_name_the_subpackages_objects(tmp_path):
     planted.write_text('"""x"""\nfrom kvpp_fx.integrations.vllm.engine.stats import worker_stats\n\n'
                        '__all__ = ["worker_stats"]\nLIMIT = 1\n')
     assert only_names(planted, "kvpp_fx.integrations.vllm.engine") is None
+    lazy = tmp_path / "lazy.py"  # a module __getattr__ that does more than import from the package
+    lazy.write_text('"""x"""\n__all__ = ["worker_stats"]\n\n\ndef __getattr__(name):\n'
+                    '    from kvpp_fx.integrations.vllm.engine.stats import worker_stats\n'
+                    '    from kvpp_fx.runtime import stats\n    return worker_stats\n')
+    assert only_names(lazy, "kvpp_fx.integrations.vllm.engine") is None
 
 
 # The layers above the core (docs/design.md): only they may import an integration.

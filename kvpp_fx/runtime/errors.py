@@ -107,8 +107,8 @@ class OwnerRoutingError(KVPPRuntimeError):
     @classmethod
     def outside_turn(cls, layer: int, open_layer: int | None) -> OwnerRoutingError:
         open_turn = f"layer {open_layer}'s" if open_layer is not None else "no layer's"
-        return cls(f"a routed cache op of layer {layer} ran outside its turn ({open_turn} is open); it must follow "
-                   "kvpp.wait of its own layer, before the next layer's.")
+        return cls(f"an op of layer {layer} ran outside its turn ({open_turn} is open); it must follow its own "
+                   "layer's wait (kvpp.wait, or the attention hook's), before the next layer's.")
 
     @classmethod
     def not_exchanged(cls, layer: int, owner_tokens: int) -> OwnerRoutingError:

@@ -1,7 +1,6 @@
 """`Forward`: one model forward of a `KVPPRuntime`, its methods in the order the work happens.
 
-    begin()                      choose the path (each request's rows, mode, history, packed blocks),
-                                 prepare it, agree on it
+    begin()                      choose the path (requests' rows, mode, history, packed blocks), prepare, agree
     prefetch(first)              issue the first layer's broadcast, return at once
     per layer: wait(L)           complete L's broadcast into its view (the compute stream waits for it),
                                  open L's turn (`LayerTurn`) and return it; the next wait closes it.
@@ -10,12 +9,12 @@
                prefetch(next)    issue the next layer's broadcast
     end(error)                   complete what is in flight, then check what only the end can tell
 
-A forward is in one of three modes: broadcast (every row reads blocks broadcast into the scratch slot),
-owner (every row's attention runs on the layer's owner), or hybrid (``requests=``: some requests' rows
-go to the owner, the others read the blocks broadcast for them only; `cost.choose_rows`).
+A forward is in one of three modes: broadcast (every row reads blocks broadcast into the scratch slot), owner
+(every row's attention runs on the layer's owner), or hybrid (``requests=``: some requests' rows go to the
+owner, the others read the blocks broadcast for them only; `cost.choose_rows`).
 
-A broadcast forward moves whole layers, or packs the blocks its rows touch into the front of each
-scratch slot (`PackedBlocks`): always with compact slots, up to the crossover with whole-layer ones.
+A broadcast forward moves whole layers, or packs the blocks its rows touch into the front of each scratch
+slot (`PackedBlocks`): always with compact slots, up to the crossover with whole-layer ones.
 
 Invariants:
 - Everything a forward moves, every rank agreed on in `begin`, before any byte moved; that includes
@@ -189,7 +188,9 @@ class Forward:
     # --- inside a layer's turn ---------------------------------------------------------------------
 
     def before_exchange(self, turn: LayerTurn) -> None:
-        """A turn's exchange is about to issue: the turn is still the open one, the ranks agreed."""
+        """Before a turn's exchange: the runtime is not broken, the turn is the open one, the ranks agreed."""
+        if self.parts.health.cause is not None:  # a failure a hook swallowed: its named cause, not a timeout
+            self.parts.health.check()
         if turn is not self._turn:  # kept past the next layer's wait, or the forward's end
             raise OwnerRoutingError.outside_turn(turn.layer, self._turn.layer if self._turn is not None else None)
         if self._agreement is not None and self.immediate_checks:  # gloo aborts on a collective of another size
@@ -244,7 +245,7 @@ class Forward:
                 self._check_exchanged(self.parts.places[-1].layer)
         finally:
             self._settle(self.parts.context_rows.finish, propagate=False)  # a chunk left in flight by a raise
-            self._turn = None  # it refers back to this forward
+            self._turn = None  # no turn of this forward is open: a kept one refuses to exchange
             self.parts.stats.end_forward()
 
     def _leave_device_checks(self) -> None:

@@ -1,9 +1,11 @@
 """`PackedTables`: one forward's block tables and slot mappings as a non-owner reads its packed scratch slots.
 
 A packing forward (`ChosenPath.pack`) builds one, in `Forward.begin`, over its packed blocks: the remap of
-a table depends on the forward's block list only, never on the layer, so a caller remaps a step's tables
-once per forward and hands the copies to every layer this rank reads from a slot. An owned layer reads its
-persistent cache and takes the tables as they are: its turn holds no `PackedTables`.
+a table depends on the forward's block list only, never on the layer, so a caller that holds a step's
+tables before any layer runs (vLLM's metadata) remaps them once per forward and hands the copies to every
+layer this rank reads from a slot; a graph, whose tables are each layer's inputs, remaps at each non-owned
+layer's wait (`LayerTurn.tables`). An owned layer reads its persistent cache and takes the tables as they
+are: its turn has no `PackedTables`.
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ and whether this rank skips the layer's cache write (`skips_cache_write`); it se
 rows to the owner (`owner_compute`) and streams a chunk of prefill history from the owner
 (`stream_history`).
 
-Invariant: a turn acts only while it is open. A turn kept past the next layer's wait (or its forward's end)
-refuses to exchange (`OwnerRoutingError`), so an op that runs after the next layer's wait cannot reach
-another layer's owner; the layer's wait in a later forward re-opens the same object for that forward.
+Invariant: a turn exchanges only while it is open. A turn kept past the next layer's wait (or its forward's
+end) refuses to exchange (`OwnerRoutingError`), so an op that runs after the next layer's wait cannot reach
+another layer's owner; the layer's wait in a later forward re-opens the same object for that forward. Its
+other accessors answer for the forward that opened it last: take a turn from its wait or the listener, for
+the layer's turn only.
 """
 
 from __future__ import annotations
@@ -128,12 +130,10 @@ class LayerTurn:
         """The block tables and slot mappings the layer's attention reads (rows: the forward's requests in
         order): remapped where this rank reads the layer from its packed slot (`PackedTables.remap`), as
         given elsewhere (an owned layer, a whole-layer broadcast, owner mode)."""
+        if len(tables) != len(kinds):
+            raise ValueError(f"layer {self.layer}: {len(tables)} tables but {len(kinds)} table kinds.")
         packed = self.packed
-        if packed is None:
-            if len(tables) != len(kinds):
-                raise ValueError(f"layer {self.layer}: {len(tables)} tables but {len(kinds)} table kinds.")
-            return list(tables)
-        return packed.remap(tables, kinds)
+        return list(tables) if packed is None else packed.remap(tables, kinds)
 
     def owner_compute(self, rule: HeadRule, heads: Sequence[torch.Tensor],
                       compute: Callable[[list[torch.Tensor]], torch.Tensor],

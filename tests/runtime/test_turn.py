@@ -62,6 +62,29 @@ def test_the_forward_hands_each_turn_to_its_listener_whoever_waits():
     assert handed[0] is first and handed[1] is second and handed[2] is third
 
 
+def test_a_turn_of_a_broken_runtime_exchanges_nothing_and_names_the_cause():
+    """A collective that failed inside a layer's turn broke the runtime, and the hook that saw it swallowed
+    it: the next exchange of the turn raises `RuntimeBrokenError` naming that failure before anything is
+    issued (a peer may no longer be in step). The control: the same call before the failure streams."""
+    import torch
+
+    with toy_runtime(None, spec=toy_spec(3), num_blocks=4) as rt:
+        schedule = rt.plan.schedule()
+        with pytest.raises(E.RuntimeBrokenError, match="TransferFailedError: a broadcast of layer 0 failed"):
+            with rt.forward(has_history=True):
+                rt.prefetch(schedule.first().layer, schedule.first().slot)
+                turn = rt.wait(0, schedule.slot(0))
+                rows = torch.zeros(2, 3)
+                turn.stream_history(rows, lambda: rows.fill_(1.0))  # the control: a group of one streams
+                assert rows.eq(1.0).all()
+                try:  # as the failed collective leaves the runtime, and a hook that swallows the error
+                    raise rt.parts.health.broken_by(E.TransferFailedError("a broadcast of layer 0 failed"))
+                except E.TransferFailedError:
+                    pass
+                turn.stream_history(rows, lambda: rows.fill_(2.0))
+        assert rows.eq(1.0).all() and rt.broken is not None
+
+
 def forward_field_reads(path: Path, root: Path = PACKAGE.parent) -> list[str]:
     """Attribute reads on a Forward that are not a method call: on a name that holds one (``forward.x``,
     ``self._forward.x``) or on what the facade's ``_current()`` returns."""

@@ -248,3 +248,20 @@ def test_a_kvpp_mooncake_reader_marks_requests_it_asks_of_every_prefill_rank_and
         mooncake._ASKS_EVERY_RANK.reset(token)
     assert kvpp_decoder.decode(marked).asks_every_rank is True
     assert vllm_decoder.decode(marked) == meta
+
+
+def test_the_connector_module_imports_mooncakes_only_when_asked():
+    """vLLM's factory reads every KVPP connector class from the module the plugin names; vLLM's Mooncake
+    module (which warns in every process of a deployment without the ``mooncake`` package) is imported only
+    when the Mooncake class is asked for. In a fresh interpreter: the control asks for it."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; import kvpp_fx.integrations.vllm.connectors as c; "
+             "print(sorted(m for m in sys.modules if m.endswith('mooncake') or m.endswith('mooncake_connector'))); "
+             "c.MooncakeConnector; "
+             "print(sorted(m for m in sys.modules if m.endswith('mooncake') or m.endswith('mooncake_connector')))")
+    before, after = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                                   timeout=300).stdout.strip().splitlines()[-2:]
+    assert before == "[]", before
+    assert "kvpp_fx.integrations.vllm.kv_connectors.mooncake" in after, after

@@ -160,7 +160,7 @@ class StepState:
 
     def take_turn(self, turn: LayerTurn | None) -> None:
         """The forward's listener: each layer's turn as its wait opens it (a graph's op or the eager hook);
-        None once the forward ends."""
+        `step.step_forward` hands None when the forward closes."""
         self.turn = turn
 
     def first_wait(self, layer: int) -> bool:

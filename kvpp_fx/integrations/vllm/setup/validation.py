@@ -52,7 +52,7 @@ def deepseek_v4_model_type(model_config: Any) -> str | None:
             continue
         model_type = getattr(hf_config, "model_type", None)
         if model_type in DEEPSEEK_V4_MODEL_TYPES or getattr(hf_config, "compress_ratios", None) is not None:
-            return str(model_type)
+            return str(model_type) if model_type else "unnamed, with compress_ratios"
     return None
 
 
