@@ -50,7 +50,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model_type": "kimi_k2", "num_hidden_layers": 61, "num_attention_heads": 64, "kv_lora_rank": 512,
         "qk_rope_head_dim": 64, "num_nextn_predict_layers": 0,
     },
+    # 43 layers: two window-only, then compress ratio 4 and 128 alternating (21 and 20); the 44th ratio is the
+    # MTP layer's. Its caches are `kvpp_fx.cache.layer_caches`'.
+    "deepseek-v4-flash": {
+        "model_type": "deepseek_v4", "num_hidden_layers": 43, "num_attention_heads": 64, "head_dim": 512,
+        "qk_rope_head_dim": 64, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 512,
+        "sliding_window": 128, "num_nextn_predict_layers": 1, "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+    },
 }
+
+# Models whose layers hold several caches of different shapes (`kvpp_fx.cache.layer_caches`).
+LAYER_CACHES_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
 
 
 class UnknownModelError(ValueError):
@@ -149,6 +159,10 @@ class ModelCacheSpec:
         include_mtp: bool = False,
     ) -> ModelCacheSpec:
         """Build the cache spec from a HuggingFace DeepSeek-style ``config.json`` mapping."""
+        if config.get("model_type") in LAYER_CACHES_MODEL_TYPES:
+            raise UnknownModelError(
+                f"{config['model_type']} layers hold several caches of different shapes: "
+                "kvpp_fx.cache.layer_caches.deepseek_v4_caches describes them.")
         try:
             num_layers = int(config["num_hidden_layers"])
             kv_lora_rank = int(config["kv_lora_rank"])

@@ -43,7 +43,47 @@ PLAN_ATTENTION_TFLOPS = 400.0
 _STEP_OPTIONS = ("batch_tokens", "requests", "link_latency_us", "attention_tflops", "query_dtype")
 
 
+# Options of the single-cache plan that a model with several caches per layer (DeepSeek-V4) has no use for.
+_SINGLE_CACHE_OPTIONS = ("block_size", "depth", "shard_draft", "max_batched_tokens", "scratch_blocks", "max_num_seqs",
+                         "context_tokens", *_STEP_OPTIONS)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from kvpp_fx.cache.spec import LAYER_CACHES_MODEL_TYPES, load_hf_config
+
+    name, config = load_hf_config(args.model)
+    if config.get("model_type") in LAYER_CACHES_MODEL_TYPES:
+        return _cmd_plan_layer_caches(args, name, config)
+    for option, default in (("block_size", 128), ("kv_dtype", "bf16"), ("depth", DEFAULT_DEPTH),
+                            ("max_num_seqs", DEFAULT_MAX_NUM_SEQS)):
+        if getattr(args, option) is None:
+            setattr(args, option, default)
+    return _cmd_plan_single_cache(args)
+
+
+def _cmd_plan_layer_caches(args: argparse.Namespace, name: str, config: dict) -> int:
+    from kvpp_fx.cache.layer_caches import (DEEPSEEK_V4_KV_DTYPES, LayerCachesPlan, deepseek_v4_caches,
+                                            layer_caches_report)
+    from kvpp_fx.cli.byte_sizes import parse_bytes
+    from kvpp_fx.cli.layer_caches_table import format_layer_caches_table
+
+    given = [f"--{option.replace('_', '-')}" for option in _SINGLE_CACHE_OPTIONS
+             if getattr(args, option) not in (None, False)] + (["--pcp"] if args.pcp != 1 else [])
+    if given:
+        raise UsageError(f"{', '.join(given)}: not used for {config['model_type']}, whose every row runs on its "
+                         "layer's owner (no scratch slots) in pages of vLLM's own block sizes")
+    if args.kv_dtype not in (None, *DEEPSEEK_V4_KV_DTYPES):
+        raise UsageError(f"--kv-dtype {args.kv_dtype}: {config['model_type']}'s KV cache is one of "
+                         f"{', '.join(DEEPSEEK_V4_KV_DTYPES)} (fp8: vLLM's fp8_ds_mla, the default)")
+    model = deepseek_v4_caches(config, name=name, kv_dtype=args.kv_dtype or "fp8", include_mtp=args.mtp)
+    plan = LayerCachesPlan(model, args.tp, reference_tokens=args.max_model_len or 131072)
+    contexts = tuple(sorted({131072, 1048576, plan.reference_tokens}))
+    report = layer_caches_report(plan, parse_bytes(args.kv_memory), contexts)
+    print(json.dumps(report, indent=2) if args.json else format_layer_caches_table(report))
+    return 0
+
+
+def _cmd_plan_single_cache(args: argparse.Namespace) -> int:
     from kvpp_fx.cache.cost import LinkModel
     from kvpp_fx.cache.spec import attention_shape_from_hf_config, load_hf_config
     from kvpp_fx.cli.byte_sizes import parse_bytes
@@ -142,18 +182,20 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--tp", type=positive_int, required=True)
     plan.add_argument("--pcp", type=positive_int, default=1)
     plan.add_argument("--kv-memory", default="40GiB", help="KV cache memory per rank, e.g. 40GiB")
-    plan.add_argument("--block-size", type=positive_int, default=128)
-    plan.add_argument("--kv-dtype", choices=KV_DTYPES, default="bf16")
-    plan.add_argument("--depth", type=_depth, default=DEFAULT_DEPTH,
-                      help=f"scratch buffers per rank (at least {MIN_DEPTH})")
+    plan.add_argument("--block-size", type=positive_int, default=None, help="tokens per block (default 128)")
+    plan.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                      help="default bf16; fp8 (vLLM's fp8_ds_mla) for DeepSeek-V4")
+    plan.add_argument("--depth", type=_depth, default=None,
+                      help=f"scratch buffers per rank (at least {MIN_DEPTH}, default {DEFAULT_DEPTH})")
     plan.add_argument("--mtp", action="store_true", help="include the config's nextn layers as drafts")
     plan.add_argument("--shard-draft", action="store_true", help="give draft layers owners too")
     plan.add_argument("--max-model-len", type=positive_int, default=None,
                       help="the longest request in tokens: scratch slots then hold what one step can read "
-                           "(compact scratch) instead of whole layers")
+                           "(compact scratch) instead of whole layers; for DeepSeek-V4, the request the owners "
+                           "balance (default 128K)")
     plan.add_argument("--max-batched-tokens", type=positive_int, default=None,
                       help="the token budget of one step, with --max-model-len (default 8192)")
-    plan.add_argument("--max-num-seqs", type=positive_int, default=DEFAULT_MAX_NUM_SEQS,
+    plan.add_argument("--max-num-seqs", type=positive_int, default=None,
                       help="requests one step may hold: bounds the decode rows owner mode exchanges, whose peak "
                            f"a GPU engine keeps out of the KV budget (default {DEFAULT_MAX_NUM_SEQS}, vLLM's on "
                            "H100/H200-class GPUs)")
