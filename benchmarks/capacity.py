@@ -20,6 +20,9 @@ Planned by `kvpp-fx plan` (TP 8, 64 GiB per rank, block 128, bf16, token budget 
 and DeepSeek-V3.2 at max model lengths of 32K and 128K, and without a bound; DeepSeek-V3 with MTP too.
 Beside each, what vLLM's defaults (chunked prefill, prefix caching, and MTP where planned) get on
 FLASHMLA and FLASH_ATTN_MLA (`vllm_defaults`).
+DeepSeek-V4-Flash (`kvpp_fx.cache.layer_caches`: five caches per layer, every row on its layer's owner, so no
+slots) at TP 8, 64 GiB per rank, fp8_ds_mla: requests per rank of 128K and 1M tokens, replicated and KVPP, and the
+bytes a decode token reads against what owner mode ships.
 Each ratio is set next to the formula L / ceil(L/N) * (1 - depth * S * b / M) (whole-layer slots:
 L / (ceil(L/N) + depth)).
 
@@ -35,7 +38,9 @@ import sys
 from _common import write_result
 
 from kvpp_fx.cache.allocate import allocate_cache
+from kvpp_fx.cache.layer_caches import LayerCachesPlan, deepseek_v4_caches, ideal_ratio, layer_caches_report
 from kvpp_fx.cache.placement import KVPPPlan
+from kvpp_fx.cache.spec import PRESETS as MODEL_PRESETS
 from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
 from kvpp_fx.cli.byte_sizes import format_bytes, parse_bytes
 from kvpp_fx.cli.plan_report import build_plan, vllm_backends
@@ -107,6 +112,17 @@ def planned(model: str, max_model_len: int | None, mtp: bool = False) -> dict:
     return row
 
 
+def planned_layer_caches(model: str = "deepseek-v4-flash") -> dict:
+    budget = parse_bytes(PLAN_MEMORY)
+    plan = LayerCachesPlan(deepseek_v4_caches(MODEL_PRESETS[model], name=model), 8)
+    report = layer_caches_report(plan, budget)
+    return {"model": model, "ideal_ratio": ideal_ratio(plan), "kv_dtype": report["kv_dtype"],
+            "owner_exchange_bytes_per_layer": report["owner_exchange_bytes_per_layer"],
+            "contexts": [{key: at[key] for key in ("context_tokens", "capacity_ratio", "replicated_requests",
+                                                   "kvpp_requests", "decode_read_bytes")}
+                         for at in report["contexts"]]}
+
+
 def _ratio(backend: dict) -> str:
     return "-" if backend["capacity_ratio"] is None else f"{backend['capacity_ratio']:.3f}x ({backend['slots']} slots)"
 
@@ -153,7 +169,12 @@ def main(argv=None):
               f"{p['max_model_len']}: {p['capacity_ratio']:.3f}x (formula {p['formula_ratio']:.3f}x; whole-layer "
               f"slots {p['whole_layer_ratio']:.3f}x)"
               + "".join(f"; vLLM defaults {n} {_ratio(d)}" for n, d in p.get("vllm_defaults", {}).items()))
-    write_result("capacity", {"kv_memory_bytes": budget, "reference": reference, "vllm_tiny": tiny,
+    v4 = planned_layer_caches()
+    for at in v4["contexts"]:
+        print(f"kvpp-fx plan {v4['model']} TP8 {PLAN_MEMORY} at {at['context_tokens'] // 1024}K tokens: "
+              f"{at['capacity_ratio']:.3f}x ({at['replicated_requests']} -> {at['kvpp_requests']} requests per rank)")
+    write_result("capacity", {"layer_caches_plans": [v4],
+                              "kv_memory_bytes": budget, "reference": reference, "vllm_tiny": tiny,
                               "vllm_tiny_compact": tiny_compact,
                               "vllm_tiny_defaults": defaults,
                               "vllm_tiny_defaults_kv_memory_bytes": VLLM_TINY_DEFAULTS_MEMORY,

@@ -23,7 +23,8 @@ DOC = HERE.parent / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- benchmarks:begin -->", "<!-- benchmarks:end -->"
 # The README's rows: the start of their "what" column.
 SPARSE = "deepseek-v3.2"  # SFA: vLLM keeps whole-layer slots whatever the backend (planned per step elsewhere)
-HEADLINES = ("capacity, deepseek-v3 TP 8", "capacity, vLLM tests' tiny DeepSeek TP 2 under vLLM's defaults",
+HEADLINES = ("capacity, deepseek-v3 TP 8", "capacity, deepseek-v4-flash TP 8",
+             "capacity, vLLM tests' tiny DeepSeek TP 2 under vLLM's defaults",
              "vLLM prefill history", "transfer hidden, through the PIECEWISE-compiled model",
              "streamed prefill history hidden",
              "bytes per decode step, owner / broadcast mode", "vLLM OpenAI server",
@@ -92,6 +93,17 @@ def rows() -> list[tuple[str, str, str]]:
                         f"{cap['plan_kv_memory_bytes'] // 2**30} GiB, `kvpp-fx plan`",
                         f"{bounded}; {whole['capacity_ratio']:.3f}x without a bound (whole-layer slots, formula "
                         f"{whole['formula_ratio']:.3f}x)", "same"))
+    for v4 in cap.get("layer_caches_plans", []):
+        at = {c["context_tokens"]: c for c in v4["contexts"]}
+        short, long = at[131072], at[1048576]
+        out.append((f"capacity, {v4['model']} TP 8, {cap['plan_kv_memory_bytes'] // 2**30} GiB, {v4['kv_dtype']} "
+                    "(five caches per layer, every row on its owner), `kvpp-fx plan`",
+                    f"{short['capacity_ratio']:.3f}x at 128K ({short['replicated_requests']} -> "
+                    f"{short['kvpp_requests']} requests per rank); {long['capacity_ratio']:.3f}x at 1M "
+                    f"({long['replicated_requests']} -> {long['kvpp_requests']}); {v4['ideal_ratio']:.3f}x per context "
+                    f"token; a decode token reads {_mib(short['decode_read_bytes'])} / "
+                    f"{_mib(long['decode_read_bytes'])} of cache, owner mode ships "
+                    f"{_mib(v4['owner_exchange_bytes_per_layer'])} per layer and non-owner rank", "same"))
     ph = _load("vllm_prefill_history")
     chunked, hit = ph["workloads"]["chunked"], ph["workloads"]["prefix_hit"]
     out.append((f"vLLM prefill history, tiny DeepSeek-V3 TP 2, a {chunked['prompt_tokens']}-token prompt in "
