@@ -64,3 +64,33 @@ class SkippedHistory(_Counted, faults.SkippedHistory, _Issued):
 
     def acted(self, src) -> bool:
         return self.issued_from is None
+
+
+class SwappedOwnerOutputs(DeviceAPI):
+    """DeepSeek-V4's owner mode with one layer's outputs handed to the wrong ranks: the owner's scatter of the
+    second target layer of each forward (of `LAYERS`) sends rank r the part of rank N-1-r. Counts its
+    ``scatters`` (the owner's, with parts) and those it ``swapped``."""
+
+    LAYERS = 4  # the tiny DeepSeek-V4's target layers, one exchange each per forward
+    SWAPPED_POSITION = 1
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.calls = 0
+
+    def scatter(self, tensor, scatter_list, src, group):
+        position = self.calls % self.LAYERS
+        self.calls += 1
+        if scatter_list is not None:
+            counts = COUNTS[type(self).__name__]
+            counts["scatters"] += 1
+            if self.SWAPPED_POSITION in (None, position):
+                scatter_list = scatter_list[::-1]
+                counts["swapped"] += 1
+        return super().scatter(tensor, scatter_list, src, group)
+
+
+class SwappedOwnerOutputsEveryLayer(SwappedOwnerOutputs):
+    """`SwappedOwnerOutputs` on every layer."""
+
+    SWAPPED_POSITION = None

@@ -89,17 +89,48 @@ def test_dbo_and_dspark_are_refused_by_name():
         assert str(err.value) == message
 
 
-def test_deepseek_v4_is_refused_at_construction_by_its_model_type():
-    """A DeepSeek-V4-family config (its model type, or per-layer ``compress_ratios`` under another name) is
-    refused by name; the control: DeepSeek-V3's passes the same check."""
-    from kvpp_fx.integrations.vllm.setup.validation import MSG_DEEPSEEK_V4, check_execution
+def test_deepseek_v4_features_kvpp_does_not_run_are_refused_by_name():
+    """DeepSeek-V4 on vLLM CPU is accepted (the control); each feature of it that KVPP does not run, another model
+    of the family (its model type, or per-layer ``compress_ratios`` under another name) and another platform are
+    refused by name, with what to set. DeepSeek-V3's and V3.2's configs pass the same check."""
+    from vllm.platforms.cpu import CpuPlatform
 
-    def config(**hf):
-        return types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(**hf)))
+    from kvpp_fx.integrations.vllm.setup.validation import (DEEPSEEK_V4_REFUSALS, MSG_DEEPSEEK_V4,
+                                                            check_execution)
 
-    for model_type, extra in (("deepseek_v4", {}), ("deepseek_v41", {}), ("my_v4_finetune", {"compress_ratios": [4]})):
+    cpu, cuda = CpuPlatform(), types.SimpleNamespace(device_type="cuda", device_name="cuda")
+
+    def config(model_type="deepseek_v4", hf=None, **fields):
+        model = types.SimpleNamespace(hf_config=types.SimpleNamespace(model_type=model_type, **(hf or {})))
+        return types.SimpleNamespace(**{"model_config": model, "speculative_config": None,
+                                        "parallel_config": types.SimpleNamespace(use_ubatching=False), **fields})
+
+    def message(key, **values):
+        what, fix = DEEPSEEK_V4_REFUSALS[key]
+        return MSG_DEEPSEEK_V4.format(what=what.format(**values), fix=fix)
+
+    check_execution(config(), platform=cpu)
+    check_execution(config(attention_config=types.SimpleNamespace(indexer_kv_dtype="fp8", hisparse_config=None),
+                           additional_config={"kvpp_mode": "owner"}), platform=cpu)
+    cases = (
+        (config("deepseek_v41"), cpu, message("model_type", model_type="deepseek_v41")),
+        (config("my_v4_finetune", {"compress_ratios": [4]}), cpu, message("model_type", model_type="my_v4_finetune")),
+        (config(), cuda, message("platform", platform="cuda")),
+        (config(parallel_config=types.SimpleNamespace(use_ubatching=False, prefill_context_parallel_size=2)), cpu,
+         message("pcp")),
+        (config(speculative_config=types.SimpleNamespace(method="mtp")), cpu, message("speculative", method="mtp")),
+        (config(kv_transfer_config=types.SimpleNamespace(kv_connector="NixlConnector")), cpu,
+         message("connector", connector="NixlConnector")),
+        (config(attention_config=types.SimpleNamespace(indexer_kv_dtype="mxfp4", hisparse_config=None)), cpu,
+         message("indexer_dtype", dtype="mxfp4")),
+        (config(attention_config=types.SimpleNamespace(indexer_kv_dtype="auto", hisparse_config=object())), cpu,
+         message("hisparse")),
+        (config(hf={"vision_n_layers": 2}), cpu, message("vision", layers=2)),
+        (config(additional_config={"kvpp_mode": "broadcast"}), cpu, message("mode", mode="broadcast")),
+    )
+    for vllm_config, platform, expected in cases:
         with pytest.raises(ValueError) as err:
-            check_execution(config(model_type=model_type, **extra))
-        assert str(err.value) == MSG_DEEPSEEK_V4.format(model_type=model_type)
-    check_execution(config(model_type="deepseek_v3"))
-    check_execution(config(model_type="deepseek_v32", index_topk=2048))
+            check_execution(vllm_config, platform=platform)
+        assert str(err.value) == expected
+    for model_type, hf in (("deepseek_v3", {}), ("deepseek_v32", {"index_topk": 2048})):
+        check_execution(config(model_type, hf), platform=cuda)

@@ -19,7 +19,7 @@ from kvpp_fx.integrations.vllm.setup.config import (
     MSG_VLLM_CONNECTOR,
 )
 from kvpp_fx.integrations.vllm.setup.compile_modes import KVPP_BACKEND, MSG_BACKEND, TORCH_BACKENDS, compile_digest
-from kvpp_fx.integrations.vllm.setup.validation import MSG_DEEPSEEK_V4
+from kvpp_fx.integrations.vllm.setup.validation import DEEPSEEK_V4_REFUSALS, MSG_DEEPSEEK_V4
 from tests.integrations.vllm.engine_runs import CPU_WORKER, KVPP_CPU_WORKER, MTP, NO_HISTORY_ROWS, run_check
 
 pytestmark = pytest.mark.vllm
@@ -40,6 +40,11 @@ def test_plugin_is_harmless_when_off(tiny_deepseek):
 
 def _on(**args):
     return {"args": {"tensor_parallel_size": 2, "additional_config": {"enable_kvpp": True}, **args}}
+
+
+def _v4_refusal(key, **values):
+    what, fix = DEEPSEEK_V4_REFUSALS[key]
+    return MSG_DEEPSEEK_V4.format(what=what.format(**values), fix=fix)
 
 
 def test_configs_at_construction(tiny_deepseek, tiny_deepseek_v4_config):
@@ -102,7 +107,10 @@ def test_configs_at_construction(tiny_deepseek, tiny_deepseek_v4_config):
     results = run_check("construct_many", json.dumps(cases))
     # DeepSeek-V4 in an interpreter of its own: after vLLM resolved a V4 config, the next config it resolved
     # in that interpreter came out in mode 0 (measured)
-    v4 = {"deepseek-v4": _on(model=tiny_deepseek_v4_config, max_model_len=4096),
+    v4_model = dict(model=tiny_deepseek_v4_config, max_model_len=4096)
+    v4 = {"deepseek-v4": _on(**v4_model),
+          "deepseek-v4-broadcast": _on(**v4_model, additional_config={"enable_kvpp": True, "kvpp_mode": "broadcast"}),
+          "deepseek-v4-mxfp4": _on(**v4_model, attention_config={"indexer_kv_dtype": "mxfp4"}),
           # the control: vLLM builds the same model's config with KVPP off
           "deepseek-v4-off": {"args": dict(model=tiny_deepseek_v4_config, max_model_len=4096, tensor_parallel_size=2)}}
     results.update(run_check("construct_many", json.dumps(v4)))
@@ -131,7 +139,8 @@ def test_configs_at_construction(tiny_deepseek, tiny_deepseek_v4_config):
             name="ExampleConnector", module="vllm.distributed.kv_transfer.kv_connector.v1.example_connector"),
         "ngram": MSG_SPEC_METHOD,
         "mtp-dynamic": MSG_SPEC_TOKENS,
-        "deepseek-v4": MSG_DEEPSEEK_V4.format(model_type="deepseek_v4"),
+        "deepseek-v4-broadcast": _v4_refusal("mode", mode="broadcast"),
+        "deepseek-v4-mxfp4": _v4_refusal("indexer_dtype", dtype="mxfp4"),
     }
     for name, message in refused.items():
         assert results[name]["is_value_error"], (name, results[name])
@@ -159,6 +168,8 @@ def test_configs_at_construction(tiny_deepseek, tiny_deepseek_v4_config):
         assert result["replaced"] == {k: result[k] for k in ("mode", "backend", "additional_config")}, name
     # KVPP off: exactly vLLM's own config, as without the plugin (whatever the graph mode).
     assert results["deepseek-v4-off"]["error"] is None and results["deepseek-v4-off"]["worker_cls"] == CPU_WORKER
+    # DeepSeek-V4 on vLLM CPU: KVPP's worker, whose model runner stays vLLM's
+    assert results["deepseek-v4"]["error"] is None and results["deepseek-v4"]["worker_cls"] == KVPP_CPU_WORKER
     for name in ("off", "off-unset"):
         assert results[name]["error"] is None, results[name]
         assert results[name]["worker_cls"] == no_plugin["worker_cls"] == CPU_WORKER

@@ -71,14 +71,15 @@ def _write_tokenizer(path: Path) -> None:
 
 
 # A tiny DeepSeek-V4 configuration (vLLM 0.32's `deepseek_v4` model type): a window-only layer, ratio-4
-# layers (with the indexer) and a ratio-128 layer, with vLLM CPU's 512/64 latent. Config only: enough for
-# vLLM to build an engine config, which is where KVPP refuses the model.
+# layers (with the indexer) and a ratio-128 layer, with vLLM CPU's 512/64 latent, and its MTP layer (window only).
+# vLLM CPU's expert top-k kernels take 64 or 256 experts, 6 or 8 per token. Config only: vLLM's dummy loader,
+# widened (`deepseek_v4_on_cpu`), gives the weights.
 TINY_DEEPSEEK_V4 = {
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "num_hidden_layers": 4,
     "compress_ratios": [0, 4, 128, 4, 0], "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 1,
     "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 64, "o_lora_rank": 64, "o_groups": 2,
-    "index_n_heads": 4, "index_head_dim": 128, "index_topk": 512, "sliding_window": 128, "n_routed_experts": 4,
-    "num_experts_per_tok": 2, "moe_intermediate_size": 64, "n_shared_experts": 1, "num_hash_layers": 1,
+    "index_n_heads": 4, "index_head_dim": 128, "index_topk": 512, "sliding_window": 128, "n_routed_experts": 64,
+    "num_experts_per_tok": 6, "moe_intermediate_size": 64, "n_shared_experts": 1, "num_hash_layers": 1,
     "hc_mult": 4, "hc_sinkhorn_iters": 2, "hc_eps": 1e-6, "swiglu_limit": 10.0, "scoring_func": "sqrtsoftplus",
     "norm_topk_prob": True, "routed_scaling_factor": 1.5, "topk_method": "noaux_tc", "vocab_size": VOCAB,
     "max_position_embeddings": 4096, "rope_theta": 10000, "compress_rope_theta": 160000,
@@ -89,8 +90,11 @@ TINY_DEEPSEEK_V4 = {
 }
 
 
-def make_tiny_deepseek_v4_config(path: Path) -> str:
-    """A directory holding `TINY_DEEPSEEK_V4` as its config.json."""
+def make_tiny_deepseek_v4_config(path: Path, max_positions: int | None = None) -> str:
+    """A directory holding `TINY_DEEPSEEK_V4` as its config.json (`max_positions`: its context, if longer)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(TINY_DEEPSEEK_V4))
+    config = dict(TINY_DEEPSEEK_V4)
+    if max_positions is not None:
+        config["max_position_embeddings"] = max(max_positions, config["max_position_embeddings"])
+    (path / "config.json").write_text(json.dumps(config))
     return str(path)

@@ -11,6 +11,7 @@ import tests.integrations.vllm.triton_interpreter  # noqa: F401, I001  (before v
 from tests.integrations.vllm import triton_mla_on_cpu  # noqa: I001  (TRITON_MLA on CPU, where an engine's env asks)
 from tests.integrations.vllm import cpu_chunked_prefill  # noqa: I001  (MLA's chunked prefill on CPU, where asked)
 from tests.integrations.vllm import mooncake_on_cpu  # noqa: F401, I001  (vLLM's MooncakeConnector on CPU, where asked)
+from tests.integrations.vllm import deepseek_v4_on_cpu  # noqa: I001  (DeepSeek-V4 on vLLM CPU, where asked)
 
 import contextlib
 import dataclasses
@@ -143,10 +144,17 @@ STAGGERED = ([(7 * i + 3) % 500 for i in range(700)], [[(5 * i + 1) % 500 for i 
                                                        [(3 * i + 2) % 500 for i in range(100)]])
 
 
-def run_staggered(llm, params) -> list[list[int]]:
+# DeepSeek-V4: two short prompts decode while a prompt of 2,100 tokens (over 4 x index top-k 512: its ratio-4
+# layers' indexers select) prefills next to them.
+V4_STAGGERED = ([(7 * i + 3) % 500 for i in range(40)], [[(5 * i + 1) % 500 for i in range(60)],
+                                                        [(11 * i + 5) % 500 for i in range(2100)]])
+STAGGERED_WORKLOADS = {"staggered": STAGGERED, "v4_staggered": V4_STAGGERED}
+
+
+def run_staggered(llm, params, workload: str = "staggered") -> list[list[int]]:
     """Drive the engine step by step: the first prompt's prefill, then the others join its decode."""
     engine = llm.llm_engine
-    first, later = STAGGERED
+    first, later = STAGGERED_WORKLOADS[workload]
     engine.add_request("staggered-0", {"prompt_token_ids": first}, params)
     done = {}
     for output in engine.step():
@@ -206,6 +214,8 @@ def generate(model_dir: str, variant: dict) -> dict:
             triton_mla_on_cpu.apply()
         if os.environ.get(cpu_chunked_prefill.ENV):
             cpu_chunked_prefill.apply()
+        if os.environ.get(deepseek_v4_on_cpu.ENV):
+            deepseek_v4_on_cpu.apply()
         with keep_mode_3() if variant.get("mode3") else contextlib.nullcontext():
             llm = LLM(**args)
         try:
@@ -235,8 +245,8 @@ def _drive(llm, variant: dict, worker_stats, SamplingParams) -> dict:
     params = SamplingParams(**{"max_tokens": 16, "temperature": 0, "ignore_eos": True, **variant.get("sampling", {})})
 
     def run(workload: str = variant.get("workload", "short")) -> list[list[int]]:
-        if workload == "staggered":
-            return run_staggered(llm, params)
+        if workload in STAGGERED_WORKLOADS:
+            return run_staggered(llm, params, workload)
         tokens = []
         for wave in WORKLOADS[workload]:
             outputs = llm.generate([{"prompt_token_ids": p} for p in wave], params, use_tqdm=False)

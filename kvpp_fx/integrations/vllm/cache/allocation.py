@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import inspect
 import logging
 from collections.abc import Callable, Iterator
@@ -55,7 +54,7 @@ def kvpp_allocator(original: Callable) -> Callable:
             return original(kv_cache_config, device, *args, **kwargs)
         given = signature.bind(kv_cache_config, device, *args, **kwargs).arguments
         check_kernel_blocks(kv_cache_config, given.get("kernel_block_sizes"))
-        return allocate(kv_cache_config, device)
+        return allocate(kv_cache_config, device, lambda config: original(config, device, *args, **kwargs))
 
     return allocate_kv_cache
 
@@ -63,7 +62,15 @@ def kvpp_allocator(original: Callable) -> Callable:
 @contextlib.contextmanager
 def allocating(runner: Any, state: EngineState) -> Iterator[None]:
     """While open, vLLM's ``allocate_kv_cache`` allocates KVPP's layout for `runner`."""
-    token = _ALLOCATING.set(functools.partial(allocate, runner, state))
+    with allocating_with(lambda config, device, _: allocate(runner, state, config, device)):
+        yield
+
+
+@contextlib.contextmanager
+def allocating_with(allocate_cache: Callable[[Any, Any, Callable[[Any], Any]], Any]) -> Iterator[None]:
+    """While open, vLLM's ``allocate_kv_cache(config, device, ...)`` returns ``allocate_cache(config, device,
+    vllm_allocate)``, where ``vllm_allocate(config)`` is vLLM's own with the call's other arguments."""
+    token = _ALLOCATING.set(allocate_cache)
     try:
         yield
     finally:

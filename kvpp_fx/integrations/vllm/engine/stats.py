@@ -8,6 +8,12 @@ from typing import Any
 
 def worker_stats(worker: Any = None) -> dict[str, Any] | None:
     """For ``llm.collective_rpc(worker_stats)``: this worker's KVPP counters and allocation."""
+    deepseek_v4 = getattr(getattr(worker, "worker", worker), "_kvpp_v4", None)
+    if deepseek_v4 is not None:
+        stats = deepseek_v4.snapshot()
+        stats["worker_class"] = type(getattr(worker, "worker", worker)).__name__
+        stats["runner_class"] = type(worker.model_runner).__name__
+        return stats
     state = getattr(getattr(worker, "model_runner", None), "_kvpp", None)
     if state is None or state.comm.runtime is None:
         return None

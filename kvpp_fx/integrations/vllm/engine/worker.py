@@ -35,7 +35,7 @@ from typing import Any
 
 from kvpp_fx.integrations.vllm.setup.config import KVPPConfig
 from kvpp_fx.integrations.vllm.cache import allocation, layout
-from kvpp_fx.integrations.vllm.engine import runner_v1, runner_v2
+from kvpp_fx.integrations.vllm.engine import deepseek_v4, runner_v1, runner_v2
 from kvpp_fx.integrations.vllm.attention.model_hooks import set_mode
 from kvpp_fx.integrations.vllm.attention.compilation import install_vllm_backend
 from kvpp_fx.integrations.vllm.engine.state import (
@@ -77,42 +77,71 @@ def kvpp_runner_class(base: type) -> tuple[type, str]:
 @functools.cache
 def kvpp_worker_class(base: type) -> type:
     """KVPP's subclass of a vLLM worker class."""
-    require_methods(base, ("init_device", "determine_available_memory", "load_model", "compile_or_warm_up_model"))
+    require_methods(base, ("init_device", "determine_available_memory", "load_model", "initialize_from_config",
+                           "compile_or_warm_up_model"))
 
     class KVPPWorker(base):  # type: ignore[misc, valid-type]
+        _kvpp_v4: deepseek_v4.DeepseekV4Engine | None = None
+
         def init_device(self) -> None:
             super().init_device()
             runner = getattr(self, "model_runner", None)
             if runner is None:
                 raise hook_error(f"{base.__qualname__}.init_device", "the worker built no model_runner.")
-            runner.__class__, kind = kvpp_runner_class(type(runner))
             config = KVPPConfig.from_vllm_config(self.vllm_config)
+            if deepseek_v4.is_deepseek_v4(self.vllm_config):
+                # vLLM's runner stays as it is: KVPP acts inside DeepSeek-V4's attention and its allocation.
+                self._kvpp_v4 = deepseek_v4.DeepseekV4Engine(config, self.vllm_config)
+                v2 = runner_v2.is_v2_runner(type(runner))
+                allocation.install_allocator(runner_v2.ALLOCATOR_MODULE if v2 else runner_v1.ALLOCATOR_MODULE)
+                return
+            runner.__class__, kind = kvpp_runner_class(type(runner))
             runner._kvpp = EngineState(config, self.vllm_config, runner_kind=kind,
                                        attention=AttentionChoices(mode=config.mode))
             if int(self.vllm_config.compilation_config.mode or 0) == 3:
                 # Before load_model: vLLM builds its backend when it builds the model.
                 install_vllm_backend()
 
+        def load_model(self, *args: Any, **kwargs: Any) -> Any:
+            result = super().load_model(*args, **kwargs)
+            if self._kvpp_v4 is not None:
+                self._kvpp_v4.hook_model(self.model_runner.get_model())
+            return result
+
         def determine_available_memory(self) -> int:
+            if self._kvpp_v4 is not None:
+                self._kvpp_v4.connect(self.model_runner.device)
+                return self._kvpp_v4.budget(self.model_runner, super().determine_available_memory())
             state: EngineState = self.model_runner._kvpp
             allocation.connect(state, self.model_runner.device)  # its buffers inside vLLM's measurement
             with state.active(), passthrough():
                 available = super().determine_available_memory()
             return layout.budget(self.model_runner, state, available)
 
+        def initialize_from_config(self, kv_cache_config: Any) -> Any:
+            if self._kvpp_v4 is None:
+                return super().initialize_from_config(kv_cache_config)
+            with allocation.allocating_with(lambda config, _, vllm_allocate: self._kvpp_v4.allocate(config,
+                                                                                                   vllm_allocate)):
+                return super().initialize_from_config(kv_cache_config)
+
         def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
+            if self._kvpp_v4 is not None:
+                return super().compile_or_warm_up_model(*args, **kwargs)
             with self.model_runner._kvpp.active(), passthrough():
                 return super().compile_or_warm_up_model(*args, **kwargs)
 
         # Reachable from a running server too (``POST /collective_rpc`` with VLLM_SERVER_DEV_MODE=1).
         def kvpp_stats(self) -> dict[str, Any] | None:
-            return worker_stats(self)
+            return self._kvpp_v4.snapshot() if self._kvpp_v4 is not None else worker_stats(self)
 
         def kvpp_set_device_api(self, factory: str | None = None) -> None:
             """The tests' one seam into a worker (``collective_rpc("kvpp_set_device_api", args=(...,))``):
             rebuild this worker's runtime over the same cache with the `DeviceAPI` that `factory` (a
             ``"module:callable"`` name, called with the cache's device) returns; None restores the
             default. The tests pass fault-injecting device APIs from their own tree this way."""
+            if self._kvpp_v4 is not None:
+                return self._kvpp_v4.set_device_api(factory)
             allocation.set_device_api(self.model_runner._kvpp, factory)
 
         def kvpp_set_mode(self, mode: str) -> None:

@@ -34,12 +34,29 @@ MSG_DSPARK = (
     "run a DSpark checkpoint). Use method='mtp', or run without additional_config.enable_kvpp."
 )
 MSG_DEEPSEEK_V4 = (
-    "KVPP does not run DeepSeek-V4 (model_type {model_type!r}) in kvpp-fx yet: each of its attention layers "
-    "keeps up to five caches (compressed KV at ratio 4 or 128, indexer keys, a sliding-window cache, "
-    "compressor states) in KV cache groups of block sizes 4 to 256 over one shared pool, which kvpp-fx does not "
-    "place yet; the engine would fail in each worker after loading the model. Run it without "
-    "additional_config.enable_kvpp."
+    "KVPP runs DeepSeek-V4 (model_type 'deepseek_v4') with vLLM CPU's attention only; {what}. {fix}, or run "
+    "without additional_config.enable_kvpp."
 )
+# What of DeepSeek-V4 KVPP does not run, each as (what, what to set).
+DEEPSEEK_V4_REFUSALS = {
+    "model_type": ("{model_type!r} is another model of the family, whose attention kvpp-fx has not hooked",
+                   "Serve model_type 'deepseek_v4'"),
+    "platform": ("on {platform} vLLM runs another DeepSeek-V4 attention (FlashMLA's or FlashInfer's sparse "
+                 "kernels), whose owner call kvpp-fx has not written and tested", "Run on vLLM CPU"),
+    "pcp": ("prefill context parallelism splits a layer's tokens over ranks, and owner mode needs every row of "
+            "a layer on its owner", "Set prefill_context_parallel_size=1"),
+    "speculative": ("speculative decoding ({method}) is not run: vLLM CPU's DeepSeek-V4 indexer refuses it, so "
+                    "kvpp-fx has not tested it", "Drop speculative_config"),
+    "connector": ("a KV connector ({connector}) would move the caches of every layer, where each rank holds "
+                  "only its own layers'", "Drop kv_transfer_config"),
+    "indexer_dtype": ("its indexer cache of {dtype} is not what vLLM CPU stores (fp8 keys), so kvpp-fx has not "
+                      "placed it", "Leave attention_config.indexer_kv_dtype unset"),
+    "hisparse": ("HiSparse moves a layer's cold cache to host memory, which kvpp-fx does not place",
+                 "Drop attention_config.hisparse_config"),
+    "vision": ("its vision tower ({layers} layers) is not run with KVPP", "Serve the text model"),
+    "mode": ("kvpp_mode {mode!r}: every row of a DeepSeek-V4 layer runs on its owner (its indexer picks the "
+             "rows a step reads only inside the layer)", "Set additional_config.kvpp_mode to 'owner' or 'auto'"),
+}
 # The model types of vLLM 0.32's DeepSeek-V4 family (`vllm/transformers_utils/configs/deepseek_v4.py`, and
 # V4.1's package); a config with per-layer ``compress_ratios`` is one of them under another name.
 DEEPSEEK_V4_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
@@ -90,4 +107,37 @@ def check_execution(vllm_config: Any, platform: Any = None, version: str | None 
         raise ValueError(MSG_DSPARK)
     model_type = deepseek_v4_model_type(getattr(vllm_config, "model_config", None))
     if model_type is not None:
-        raise ValueError(MSG_DEEPSEEK_V4.format(model_type=model_type))
+        check_deepseek_v4(vllm_config, model_type, platform)
+
+
+def check_deepseek_v4(vllm_config: Any, model_type: str, platform: Any) -> None:
+    """Raise `ValueError` naming the first feature of this DeepSeek-V4 engine that KVPP does not run."""
+    def refuse(key: str, **values: Any) -> None:
+        what, fix = DEEPSEEK_V4_REFUSALS[key]
+        raise ValueError(MSG_DEEPSEEK_V4.format(what=what.format(**values), fix=fix))
+
+    if model_type != "deepseek_v4":
+        refuse("model_type", model_type=model_type)
+    if getattr(platform, "device_type", None) != "cpu":
+        refuse("platform", platform=getattr(platform, "device_name", None) or type(platform).__name__)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if int(getattr(parallel, "prefill_context_parallel_size", 1) or 1) != 1:
+        refuse("pcp")
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is not None:
+        refuse("speculative", method=getattr(speculative, "method", None))
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is not None:
+        refuse("connector", connector=getattr(transfer, "kv_connector", None))
+    attention = getattr(vllm_config, "attention_config", None)
+    indexer_dtype = getattr(attention, "indexer_kv_dtype", None)
+    if indexer_dtype not in (None, "auto", "fp8"):
+        refuse("indexer_dtype", dtype=indexer_dtype)
+    if getattr(attention, "hisparse_config", None) is not None:
+        refuse("hisparse")
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    if int(getattr(hf, "vision_n_layers", 0) or 0) > 0:
+        refuse("vision", layers=hf.vision_n_layers)
+    mode = ((getattr(vllm_config, "additional_config", None) or {}).get("kvpp_mode") or "auto")
+    if str(mode) not in ("auto", "owner"):
+        refuse("mode", mode=mode)
