@@ -20,9 +20,9 @@ Planned by `kvpp-fx plan` (TP 8, 64 GiB per rank, block 128, bf16, token budget 
 and DeepSeek-V3.2 at max model lengths of 32K and 128K, and without a bound; DeepSeek-V3 with MTP too.
 Beside each, what vLLM's defaults (chunked prefill, prefix caching, and MTP where planned) get on
 FLASHMLA and FLASH_ATTN_MLA (`vllm_defaults`).
-DeepSeek-V4-Flash (`kvpp_fx.cache.layer_caches`: five caches per layer, every row on its layer's owner, so no
-slots) at TP 8, 64 GiB per rank, fp8_ds_mla: requests per rank of 128K and 1M tokens, replicated and KVPP, and the
-bytes a decode token reads against what owner mode ships.
+DeepSeek-V4-Flash (`kvpp_fx.cache.layer_caches`: five caches per layer in vLLM's packed pool, every row on its
+layer's owner, so no slots) at TP 8, 64 GiB per rank, fp8_ds_mla: vLLM's blocks and the requests per rank of 128K
+and 1M tokens, replicated and KVPP, and the bytes a decode token reads against what owner mode ships.
 Each ratio is set next to the formula L / ceil(L/N) * (1 - depth * S * b / M) (whole-layer slots:
 L / (ceil(L/N) + depth)).
 
@@ -38,7 +38,7 @@ import sys
 from _common import write_result
 
 from kvpp_fx.cache.allocate import allocate_cache
-from kvpp_fx.cache.layer_caches import LayerCachesPlan, deepseek_v4_caches, ideal_ratio, layer_caches_report
+from kvpp_fx.cache.layer_caches import LayerCachesPlan, deepseek_v4_caches, layer_caches_report
 from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.cache.spec import PRESETS as MODEL_PRESETS
 from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
@@ -116,9 +116,11 @@ def planned_layer_caches(model: str = "deepseek-v4-flash") -> dict:
     budget = parse_bytes(PLAN_MEMORY)
     plan = LayerCachesPlan(deepseek_v4_caches(MODEL_PRESETS[model], name=model), 8)
     report = layer_caches_report(plan, budget)
-    return {"model": model, "ideal_ratio": ideal_ratio(plan), "kv_dtype": report["kv_dtype"],
+    return {"model": model, "kv_dtype": report["kv_dtype"], "capacity_ratio": report["capacity_ratio"],
+            "packed_block_bytes": report["packed_block_bytes"],
+            "worst_rank_block_bytes": max(r["block_bytes"] for r in report["ranks"]),
             "owner_exchange_bytes_per_layer": report["owner_exchange_bytes_per_layer"],
-            "contexts": [{key: at[key] for key in ("context_tokens", "capacity_ratio", "replicated_requests",
+            "contexts": [{key: at[key] for key in ("context_tokens", "blocks_per_request", "replicated_requests",
                                                    "kvpp_requests", "decode_read_bytes")}
                          for at in report["contexts"]]}
 
@@ -170,9 +172,9 @@ def main(argv=None):
               f"slots {p['whole_layer_ratio']:.3f}x)"
               + "".join(f"; vLLM defaults {n} {_ratio(d)}" for n, d in p.get("vllm_defaults", {}).items()))
     v4 = planned_layer_caches()
-    for at in v4["contexts"]:
-        print(f"kvpp-fx plan {v4['model']} TP8 {PLAN_MEMORY} at {at['context_tokens'] // 1024}K tokens: "
-              f"{at['capacity_ratio']:.3f}x ({at['replicated_requests']} -> {at['kvpp_requests']} requests per rank)")
+    print(f"kvpp-fx plan {v4['model']} TP8 {PLAN_MEMORY}: {v4['capacity_ratio']:.3f}x vLLM's blocks; requests per rank "
+          + ", ".join(f"{at['replicated_requests']} -> {at['kvpp_requests']} at {at['context_tokens'] // 1024}K"
+                      for at in v4["contexts"]))
     write_result("capacity", {"layer_caches_plans": [v4],
                               "kv_memory_bytes": budget, "reference": reference, "vllm_tiny": tiny,
                               "vllm_tiny_compact": tiny_compact,

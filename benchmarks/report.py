@@ -28,7 +28,8 @@ HEADLINES = ("capacity, deepseek-v3 TP 8", "capacity, deepseek-v4-flash TP 8",
              "vLLM prefill history", "transfer hidden, through the PIECEWISE-compiled model",
              "streamed prefill history hidden",
              "bytes per decode step, owner / broadcast mode", "vLLM OpenAI server",
-             "vLLM decode step bytes per rank", "vLLM prefill instance of a PD pair",
+             "vLLM decode step bytes per rank", "vLLM DeepSeek-V4 decode step bytes",
+             "vLLM prefill instance of a PD pair",
              "host time KVPP adds to a vLLM decode step, 256 requests x 2000")
 
 
@@ -97,13 +98,13 @@ def rows() -> list[tuple[str, str, str]]:
         at = {c["context_tokens"]: c for c in v4["contexts"]}
         short, long = at[131072], at[1048576]
         out.append((f"capacity, {v4['model']} TP 8, {cap['plan_kv_memory_bytes'] // 2**30} GiB, {v4['kv_dtype']} "
-                    "(five caches per layer, every row on its owner), `kvpp-fx plan`",
-                    f"{short['capacity_ratio']:.3f}x at 128K ({short['replicated_requests']} -> "
-                    f"{short['kvpp_requests']} requests per rank); {long['capacity_ratio']:.3f}x at 1M "
-                    f"({long['replicated_requests']} -> {long['kvpp_requests']}); {v4['ideal_ratio']:.3f}x per context "
-                    f"token; a decode token reads {_mib(short['decode_read_bytes'])} / "
-                    f"{_mib(long['decode_read_bytes'])} of cache, owner mode ships "
-                    f"{_mib(v4['owner_exchange_bytes_per_layer'])} per layer and non-owner rank", "same"))
+                    "(five caches per layer in vLLM's packed pool, every row on its owner), `kvpp-fx plan`",
+                    f"{v4['capacity_ratio']:.3f}x vLLM's blocks (blocks of {v4['worst_rank_block_bytes']:,} B on the "
+                    f"busiest rank, {v4['packed_block_bytes']:,} B packed); requests per rank "
+                    f"{short['replicated_requests']} -> {short['kvpp_requests']} at 128K, "
+                    f"{long['replicated_requests']} -> {long['kvpp_requests']} at 1M; a decode token reads "
+                    f"{_mib(short['decode_read_bytes'])} / {_mib(long['decode_read_bytes'])} of cache, owner mode "
+                    f"ships {_mib(v4['owner_exchange_bytes_per_layer'])} per layer and non-owner rank", "same"))
     ph = _load("vllm_prefill_history")
     chunked, hit = ph["workloads"]["chunked"], ph["workloads"]["prefix_hit"]
     out.append((f"vLLM prefill history, tiny DeepSeek-V3 TP 2, a {chunked['prompt_tokens']}-token prompt in "
@@ -269,7 +270,21 @@ def rows() -> list[tuple[str, str, str]]:
                 f"{step['owner']:.2f}x / {step['broadcast']:.2f}x (medians: off {off_step * 1e3:.1f} ms, owner "
                 f"{by[('owner', contexts[-1])]['decode_step_s'] * 1e3:.1f} ms, broadcast "
                 f"{by[('broadcast', contexts[-1])]['decode_step_s'] * 1e3:.1f} ms)", "same"))
+    out.append(_deepseek_v4_row(_load("vllm_deepseek_v4")))
     return out
+
+
+def _deepseek_v4_row(v4: dict) -> tuple[str, str, str]:
+    by = {r["context"]: r for r in v4["rows"]}
+    labels = " / ".join(f"{c // 1024}k" for c in v4["contexts"])
+    return (f"vLLM DeepSeek-V4 decode step bytes per rank, tiny V4 (ratios 0, 4, 128, 4) TP {v4['tp']}, after "
+            f"{labels}-token prompts, every row on its owner",
+            "; ".join(f"{_mib(max(by[c]['bytes_per_rank']))} (a broadcast of the step's reads: "
+                      f"{_mib(by[c]['broadcast_bytes'])})" for c in v4["contexts"])
+            + f" (x{v4['bytes_ratio']:.2f}; {'equal to' if v4['bytes_match_formula'] else 'NOT equal to'} the "
+            f"formula); vLLM's blocks at {v4['kv_memory_bytes'] // 2**20} MiB per rank {v4['num_blocks']['off']:,} / "
+            f"{v4['num_blocks']['on']:,} ({v4['capacity_ratio']:.2f}x); decode step KVPP / off "
+            f"{v4['decode_step_over_off']:.2f}x", "`python benchmarks/vllm_deepseek_v4.py`")
 
 
 def table(headlines: bool = False) -> str:

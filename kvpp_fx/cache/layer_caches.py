@@ -12,14 +12,21 @@ A KV row is 584 bytes under fp8_ds_mla (448 fp8 values, 64 bf16 RoPE values, 8 s
 a GPU, or ``head_dim`` bf16 values; vLLM pads every page (one block of one cache) to 576 bytes under
 fp8_ds_mla and to 512 otherwise.
 
+vLLM 0.32 packs these caches block-outermost in one pool (`packed_groups`): one KV cache group of every layer's
+growing caches (256-token blocks), and groups of the bounded caches of one kind (the window caches, split by
+position into as many groups as the growing group's page sum needs; the ratio-4 compressor states; the
+ratio-128 ones). A block id belongs to one group at a time and costs the largest group's sum of pages, the
+packed block, whichever group holds it: vLLM plans ``available // packed block`` blocks.
+
 Invariants:
 - A cache grows with the context (``window is None``: a page per ``block_size`` tokens) or keeps a request's
   last ``window`` tokens: at most ``ceil((window - 1) / block_size) + 1`` pages, what vLLM's sliding-window
   manager keeps once a request decodes.
 - One owner per target layer holds all of the layer's caches; draft (MTP) layers stay on every rank.
-- Owners balance the bytes one request of ``reference_tokens`` costs (`balanced_owners`): the costliest
-  layer first, each to the rank holding least so far; ties go to the lower layer index and the lower rank.
-  Layers of equal cost keep the contiguous split of `assign_owners`.
+- A rank's block holds only its layers' pages: in each group they sit back to back, so its block is the largest
+  group's sum of its own pages, and vLLM plans ``available // the largest rank's block`` blocks with KVPP.
+- Owners minimise that largest block (`balanced_group_owners`): the layer with the largest page sum in one
+  group first, each to the rank whose largest group then is least (ties: the least total, then the lower rank).
 - Every row of a layer runs on its owner (owner mode), so a rank holds its layers' caches and nothing
   else: no scratch slot.
 """
@@ -27,19 +34,17 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from kvpp_fx.cache.placement import assign_owners
 from kvpp_fx.cache.spec import LAYER_CACHES_MODEL_TYPES
 
 DEEPSEEK_V4_KV_DTYPES = ("fp8", "bf16")  # fp8: vLLM's fp8_ds_mla layout, its default on a GPU
 DEEPSEEK_V4_BLOCK_SIZE = 256  # vLLM's only block size for DeepSeek-V4's compressed caches
 WINDOW_BLOCK_SIZE = 64
 ACTIVATION_BYTES = 2  # the bf16 queries and outputs owner mode ships
-
 
 
 class LayerCachesError(ValueError):
@@ -90,6 +95,12 @@ class LayerCaches:
 
     def request_bytes(self, context_tokens: int) -> int:
         return sum(c.request_bytes(context_tokens) for c in self.caches)
+
+    def cache(self, name: str) -> Cache:
+        for cache in self.caches:
+            if cache.name == name:
+                return cache
+        raise KeyError(f"layer {self.index} has no cache {name!r}.")
 
     @property
     def bytes_per_token(self) -> float:
@@ -178,39 +189,84 @@ def _layer_caches(geometry: DeepseekV4Geometry, ratio: int, kv_dtype: str) -> tu
         caches.append(Cache("compressor_state", 4 * 2 * coff * geometry.head_dim, 1, 4 if ratio == 4 else 8,
                             align, window=coff * ratio))
     if ratio == 4:
-        caches.append(Cache("indexer_keys", geometry.index_head_dim + 4, 4, DEEPSEEK_V4_BLOCK_SIZE, align))
+        # fp8 keys and an fp32 scale per 128 of them
+        keys_row = geometry.index_head_dim + geometry.index_head_dim // 128 * 4
+        caches.append(Cache("indexer_keys", keys_row, 4, DEEPSEEK_V4_BLOCK_SIZE, align))
         caches.append(Cache("indexer_compressor_state", 4 * 2 * 2 * geometry.index_head_dim, 1, 4, align,
                             window=8))
     return tuple(caches)
 
 
-def balanced_owners(weights: Mapping[int, int | float], group_size: int) -> dict[int, int]:
-    """Layer -> owner rank, balancing the summed weight of each rank (module docstring)."""
-    if len(set(weights.values())) <= 1:
-        return assign_owners(weights, group_size)
-    load = [0.0] * group_size
+def packed_groups(model: LayerCachesModel) -> tuple[tuple[tuple[int, str], ...], ...]:
+    """vLLM 0.32's KV cache groups of `model`'s caches, as ``(layer, cache name)`` per group (module docstring):
+    the growing caches first, then each bounded kind, in layer order; a kind's layers are split by position,
+    ``kind[i::n]``, into the fewest groups whose page sums fit the growing group's."""
+    growing = tuple((layer.index, c.name) for layer in model.layers for c in layer.caches if c.grows)
+    anchor = sum(model.layer(i).cache(name).page_bytes for i, name in growing)
+    kinds: dict[tuple[int, int | None], list[int]] = {}
+    for layer in model.layers:  # a kind: the bounded caches of one block size and window, per layer
+        for cache in layer.caches:
+            if not cache.grows:
+                kinds.setdefault((cache.block_size, cache.window), [])
+                if layer.index not in kinds[(cache.block_size, cache.window)]:
+                    kinds[(cache.block_size, cache.window)].append(layer.index)
+    groups = [growing] if growing else []
+    for (block_size, window), layers in kinds.items():
+        def members(i: int) -> tuple[tuple[int, str], ...]:
+            return tuple((i, c.name) for c in model.layer(i).caches
+                         if not c.grows and (c.block_size, c.window) == (block_size, window))
+        per_layer = max(sum(model.layer(i).cache(n).page_bytes for _, n in members(i)) for i in layers)
+        count = max(1, -(-len(layers) * per_layer // anchor)) if anchor else 1
+        groups += [tuple(m for i in layers[k::count] for m in members(i)) for k in range(count)]
+    return tuple(groups)
+
+
+def balanced_group_owners(loads: Mapping[int, Sequence[int]], group_size: int,
+                          base: Sequence[int] = ()) -> dict[int, int]:
+    """Layer -> owner rank, from each layer's pages per group (`loads`); every rank starts from `base`, the pages
+    of the layers every rank holds (module docstring)."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}.")
+    width = max((len(v) for v in loads.values()), default=len(base))
+    held = [list(base) + [0] * (width - len(base)) for _ in range(group_size)]
     owners = {}
-    for layer in sorted(weights, key=lambda i: (-weights[i], i)):
-        rank = min(range(group_size), key=lambda r: (load[r], r))
+    for layer in sorted(loads, key=lambda i: (-max(loads[i], default=0), -sum(loads[i]), i)):
+        def after(rank: int) -> tuple[int, int, int]:
+            sums = [a + b for a, b in zip(held[rank], loads[layer])]
+            return max(sums, default=0), sum(sums), rank
+        rank = min(range(group_size), key=after)
         owners[layer] = rank
-        load[rank] += weights[layer]
+        held[rank] = [a + b for a, b in zip(held[rank], loads[layer])]
     return owners
 
 
 @dataclass(frozen=True)
 class LayerCachesPlan:
-    """One owner per target layer of a `LayerCachesModel`, over a group of `group_size` ranks."""
+    """One owner per target layer of a `LayerCachesModel`, over a group of `group_size` ranks, in vLLM's packed
+    pool (module docstring)."""
 
     model: LayerCachesModel
     group_size: int
-    reference_tokens: int = 131072
+    groups: tuple[tuple[tuple[int, str], ...], ...] = field(init=False, compare=False)
     owners: Mapping[int, int] = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"group_size must be a positive integer, got {self.group_size!r}.")
-        weights = {i: self.model.layer(i).request_bytes(self.reference_tokens) for i in self.model.target_layers}
-        object.__setattr__(self, "owners", MappingProxyType(balanced_owners(weights, self.group_size)))
+        targets = self.model.target_layers
+        if len(targets) < self.group_size:
+            raise LayerCachesError(f"{len(targets)} target layers cannot give each of {self.group_size} ranks a "
+                                   f"layer; set the TP size to at most {len(targets)}.")
+        groups = packed_groups(self.model)
+        object.__setattr__(self, "groups", groups)
+        loads = {i: self._pages_per_group((i,)) for i in targets}
+        base = self._pages_per_group(tuple(layer.index for layer in self.model.layers if layer.is_draft))
+        object.__setattr__(self, "owners", MappingProxyType(balanced_group_owners(loads, self.group_size, base)))
+
+    def _pages_per_group(self, layers: tuple[int, ...]) -> list[int]:
+        chosen = set(layers)
+        return [sum(self.model.layer(i).cache(name).page_bytes for i, name in group if i in chosen)
+                for group in self.groups]
 
     def owned_layers(self, rank: int) -> tuple[int, ...]:
         return tuple(i for i in self.model.target_layers if self.owners[i] == rank)
@@ -220,18 +276,38 @@ class LayerCachesPlan:
         drafts = tuple(layer.index for layer in self.model.layers if layer.is_draft)
         return self.owned_layers(rank) + drafts
 
+    def block_bytes(self, rank: int | None = None) -> int:
+        """The bytes of one block of vLLM's pool on `rank` (None: vLLM's packed block, every layer)."""
+        layers = tuple(layer.index for layer in self.model.layers) if rank is None else self.held_layers(rank)
+        return max(self._pages_per_group(layers), default=0)
+
+    @property
+    def worst_rank(self) -> int:
+        return max(range(self.group_size), key=lambda r: (self.block_bytes(r), -r))
+
+    @property
+    def capacity_ratio(self) -> float:
+        """vLLM's blocks at equal KV memory, KVPP over replicated: the packed block over the largest rank's."""
+        return self.block_bytes() / self.block_bytes(self.worst_rank)
+
+    def blocks_per_request(self, context_tokens: int) -> int:
+        """The block ids one request of `context_tokens` tokens holds: its pages of each group."""
+        total = 0
+        for group in self.groups:
+            i, name = group[0]
+            total += self.model.layer(i).cache(name).pages(context_tokens)
+        return total
+
+    def requests(self, available_bytes: int, context_tokens: int, kvpp: bool = True) -> int:
+        """Requests of `context_tokens` tokens that fit `available_bytes` per rank, with KVPP (the engine takes the
+        block count of the largest rank's block) or replicated."""
+        block = self.block_bytes(self.worst_rank) if kvpp else self.block_bytes()
+        return available_bytes // block // self.blocks_per_request(context_tokens)
+
     def request_bytes(self, context_tokens: int, rank: int | None = None) -> int:
-        """Bytes one request of `context_tokens` tokens holds on `rank` (None: replicated, every layer)."""
+        """Bytes of caches one request of `context_tokens` tokens holds on `rank` (None: replicated)."""
         layers = None if rank is None else self.held_layers(rank)
         return self.model.request_bytes(context_tokens, layers)
-
-    def worst_rank(self, context_tokens: int) -> int:
-        return max(range(self.group_size), key=lambda r: (self.request_bytes(context_tokens, r), -r))
-
-    def capacity_ratio(self, context_tokens: int) -> float:
-        """Requests of `context_tokens` tokens at equal KV memory: KVPP (worst rank) over replicated."""
-        return self.request_bytes(context_tokens) / self.request_bytes(context_tokens, self.worst_rank(
-            context_tokens))
 
     def decode_read_bytes(self, context_tokens: int) -> int:
         """Bytes one decode token of a request reads from the caches, over every target layer: the window's
@@ -265,7 +341,7 @@ class LayerCachesPlan:
 def cache_table(plan: LayerCachesPlan, context_tokens: int) -> dict[str, dict[str, Any]]:
     """Per cache name: its page, its bytes per context token (growing caches) or per request (bounded), and
     the bytes one request of `context_tokens` holds replicated and on the worst rank."""
-    worst = set(plan.held_layers(plan.worst_rank(context_tokens)))
+    worst = set(plan.held_layers(plan.worst_rank))
     out: dict[str, dict[str, Any]] = {}
     for layer in plan.model.layers:
         for cache in layer.caches:
@@ -284,26 +360,31 @@ def cache_table(plan: LayerCachesPlan, context_tokens: int) -> dict[str, dict[st
 
 def layer_caches_report(plan: LayerCachesPlan, available_bytes: int,
                         contexts: tuple[int, ...] = (131072, 1048576)) -> dict[str, Any]:
-    """The numbers behind ``kvpp-fx plan`` for a DeepSeek-V4 model: owners, per-cache bytes, requests per
-    rank and the capacity ratio at each context, and what a decode step moves."""
+    """The numbers behind ``kvpp-fx plan`` for a DeepSeek-V4 model: owners, the blocks of vLLM's pool per rank,
+    per-cache bytes, requests per rank at each context, and what a decode step moves."""
     model = plan.model
-    ranks = [{"rank": r, "owned_layers": list(plan.owned_layers(r)),
+    ranks = [{"rank": r, "owned_layers": list(plan.owned_layers(r)), "block_bytes": plan.block_bytes(r),
+              "blocks": available_bytes // plan.block_bytes(r),
               "bytes_per_token": sum(model.layer(i).bytes_per_token for i in plan.held_layers(r)),
               "bounded_bytes": sum(model.layer(i).bounded_bytes for i in plan.held_layers(r))}
              for r in range(plan.group_size)]
-    at = []
-    for tokens in contexts:
-        replicated, worst = plan.request_bytes(tokens), plan.request_bytes(tokens, plan.worst_rank(tokens))
-        at.append({"context_tokens": tokens, "worst_rank": plan.worst_rank(tokens),
-                   "replicated_request_bytes": replicated, "worst_rank_request_bytes": worst,
-                   "replicated_requests": available_bytes // replicated, "kvpp_requests": available_bytes // worst,
-                   "capacity_ratio": replicated / worst, "decode_read_bytes": plan.decode_read_bytes(tokens),
-                   "caches": cache_table(plan, tokens)})
+    at = [{"context_tokens": tokens, "blocks_per_request": plan.blocks_per_request(tokens),
+           "replicated_requests": plan.requests(available_bytes, tokens, kvpp=False),
+           "kvpp_requests": plan.requests(available_bytes, tokens),
+           "replicated_request_bytes": plan.request_bytes(tokens),
+           "worst_rank_request_bytes": plan.request_bytes(tokens, plan.worst_rank),
+           "decode_read_bytes": plan.decode_read_bytes(tokens), "caches": cache_table(plan, tokens)}
+          for tokens in contexts]
+    groups = [{"caches": len(group), "block_size": model.layer(group[0][0]).cache(group[0][1]).block_size,
+               "page_bytes": sum(model.layer(i).cache(n).page_bytes for i, n in group)} for group in plan.groups]
     return {"model": model.name, "kind": "deepseek_v4", "group_size": plan.group_size, "kv_dtype": model.kv_dtype,
-            "kv_memory_bytes": available_bytes, "reference_tokens": plan.reference_tokens,
-            "target_layers": list(model.target_layers),
+            "kv_memory_bytes": available_bytes, "target_layers": list(model.target_layers),
             "draft_layers": [layer.index for layer in model.layers if layer.is_draft],
             "compress_ratios": {layer.index: layer.compress_ratio for layer in model.layers},
+            "groups": groups, "packed_block_bytes": plan.block_bytes(), "worst_rank": plan.worst_rank,
+            "replicated_blocks": available_bytes // plan.block_bytes(),
+            "engine_blocks": available_bytes // plan.block_bytes(plan.worst_rank),
+            "capacity_ratio": plan.capacity_ratio, "ideal_ratio": ideal_ratio(plan),
             "replicated_bytes_per_token": sum(layer.bytes_per_token for layer in model.layers),
             "replicated_bounded_bytes": sum(layer.bounded_bytes for layer in model.layers),
             "ranks": ranks, "contexts": at,
@@ -312,7 +393,8 @@ def layer_caches_report(plan: LayerCachesPlan, available_bytes: int,
 
 
 def ideal_ratio(plan: LayerCachesPlan) -> float:
-    """Bytes per context token, replicated over the worst rank's: the ratio as the context grows."""
+    """Bytes per context token, replicated over the largest rank's: what a pool paged per cache would give as
+    the context grows (vLLM's packed pool gives `LayerCachesPlan.capacity_ratio`)."""
     per_rank = [sum(plan.model.layer(i).bytes_per_token for i in plan.held_layers(r))
                 for r in range(plan.group_size)]
     return sum(layer.bytes_per_token for layer in plan.model.layers) / max(per_rank) if max(per_rank) else math.inf

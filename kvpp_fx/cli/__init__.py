@@ -71,13 +71,13 @@ def _cmd_plan_layer_caches(args: argparse.Namespace, name: str, config: dict) ->
              if getattr(args, option) not in (None, False)] + (["--pcp"] if args.pcp != 1 else [])
     if given:
         raise UsageError(f"{', '.join(given)}: not used for {config['model_type']}, whose every row runs on its "
-                         "layer's owner (no scratch slots) in pages of vLLM's own block sizes")
+                         "layer's owner (no scratch slots) in pages of vLLM's own block sizes; drop it")
     if args.kv_dtype not in (None, *DEEPSEEK_V4_KV_DTYPES):
         raise UsageError(f"--kv-dtype {args.kv_dtype}: {config['model_type']}'s KV cache is one of "
                          f"{', '.join(DEEPSEEK_V4_KV_DTYPES)} (fp8: vLLM's fp8_ds_mla, the default)")
     model = deepseek_v4_caches(config, name=name, kv_dtype=args.kv_dtype or "fp8", include_mtp=args.mtp)
-    plan = LayerCachesPlan(model, args.tp, reference_tokens=args.max_model_len or 131072)
-    contexts = tuple(sorted({131072, 1048576, plan.reference_tokens}))
+    plan = LayerCachesPlan(model, args.tp)
+    contexts = tuple(sorted({131072, 1048576, *([args.max_model_len] if args.max_model_len else [])}))
     report = layer_caches_report(plan, parse_bytes(args.kv_memory), contexts)
     print(json.dumps(report, indent=2) if args.json else format_layer_caches_table(report))
     return 0
@@ -191,8 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--shard-draft", action="store_true", help="give draft layers owners too")
     plan.add_argument("--max-model-len", type=positive_int, default=None,
                       help="the longest request in tokens: scratch slots then hold what one step can read "
-                           "(compact scratch) instead of whole layers; for DeepSeek-V4, the request the owners "
-                           "balance (default 128K)")
+                           "(compact scratch) instead of whole layers; for DeepSeek-V4, one more context to print "
+                           "(besides 128K and 1M)")
     plan.add_argument("--max-batched-tokens", type=positive_int, default=None,
                       help="the token budget of one step, with --max-model-len (default 8192)")
     plan.add_argument("--max-num-seqs", type=positive_int, default=None,

@@ -17,28 +17,35 @@ def _tokens(n: int) -> str:
 def format_layer_caches_table(report: dict[str, Any]) -> str:
     ratios = report["compress_ratios"]
     kinds = {kind: [i for i in report["target_layers"] if ratios[i] == kind] for kind in (0, 4, 128)}
+    groups = ", ".join(f"{g['caches']} x {g['block_size']}-token pages = {g['page_bytes']:,} B"
+                       for g in report["groups"])
     lines = [
         f"KVPP plan: {report['model']}  group={report['group_size']}  kv_dtype={report['kv_dtype']}"
         f"  kv_memory={format_bytes(report['kv_memory_bytes'])}",
         f"target layers: {len(report['target_layers'])} (window-only {len(kinds[0])}, ratio 4 {len(kinds[4])}, "
         f"ratio 128 {len(kinds[128])})  draft layers: {layer_ranges(report['draft_layers'])}"
         + (" (local on every rank)" if report["draft_layers"] else ""),
-        f"owners balance one request of {_tokens(report['reference_tokens'])} tokens; {report['path']}",
+        f"vLLM's KV cache groups, packed in blocks of {report['packed_block_bytes']:,} B: {groups}",
+        report["path"],
         "",
-        f"{'rank':>4}  {'owned layers':<34} {'B/token':>9} {'bounded B/request':>18}",
+        f"{'rank':>4}  {'owned layers':<34} {'block B':>9} {'blocks':>9} {'B/token':>9} {'bounded B/request':>18}",
     ]
     for r in report["ranks"]:
         owned = f"{layer_ranges(r['owned_layers'])} ({len(r['owned_layers'])})"
-        lines.append(f"{r['rank']:>4}  {owned:<34} {r['bytes_per_token']:>9,.2f} {r['bounded_bytes']:>18,}")
-    lines.append(f"{'repl':>4}  {'all':<34} {report['replicated_bytes_per_token']:>9,.2f} "
-                 f"{report['replicated_bounded_bytes']:>18,}")
+        lines.append(f"{r['rank']:>4}  {owned:<34} {r['block_bytes']:>9,} {r['blocks']:>9,} "
+                     f"{r['bytes_per_token']:>9,.2f} {r['bounded_bytes']:>18,}")
+    lines += [
+        f"{'repl':>4}  {'all':<34} {report['packed_block_bytes']:>9,} {report['replicated_blocks']:>9,} "
+        f"{report['replicated_bytes_per_token']:>9,.2f} {report['replicated_bounded_bytes']:>18,}",
+        "",
+        f"capacity ratio (worst rank {report['worst_rank']}): {report['capacity_ratio']:.3f}x vLLM's blocks at every "
+        f"context; {report['ideal_ratio']:.3f}x per context token",
+    ]
     for at in report["contexts"]:
-        tokens = _tokens(at["context_tokens"])
         lines += [
             "",
-            f"one request of {tokens} tokens: replicated {format_bytes(at['replicated_request_bytes'])}, worst rank "
-            f"{at['worst_rank']} {format_bytes(at['worst_rank_request_bytes'])}: capacity ratio "
-            f"{at['capacity_ratio']:.3f}x ({at['replicated_requests']:,} -> {at['kvpp_requests']:,} requests per rank)",
+            f"one request of {_tokens(at['context_tokens'])} tokens: {at['blocks_per_request']:,} blocks; requests per "
+            f"rank {at['replicated_requests']:,} -> {at['kvpp_requests']:,}",
             f"  {'cache':<26} {'layers':>6} {'page B':>8} {'block':>6} {'B/token/layer':>14} {'replicated':>12} "
             f"{'worst rank':>12}",
         ]

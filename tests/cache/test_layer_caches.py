@@ -5,11 +5,12 @@ import json
 import pytest
 import torch
 
-from kvpp_fx.cache.layer_caches import (Cache, LayerCachesError, LayerCachesPlan, balanced_owners, deepseek_v4_caches,
-                                        ideal_ratio)
+from kvpp_fx.cache.layer_caches import (Cache, LayerCachesError, LayerCachesPlan, balanced_group_owners,
+                                        deepseek_v4_caches, ideal_ratio)
 from kvpp_fx.cache.placement import assign_owners
 from kvpp_fx.cache.spec import PRESETS, ModelCacheSpec, UnknownModelError
 from kvpp_fx.cli import main
+from tests.integrations.vllm.tiny_model import TINY_DEEPSEEK_V4
 
 FLASH = PRESETS["deepseek-v4-flash"]
 TB = 1 << 40
@@ -65,40 +66,59 @@ def test_deepseek_v4_flash_caches_per_layer():
     assert model.layer(3).bounded_bytes == 3 * 37440 + 17 * 32832
 
 
-def test_owners_balance_the_bytes_of_a_request():
+def test_vllms_packed_groups_of_the_tiny_model_as_its_engine_forms_them():
+    """The groups vLLM 0.32 forms for the tests' tiny V4 (read from its engine at TP 2): every growing cache in
+    one, the window caches split by position in two, the two compressor-state kinds; and the blocks the engine
+    test measures (`test_vllm_deepseek_v4.py`)."""
+    plan = LayerCachesPlan(deepseek_v4_caches(TINY_DEEPSEEK_V4), 2)
+    assert [sorted(group) for group in plan.groups] == [
+        [(1, "compressed_kv"), (1, "indexer_keys"), (2, "compressed_kv"), (3, "compressed_kv"), (3, "indexer_keys")],
+        [(0, "window_kv"), (2, "window_kv")], [(1, "window_kv"), (3, "window_kv")],
+        [(1, "compressor_state"), (1, "indexer_compressor_state"), (3, "compressor_state"),
+         (3, "indexer_compressor_state")], [(2, "compressor_state")]]
+    assert plan.block_bytes() == 2 * 8640 + 2 * 37440 + 1728 == 93888
+    assert [plan.block_bytes(r) for r in range(2)] == [8640 + 37440 + 1728, 8640 + 37440]
+    assert [plan.owned_layers(r) for r in range(2)] == [(1, 2), (0, 3)]
+
+
+def test_owners_make_the_largest_ranks_block_as_small_as_vllms_groups_allow():
     plan = LayerCachesPlan(deepseek_v4_caches(FLASH), 8)
     assert sorted(plan.owners) == list(range(43))
     ratio4 = [[i for i in plan.owned_layers(r) if plan.model.layer(i).compress_ratio == 4] for r in range(8)]
     assert sorted(len(layers) for layers in ratio4) == [2, 2, 2, 3, 3, 3, 3, 3]  # 21 over 8, at most 3 each
-    worst = max(sum(plan.model.layer(i).bytes_per_token for i in plan.owned_layers(r)) for r in range(8))
-    assert worst == 3 * 180
-    assert ideal_ratio(plan) == 3915 / 540
-    # the contiguous split of assign_owners would give rank 0 layers 0-5 (three ratio-4 layers), but also a
-    # rank with four: 6 layers hold 3 of ratio 4 wherever they start on an even index
+    # a rank with 3 ratio-4 layers (46,080 bytes of growing pages each) takes at most 3 ratio-128 ones (1,728);
+    # the ratio-128 layers' windows sit in one window group (odd positions), 3 per rank at most elsewhere
+    assert plan.block_bytes(plan.worst_rank) == 3 * 46080 + 3 * 1728 == 143424
+    assert plan.block_bytes() == 21 * 46080 + 20 * 1728 == 1002240
+    # the contiguous split would put 6 layers' windows on a rank
     contiguous = assign_owners(range(43), 8)
-    held = [sum(plan.model.layer(i).bytes_per_token for i in contiguous if contiguous[i] == r) for r in range(8)]
-    assert max(held) > worst
+    assert max(plan._pages_per_group(tuple(i for i in contiguous if contiguous[i] == r))[1] for r in range(8)) \
+        > plan.block_bytes(plan.worst_rank) - 3 * 46080
 
 
-def test_balanced_owners_keeps_the_contiguous_split_for_equal_layers_and_ignores_input_order():
-    assert balanced_owners(dict.fromkeys(range(10), 5), 4) == assign_owners(range(10), 4)
-    weights = {0: 1, 1: 9, 2: 4, 3: 4, 4: 1}
-    # heaviest first, each to the rank holding least: 9 -> 0, 4 -> 1, 4 -> 2, then the 1s to ranks 1 and 2
-    assert balanced_owners(weights, 3) == {1: 0, 2: 1, 3: 2, 0: 1, 4: 2}
-    assert balanced_owners(dict(reversed(weights.items())), 3) == balanced_owners(weights, 3)
+def test_balanced_group_owners_balances_the_largest_group_and_ignores_input_order():
+    loads = {0: [4, 0], 1: [4, 0], 2: [0, 3], 3: [1, 3], 4: [0, 1]}
+    owners = balanced_group_owners(loads, 2)
+    held = [[sum(loads[i][g] for i in loads if owners[i] == r) for g in range(2)] for r in range(2)]
+    assert max(max(h) for h in held) == 5 and owners[0] != owners[1]
+    assert balanced_group_owners(dict(reversed(loads.items())), 2) == owners
+    assert balanced_group_owners(loads, 2, base=[10, 0]) == owners  # a base every rank holds changes nothing
 
 
-@pytest.mark.parametrize("tokens", [131072, 1048576])
-def test_deepseek_v4_flash_at_tp8_holds_over_7x_the_requests(tokens):
+def test_deepseek_v4_flash_at_tp8_plans_about_7x_the_blocks():
+    """vLLM's packed pool: the ratio is the packed block over the largest rank's, at every context; requests
+    per rank follow it. The growing caches set both blocks, so the bytes per context token give the same ratio."""
     plan = LayerCachesPlan(deepseek_v4_caches(FLASH), 8)
-    ratio = plan.capacity_ratio(tokens)
-    assert ratio >= 7.0
-    # the ratio is the bytes of one request, replicated over the worst rank's: count them by hand
-    model = plan.model
-    replicated = sum(layer.request_bytes(tokens) for layer in model.layers)
-    worst = max(sum(model.layer(i).request_bytes(tokens) for i in plan.owned_layers(r)) for r in range(8))
-    assert ratio == replicated / worst
-    assert plan.request_bytes(tokens, 0) < plan.request_bytes(tokens) / 7
+    assert plan.capacity_ratio == 1002240 / 143424
+    assert 6.98 < plan.capacity_ratio < 7.0 and ideal_ratio(plan) == 3915 / (3 * 180 + 3 * 6.75)
+    memory = 64 << 30
+    for tokens in (131072, 1048576):
+        per_request = plan.blocks_per_request(tokens)
+        # 256-token blocks of the growing group, and each bounded group's pages: 2 window groups of 3 pages of
+        # 64 tokens, 3 pages of 4 tokens of ratio-4 state, 17 pages of 8 tokens of ratio-128 state
+        assert per_request == tokens // 256 + 2 * 3 + 3 + 17
+        assert plan.requests(memory, tokens, kvpp=False) == memory // 1002240 // per_request
+        assert plan.requests(memory, tokens) == memory // 143424 // per_request
 
 
 def test_decode_reads_grow_with_the_context_and_owner_mode_does_not():
@@ -136,7 +156,8 @@ def test_the_single_cache_spec_refuses_deepseek_v4_by_name():
 def test_plan_prints_deepseek_v4_flash_capacity_at_128k_and_1m(capsys):
     assert main(["plan", "--model", "deepseek-v4-flash", "--tp", "8", "--kv-memory", "64GiB"]) == 0
     out = capsys.readouterr().out
-    assert "ratio 4 21, ratio 128 20" in out and out.count("capacity ratio 7.") == 2
+    assert "ratio 4 21, ratio 128 20" in out and "capacity ratio (worst rank 0): 6.988x" in out
+    assert out.count("one request of ") == 2 and "one request of 1M tokens: 4,122 blocks" in out
     for name in ("window_kv", "compressed_kv", "compressor_state", "indexer_keys", "indexer_compressor_state"):
         assert f"  {name} " in out
     assert "16.00 KiB per layer and non-owner rank" in out
@@ -146,10 +167,11 @@ def test_plan_json_for_deepseek_v4(capsys):
     assert main(["plan", "--model", "deepseek-v4-flash", "--tp", "8", "--kv-memory", "64GiB", "--mtp",
                  "--max-model-len", "65536", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["draft_layers"] == [43] and report["reference_tokens"] == 65536
+    assert report["draft_layers"] == [43] and report["capacity_ratio"] < 7.0
     assert [c["context_tokens"] for c in report["contexts"]] == [65536, 131072, 1048576]
     at = report["contexts"][1]
-    assert at["kvpp_requests"] == report["kv_memory_bytes"] // at["worst_rank_request_bytes"]
+    assert at["kvpp_requests"] == report["engine_blocks"] // at["blocks_per_request"]
+    assert report["engine_blocks"] == report["kv_memory_bytes"] // max(r["block_bytes"] for r in report["ranks"])
     # the MTP layer (ratio 0) adds a window cache and no compressed one
     assert (at["caches"]["compressed_kv"]["layers"], at["caches"]["window_kv"]["layers"]) == (41, 44)
     assert sum(r["bytes_per_token"] for r in report["ranks"]) == report["replicated_bytes_per_token"]

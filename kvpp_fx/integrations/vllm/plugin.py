@@ -42,10 +42,12 @@ def enable_kvpp(vllm_config, requested) -> KVPPConfig:
     from kvpp_fx.integrations.vllm.setup.compile_modes import configure_compilation
     from kvpp_fx.integrations.vllm.cache.scratch import check_explicit
     from kvpp_fx.integrations.vllm.engine.state import hooked_worker_qualname
-    from kvpp_fx.integrations.vllm.setup.validation import check_execution
+    from kvpp_fx.integrations.vllm.setup.validation import check_execution, deepseek_v4_model_type
 
     check_execution(vllm_config)
-    configure_compilation(vllm_config, requested, breakable=breakable_cudagraphs())
+    if deepseek_v4_model_type(vllm_config.model_config) is None:
+        # DeepSeek-V4's KVPP acts inside the attention's opaque op: vLLM compiles the rest as it would
+        configure_compilation(vllm_config, requested, breakable=breakable_cudagraphs())
     config = validate_vllm_config(vllm_config)
     check_explicit(vllm_config, config)
     if getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_connector", None) is not None:

@@ -127,6 +127,13 @@ def test_deepseek_v4_features_kvpp_does_not_run_are_refused_by_name():
          message("hisparse")),
         (config(hf={"vision_n_layers": 2}), cpu, message("vision", layers=2)),
         (config(additional_config={"kvpp_mode": "broadcast"}), cpu, message("mode", mode="broadcast")),
+        (config(additional_config={"kvpp_scratch_blocks": 64}), cpu, message("scratch")),
+        (config(parallel_config=types.SimpleNamespace(use_ubatching=False, pipeline_parallel_size=2)), cpu,
+         message("pp")),
+        (config(model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(model_type="deepseek_v4"),
+                                                   hf_text_config=types.SimpleNamespace(num_hidden_layers=4)),
+                parallel_config=types.SimpleNamespace(use_ubatching=False, tensor_parallel_size=8)), cpu,
+         message("tp", tp=8, layers=4)),
     )
     for vllm_config, platform, expected in cases:
         with pytest.raises(ValueError) as err:

@@ -47,17 +47,17 @@ def attention_class() -> type:
 class OwnerRoutedAttention:
     """One target layer's ``_prepare_and_attn_fn``: vLLM's own outside a real forward, the owner's call in one."""
 
-    def __init__(self, module: Any, layer: int, owner: int, engine: Any) -> None:
+    def __init__(self, module: Any, layer: int, engine: Any) -> None:
         self.module = module
         self.layer = layer
-        self.owner = owner  # rank within the KVPP group
         self.engine = engine
         self.vllm_fn = module._prepare_and_attn_fn
         self.sinks: torch.Tensor | None = None  # every head's, once gathered
+        self.sinks_version = -1  # of this rank's sinks when gathered: a weight reload changes them in place
 
     def use_sinks(self, sinks: torch.Tensor) -> None:
         """The sinks of every head, in TP rank order: the owner's call reads them."""
-        self.sinks = sinks
+        self.sinks, self.sinks_version = sinks, self.module.attn_sink._version
 
     def all_heads(self, queries: torch.Tensor) -> Any:
         """The module as the owner runs it: H local heads, the gathered `queries`, every head's sinks. A shallow
@@ -81,9 +81,13 @@ class OwnerRoutedAttention:
         if self.sinks is None:
             raise OwnerRoutingError(f"layer {self.layer}: DeepSeek-V4 attention ran before KVPP gathered the "
                                     "attention sinks (the KV cache is not allocated yet).")
+        if module.attn_sink._version != self.sinks_version:
+            raise OwnerRoutingError(f"layer {self.layer}: its attention sinks changed after KVPP gathered every "
+                                    "head's for the owner (weights reloaded in place); restart the engine to serve "
+                                    "the new weights with KVPP.")
         local_heads = module.n_local_heads
         queries = module._wq_b_proj(qr, qr_scale).view(-1, local_heads, module.head_dim)
-        owned = engine.rank == self.owner
+        owner = engine.owner(self.layer)  # a rank of the KVPP group, chosen with the budget
 
         def on_owner(full: list[torch.Tensor]) -> torch.Tensor:
             out = full[0].new_empty(full[0].shape)
@@ -92,8 +96,8 @@ class OwnerRoutedAttention:
             return out
 
         exchange = engine.exchange(self.layer, local_heads, queries.shape[0])
-        part = exchange.compute(self.layer, engine.position(self.layer), owned, engine.global_rank(self.owner),
-                                QUERY_RULE, [queries], on_owner, output_like=queries)
+        part = exchange.compute(self.layer, engine.position(self.layer), owner == engine.rank,
+                                engine.global_rank(owner), QUERY_RULE, [queries], on_owner, output_like=queries)
         engine.note_exchange(self.layer)
         o_padded[:, :local_heads].copy_(part)
 
@@ -108,7 +112,7 @@ def hook_model(model: Any, engine: Any) -> dict[int, OwnerRoutedAttention]:
         layer = engine.layer_of(name)
         if layer is None:  # an MTP layer: local on every rank
             continue
-        hook = OwnerRoutedAttention(module, layer, engine.owner(layer), engine)
+        hook = OwnerRoutedAttention(module, layer, engine)
         module._prepare_and_attn_fn = hook
         hooks[layer] = hook
     missing = sorted(set(engine.target_layers) - set(hooks))

@@ -67,16 +67,25 @@ def groups_of(vllm_config: Any, specs: Mapping[str, Any]) -> list[Any]:
 
 
 def budget(engine: Any, vllm_config: Any, specs: Mapping[str, Any], available: int) -> int:
-    """The bytes this rank reports for vLLM's planner (module docstring); records the layout it assumes."""
+    """The owners, from vLLM's groups, and the bytes this rank reports for vLLM's planner (module docstring)."""
+    from kvpp_fx.cache.layer_caches import balanced_group_owners
+
     groups = groups_of(vllm_config, specs)
     names = [list(group.layer_names) for group in groups]
     pages = {name: spec.page_size_bytes for name, spec in layer_specs(groups).items()}
-    held = {name for name in pages if engine.holds(name)}
+
+    def loads(keep: Any) -> list[int]:
+        return [sum(pages[name] for name in group if keep(engine.layer_of(name))) for group in names]
+
+    owners = balanced_group_owners({layer: loads(lambda i, layer=layer: i == layer) for layer in engine.target_layers},
+                                   engine.group_size, base=loads(lambda i: i is None))
+    held = {name for name in pages if (layer := engine.layer_of(name)) is None or owners[layer] == engine.rank}
     packed, mine = relayout(names, pages, set(pages)), relayout(names, pages, held)
     if mine.block_stride == 0:
-        raise KVPPAllocationError("this rank holds no DeepSeek-V4 cache layer; KVPP needs a layer per rank.")
+        raise KVPPAllocationError(f"rank {engine.rank} holds no DeepSeek-V4 cache layer: set tensor_parallel_size "
+                                  f"to at most {len(engine.target_layers)}, the model's layers.")
     blocks = available // mine.block_stride
-    engine.note_budget(blocks, packed.block_stride, mine.block_stride, pages)
+    engine.note_budget(owners, blocks, packed.block_stride, mine.block_stride, pages)
     return blocks * packed.block_stride
 
 
@@ -89,13 +98,19 @@ def allocate(engine: Any, kv_cache_config: Any, vllm_allocate: Any) -> dict[str,
     if strides != {engine.packed_stride} or pages != engine.pages:
         raise KVPPAllocationError(
             f"vLLM's DeepSeek-V4 KV cache config packs blocks of {sorted(strides)} bytes with pages {pages}; KVPP's "
-            f"budget assumed {engine.packed_stride} bytes and pages {engine.pages}.")
+            f"budget assumed {engine.packed_stride} bytes and pages {engine.pages} (vLLM grouped the engine's specs "
+            "unlike the worker's).")
     num_blocks = kv_cache_config.num_blocks
     if engine.budget_blocks is not None and num_blocks > engine.budget_blocks:
-        raise KVPPAllocationError(f"vLLM planned {num_blocks} blocks, the KVPP budget holds {engine.budget_blocks}.")
+        raise KVPPAllocationError(f"vLLM planned {num_blocks} blocks, the KVPP budget holds {engine.budget_blocks}: "
+                                  "lower num_gpu_blocks_override or give more KV cache memory.")
     names = [list(group.layer_names) for group in kv_cache_config.kv_cache_groups]
     held = {name for name in pages if engine.holds(name)}
     mine = relayout(names, pages, held)
+    if mine.block_stride != engine.rank_stride:
+        raise KVPPAllocationError(
+            f"vLLM's DeepSeek-V4 KV cache groups give this rank blocks of {mine.block_stride} bytes; KVPP's budget "
+            f"assumed {engine.rank_stride} (vLLM grouped the engine's specs unlike the worker's).")
     tensors = [dataclasses.replace(tensor, layers=[name], size=num_blocks * mine.block_stride,
                                    layer_stride=pages[name], block_stride=mine.block_stride,
                                    offset=mine.offsets[name])
@@ -109,8 +124,8 @@ def allocate(engine: Any, kv_cache_config: Any, vllm_allocate: Any) -> dict[str,
 
 class AbsentCache:
     """The cache of a layer this rank does not hold. Not a tensor, so vLLM's block zeroer passes it by; on the
-    ``meta`` device, so vLLM's runner keeps it out of its list of caches; a layer binds it (``squeeze``), and
-    anything that reads it raises, naming the layer."""
+    ``meta`` device, so V2's runner keeps it out of its list of caches (V1's lists it, and its copy-on-write
+    would raise here); a layer binds it (``squeeze``), and anything that reads it raises, naming the layer."""
 
     device = torch.device("meta")
 
@@ -123,7 +138,7 @@ class AbsentCache:
     def __getattr__(self, attribute: str) -> Any:
         raise KVPPAllocationError(
             f"cache layer {self._name!r} is held by rank {self._owner} of the KVPP group, not this one ({attribute!r} "
-            "was read): with KVPP only a DeepSeek-V4 layer's owner reads its caches.")
+            "was read): with KVPP only a DeepSeek-V4 layer's owner reads or writes its caches.")
 
     def __repr__(self) -> str:
         return f"AbsentCache({self._name!r}, owner={self._owner})"

@@ -2,11 +2,12 @@
 
 A DeepSeek-V4 engine takes its own path through the KVPP worker (`worker`), in the order vLLM calls it:
 
-1. ``init_device``: the plan, `kvpp_fx.cache.layer_caches`'s owners (one per target layer, balancing a
-   request's bytes; MTP layers local), from the model's config.
+1. ``init_device``: the target layers, from the model's config.
 2. ``load_model``: every target layer's attention routed through its owner (`attention.deepseek_v4`).
 3. ``determine_available_memory``: the KVPP groups, made and used once before vLLM measures (`connect`);
-   then the budget of the rank's own pages (`cache.deepseek_v4.budget`).
+   then, from vLLM's KV cache groups, one owner per target layer (`kvpp_fx.cache.layer_caches`'s
+   `balanced_group_owners`: the largest rank's block as small as it gets; MTP layers on every rank) and the
+   budget of the rank's own pages (`cache.deepseek_v4.budget`).
 4. ``initialize_from_config``: vLLM allocates only the held layers' pages, re-laid out
    (`cache.deepseek_v4.allocate`); every layer's attention sinks are gathered for its owner.
 5. Each forward: each target layer's attention exchanges its queries and outputs with the layer's owner.
@@ -22,7 +23,6 @@ from typing import Any
 
 import torch
 
-from kvpp_fx.cache.layer_caches import LayerCachesPlan, deepseek_v4_caches
 from kvpp_fx.integrations.vllm.attention import deepseek_v4 as attention
 from kvpp_fx.integrations.vllm.cache import deepseek_v4 as cache
 from kvpp_fx.integrations.vllm.engine.state import KVPPAllocationError
@@ -36,8 +36,6 @@ from kvpp_fx.runtime.stats import TransferStats
 logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("deepseek_v4",)
-# vLLM CPU stores DeepSeek-V4's caches as fp8_ds_mla, whatever kv_cache_dtype says.
-CPU_KV_DTYPE = "fp8"
 
 
 def is_deepseek_v4(vllm_config: Any) -> bool:
@@ -49,11 +47,9 @@ class DeepseekV4Engine:
 
     def __init__(self, config: Any, vllm_config: Any) -> None:
         self.config = config
-        hf = vllm_config.model_config.hf_text_config
-        self.plan = LayerCachesPlan(deepseek_v4_caches(hf.to_dict(), kv_dtype=CPU_KV_DTYPE), config.size,
-                                    reference_tokens=int(vllm_config.model_config.max_model_len))
-        self.num_target_layers = int(hf.num_hidden_layers)
-        self.target_layers = self.plan.model.target_layers
+        self.num_target_layers = int(vllm_config.model_config.hf_text_config.num_hidden_layers)
+        self.target_layers = tuple(range(self.num_target_layers))
+        self.owners: dict[int, int] | None = None  # from vLLM's KV cache groups, at the budget
         self.hooks: dict[int, attention.OwnerRoutedAttention] = {}
         self.group = self.exchange_group = None
         self.rank, self.group_size = 0, config.size
@@ -78,7 +74,13 @@ class DeepseekV4Engine:
         return index if index < self.num_target_layers else None
 
     def owner(self, layer: int) -> int:
-        return self.plan.owners[layer]
+        if self.owners is None:
+            raise KVPPAllocationError(f"layer {layer}'s owner is chosen with the KV cache budget, which vLLM has "
+                                      "not asked for yet.")
+        return self.owners[layer]
+
+    def owned_layers(self) -> list[int]:
+        return [layer for layer in self.target_layers if self.owners and self.owners[layer] == self.rank]
 
     def holds(self, name: str) -> bool:
         """Whether this rank keeps the cache layer `name`: its own layers' and every MTP layer's."""
@@ -117,8 +119,6 @@ class DeepseekV4Engine:
             parts = [torch.zeros_like(one) for _ in range(self.group_size)] if owner == self.rank else None
             dist.gather(one, parts, dst=self.global_rank(owner), group=self.exchange_group)
             dist.scatter(one, parts, src=self.global_rank(owner), group=self.exchange_group)
-        logger.warning("KVPP: DeepSeek-V4 group %s, rank %d owns layers %s of %d.", ranks, self.rank,
-                       list(self.plan.owned_layers(self.rank)), len(self.target_layers))
 
     def set_device_api(self, factory: str | None) -> None:
         """The exchanges of the following forwards through the `DeviceAPI` that `factory` names (None: the
@@ -140,9 +140,12 @@ class DeepseekV4Engine:
     def budget(self, runner: Any, available: int) -> int:
         return cache.budget(self, runner.vllm_config, runner.get_kv_cache_spec(), available)
 
-    def note_budget(self, blocks: int, packed_stride: int, rank_stride: int, pages: dict[str, int]) -> None:
+    def note_budget(self, owners: dict[int, int], blocks: int, packed_stride: int, rank_stride: int,
+                    pages: dict[str, int]) -> None:
+        self.owners = owners
         self.budget_blocks, self.packed_stride, self.rank_stride, self.pages = blocks, packed_stride, rank_stride, pages
-        logger.warning("KVPP: DeepSeek-V4 blocks of %d bytes on this rank (vLLM packs %d): %d blocks.", rank_stride,
+        logger.warning("KVPP: DeepSeek-V4 rank %d owns layers %s of %d; blocks of %d bytes here (vLLM packs %d): "
+                       "%d blocks.", self.rank, self.owned_layers(), len(self.target_layers), rank_stride,
                        packed_stride, blocks)
 
     # --- initialize_from_config ---------------------------------------------------------------------
@@ -171,5 +174,5 @@ class DeepseekV4Engine:
             self.stats.end_forward()
 
     def snapshot(self) -> dict[str, Any]:
-        return self.stats.snapshot(model="deepseek_v4", rank=self.rank, owned_layers=list(
-            self.plan.owned_layers(self.rank)), allocation=dict(self.allocation), broken=self.health.describe())
+        return self.stats.snapshot(model="deepseek_v4", rank=self.rank, owned_layers=self.owned_layers(),
+                                   allocation=dict(self.allocation), broken=self.health.describe())

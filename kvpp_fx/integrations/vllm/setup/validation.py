@@ -45,6 +45,11 @@ DEEPSEEK_V4_REFUSALS = {
                  "kernels), whose owner call kvpp-fx has not written and tested", "Run on vLLM CPU"),
     "pcp": ("prefill context parallelism splits a layer's tokens over ranks, and owner mode needs every row of "
             "a layer on its owner", "Set prefill_context_parallel_size=1"),
+    "pp": ("pipeline parallelism is not run: kvpp-fx places DeepSeek-V4's layers over one TP group",
+           "Set pipeline_parallel_size=1"),
+    "tp": ("TP {tp} leaves a rank without a layer of the {layers}", "Set tensor_parallel_size to at most {layers}"),
+    "scratch": ("additional_config.kvpp_scratch_blocks sizes scratch slots, and DeepSeek-V4 runs without any",
+                "Drop kvpp_scratch_blocks"),
     "speculative": ("speculative decoding ({method}) is not run: vLLM CPU's DeepSeek-V4 indexer refuses it, so "
                     "kvpp-fx has not tested it", "Drop speculative_config"),
     "connector": ("a KV connector ({connector}) would move the caches of every layer, where each rank holds "
@@ -123,6 +128,13 @@ def check_deepseek_v4(vllm_config: Any, model_type: str, platform: Any) -> None:
     parallel = getattr(vllm_config, "parallel_config", None)
     if int(getattr(parallel, "prefill_context_parallel_size", 1) or 1) != 1:
         refuse("pcp")
+    if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) != 1:
+        refuse("pp")
+    hf_text = getattr(getattr(vllm_config, "model_config", None), "hf_text_config", None)
+    layers = getattr(hf_text, "num_hidden_layers", None)
+    tp = int(getattr(parallel, "tensor_parallel_size", 1) or 1)
+    if isinstance(layers, int) and tp > layers:
+        refuse("tp", tp=tp, layers=layers)
     speculative = getattr(vllm_config, "speculative_config", None)
     if speculative is not None:
         refuse("speculative", method=getattr(speculative, "method", None))
@@ -138,6 +150,9 @@ def check_deepseek_v4(vllm_config: Any, model_type: str, platform: Any) -> None:
     hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
     if int(getattr(hf, "vision_n_layers", 0) or 0) > 0:
         refuse("vision", layers=hf.vision_n_layers)
-    mode = ((getattr(vllm_config, "additional_config", None) or {}).get("kvpp_mode") or "auto")
+    additional = getattr(vllm_config, "additional_config", None) or {}
+    mode = additional.get("kvpp_mode") or "auto"
     if str(mode) not in ("auto", "owner"):
         refuse("mode", mode=mode)
+    if additional.get("kvpp_scratch_blocks") is not None:
+        refuse("scratch")
