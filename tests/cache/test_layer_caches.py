@@ -1,5 +1,6 @@
 """DeepSeek-V4's caches per layer, their owners, and the capacity `kvpp-fx plan` prints for DeepSeek-V4-Flash."""
 
+import itertools
 import json
 
 import pytest
@@ -94,6 +95,41 @@ def test_owners_make_the_largest_ranks_block_as_small_as_vllms_groups_allow():
     contiguous = assign_owners(range(43), 8)
     assert max(plan._pages_per_group(tuple(i for i in contiguous if contiguous[i] == r))[1] for r in range(8)) \
         > plan.block_bytes(plan.worst_rank) - 3 * 46080
+
+
+def _some_owners_fit(loads: dict[int, list[int]], ranks: int, limit: int) -> bool:
+    """Whether any one-owner-per-layer assignment keeps every rank's block (its largest group) within `limit`:
+    an exhaustive search over how many layers of each kind (equal pages per group) each rank takes."""
+    kinds = {}
+    for pages in loads.values():
+        kinds[tuple(pages)] = kinds.get(tuple(pages), 0) + 1
+    vectors, counts = list(kinds), list(kinds.values())
+
+    def block(take):
+        return max(sum(n * v[g] for n, v in zip(take, vectors)) for g in range(len(vectors[0])))
+
+    one_rank = [t for t in itertools.product(*(range(c + 1) for c in counts)) if block(t) <= limit]
+    reachable = {tuple(0 for _ in counts)}
+    for _ in range(ranks):
+        reachable = {tuple(a + b for a, b in zip(done, take)) for done in reachable for take in one_rank
+                     if all(a + b <= c for a, b, c in zip(done, take, counts))}
+    return tuple(counts) in reachable
+
+
+def test_no_owners_give_deepseek_v4_flash_7x_at_tp8_in_vllms_packed_pool():
+    """The 6.988x of the planner is the most one owner per layer can give under vLLM's packed pool: no assignment
+    makes the busiest rank's block smaller than the planner's (searched exhaustively), and 7.0x would need
+    1,002,240 / 7 = 143,177 bytes."""
+    plan = LayerCachesPlan(deepseek_v4_caches(FLASH), 8)
+    loads = {i: plan._pages_per_group((i,)) for i in plan.model.target_layers}
+    best = plan.block_bytes(plan.worst_rank)
+    assert _some_owners_fit(loads, 8, best) and not _some_owners_fit(loads, 8, best - 1)
+    assert plan.block_bytes() / 7.0 < best
+    # the search can answer yes: the tiny model's four layers over 2 ranks, at the planner's block and below it
+    tiny = LayerCachesPlan(deepseek_v4_caches(TINY_DEEPSEEK_V4), 2)
+    tiny_loads = {i: tiny._pages_per_group((i,)) for i in tiny.model.target_layers}
+    tiny_best = tiny.block_bytes(tiny.worst_rank)
+    assert _some_owners_fit(tiny_loads, 2, tiny_best) and not _some_owners_fit(tiny_loads, 2, tiny_best - 1)
 
 
 def test_balanced_group_owners_balances_the_largest_group_and_ignores_input_order():
