@@ -1,5 +1,9 @@
 """DeepSeek-V4's per-rank cache layout (`cache.deepseek_v4`), on the groups vLLM 0.32 forms for the tiny model
-(read from its engine at TP 2: `test_vllm_deepseek_v4.py` checks the strides there), without vLLM."""
+(read from its engine at TP 2: `test_vllm_deepseek_v4.py` checks the strides there), and its allocation's
+agreement across ranks, without vLLM."""
+
+import dataclasses
+from datetime import timedelta
 
 import pytest
 import torch
@@ -49,3 +53,57 @@ def test_an_absent_cache_binds_and_refuses_every_read_by_name():
     for read in (lambda c: c.shape, lambda c: c.view(2, -1), lambda c: c.data_ptr()):
         with pytest.raises(KVPPAllocationError, match=r"'model.layers.1.attn' is held by rank 0"):
             read(cache)
+
+
+@dataclasses.dataclass
+class _Tensor:  # the fields of vLLM 0.32's packed KVCacheTensor that the allocation reads and rewrites
+    size: int
+    layers: list
+    layer_stride: int
+    block_stride: int
+    offset: int = 0
+
+
+@dataclasses.dataclass
+class _Config:  # vLLM's KVCacheConfig, as far as the allocation reads it
+    num_blocks: int
+    kv_cache_tensors: list
+    kv_cache_groups: list
+
+
+def allocation_ranks(rank: int, world: int, blocks_by_rank: list[int]) -> str:
+    """Two layers of 100-byte pages in one group, one per rank, vLLM planning 8 blocks; each rank's budget holds
+    `blocks_by_rank[rank]`. What each rank's allocation returns or raises."""
+    import types
+
+    import torch.distributed as dist
+
+    from kvpp_fx.integrations.vllm.engine.deepseek_v4 import DeepseekV4Engine
+
+    names = ["model.layers.0.attn", "model.layers.1.attn"]
+    hf = types.SimpleNamespace(num_hidden_layers=2)
+    engine = DeepseekV4Engine(types.SimpleNamespace(size=world),
+                              types.SimpleNamespace(model_config=types.SimpleNamespace(hf_text_config=hf)))
+    engine.group, engine.rank = dist.new_group(list(range(world)), timeout=timedelta(seconds=20)), rank
+    engine.note_budget({0: 0, 1: 1}, blocks_by_rank[rank], 200, 100, {name: 100 for name in names})
+    spec = types.SimpleNamespace(page_size_bytes=100)
+    config = _Config(8, [_Tensor(8 * 200, names, 100, 200)], [types.SimpleNamespace(layer_names=names,
+                                                                                    kv_cache_spec=spec)])
+    try:
+        caches = engine.allocate(config, lambda c: {t.layers[0]: (t.size, t.offset) for t in c.kv_cache_tensors})
+    except KVPPAllocationError as exc:
+        return f"refused: {exc}"
+    return f"allocated: {sorted(caches)} {engine.allocation['allocated_bytes']}"
+
+
+def test_a_refusal_on_one_rank_stops_every_rank_before_the_sinks_gather():
+    """Rank 1's budget holds fewer blocks than vLLM planned: it raises its own error, and rank 0, whose allocation
+    succeeded, raises one naming rank 1 instead of waiting in the sinks' gather. With both budgets large enough,
+    both allocate (each its own layer's 100-byte page per block, the other's as an absent cache)."""
+    from tests.support.launch import launch
+
+    refused = launch(allocation_ranks, 2, [8, 4], timeout_s=120)
+    assert refused[1].startswith("refused: vLLM planned 8 blocks, the KVPP budget holds 4"), refused[1]
+    assert refused[0].startswith("refused: rank 1 of the KVPP group refused its DeepSeek-V4 KV cache"), refused[0]
+    allocated = launch(allocation_ranks, 2, [8, 8], timeout_s=120)
+    assert allocated == ["allocated: ['model.layers.0.attn', 'model.layers.1.attn'] 800"] * 2, allocated

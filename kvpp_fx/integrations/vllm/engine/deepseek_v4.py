@@ -151,9 +151,28 @@ class DeepseekV4Engine:
     # --- initialize_from_config ---------------------------------------------------------------------
 
     def allocate(self, kv_cache_config: Any, vllm_allocate: Any) -> dict[str, torch.Tensor]:
-        caches = cache.allocate(self, kv_cache_config, vllm_allocate)
+        """This rank's caches, then every layer's sinks; a rank that refuses its allocation (its budget or vLLM's
+        config) makes every rank raise before the sinks' gather, which the others would otherwise wait in."""
+        try:
+            caches, refusal = cache.allocate(self, kv_cache_config, vllm_allocate), None
+        except KVPPAllocationError as exc:
+            caches, refusal = {}, exc
+        refusing = self.ranks_refusing(refusal is not None)
+        if refusal is not None:
+            raise refusal
+        if refusing:
+            raise KVPPAllocationError(f"rank {', '.join(map(str, refusing))} of the KVPP group refused its DeepSeek-V4 "
+                                      "KV cache allocation (its error says why); this rank stops with it.")
         attention.gather_sinks(self.hooks, self.group)
         return caches
+
+    def ranks_refusing(self, refused: bool) -> list[int]:
+        """The group ranks whose allocation refused, as every rank learns it (one all-gather of a flag)."""
+        import torch.distributed as dist
+
+        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(self.group_size)]
+        dist.all_gather(flags, torch.tensor([int(refused)]), group=self.group)
+        return [rank for rank, flag in enumerate(flags) if flag.item()]
 
     def note_allocation(self, num_blocks: int, nbytes: int, held: set[str]) -> None:
         self.allocation = {"num_blocks": num_blocks, "allocated_bytes": nbytes, "block_stride": self.rank_stride,
