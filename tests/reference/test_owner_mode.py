@@ -10,6 +10,8 @@ queries cost more than the blocks it reads: auto picks per request, so steps wit
 prefill chunk are hybrid steps, and all three kinds of step appear in one run.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -25,6 +27,7 @@ pytestmark = pytest.mark.multirank
 
 SLOW_LINK = LinkModel(bytes_per_s=1e9, latency_s=5e-6)
 MODES = ("broadcast", "owner", "auto")
+EVERY_TOKEN = 1 << 20  # an index top-k above every context: sparse attention over every token
 FAULTS = {"swap-heads": "tests.support.faults:SwappedHeads", "skip-gather": "tests.support.faults:SkippedGather"}
 
 
@@ -52,10 +55,13 @@ def modes_ranks(rank: int, world: int, preset: str, options: dict, modes: tuple[
     for mode in ("off",) + tuple(modes):
         torch._dynamo.reset()
         kvpp_mode, _, fault = mode.partition(":")
-        engine_config = EngineConfig(token_budget=token_budget, kvpp_mode="broadcast" if mode == "off" else kvpp_mode,
-                                     device_api=FAULTS[fault] if fault else None, **options)
-        out[mode] = run_engine(config, prompts, new_tokens, engine_config=engine_config, groups=groups,
-                               kvpp=mode != "off", num_blocks=num_blocks, keep_logits=True)
+        kvpp = kvpp_mode != "off"
+        # "off:every-token": KVPP off with a wrong top-k, every context token instead of the indexer's choice
+        model = dataclasses.replace(config, index_topk=EVERY_TOKEN) if fault == "every-token" else config
+        engine_config = EngineConfig(token_budget=token_budget, kvpp_mode=kvpp_mode if kvpp else "broadcast",
+                                     device_api=FAULTS[fault] if fault in FAULTS else None, **options)
+        out[mode] = run_engine(model, prompts, new_tokens, engine_config=engine_config, groups=groups,
+                               kvpp=kvpp, num_blocks=num_blocks, keep_logits=True)
     return out
 
 
@@ -73,17 +79,22 @@ OWNER_FAULTS = ("owner:swap-heads", "owner:skip-gather")
 
 @pytest.mark.parametrize("preset,world,options,modes", [
     ("tiny", 2, {"graph_mode": "eager"}, MODES + OWNER_FAULTS),
-    ("tiny-sfa", 2, {"graph_mode": "piecewise", "inner": "eager"}, ("owner", "auto")),
+    ("tiny-sfa", 2, {"graph_mode": "piecewise", "inner": "eager"}, ("owner", "auto", "off:every-token")),
+    ("tiny-sfa", 4, {"graph_mode": "eager"}, ("owner",)),
     ("tiny-mtp", 2, {"graph_mode": "piecewise", "inner": "aot_eager", "speculative": True}, ("owner",)),
-], ids=["mla-tp2-eager", "sfa-tp2-piecewise", "mtp-tp2-piecewise-aot_eager"])
+], ids=["mla-tp2-eager", "sfa-tp2-piecewise", "sfa-tp4-eager", "mtp-tp2-piecewise-aot_eager"])
 def test_every_mode_is_bit_identical_to_kvpp_off(preset, world, options, modes):
-    """Each mode's tokens and logits against KVPP off; on the MLA engine, the negative controls too: the
-    owner scattering each rank the next rank's heads, and no gather (the owner's own queries for every
-    rank's heads), on the same ranks, change the outputs."""
+    """Each mode's tokens and logits against KVPP off; the negative controls too: the owner scattering each rank
+    the next rank's heads, and no gather (the owner's own queries for every rank's heads), on the same ranks,
+    change the outputs. On the SFA model the indexer selects (prompts longer than its top-k), so a wrong
+    selection shows: attention over every context token instead changes the outputs."""
     results = run(preset, world, options, modes)
     faults = [mode for mode in modes if ":" in mode]
     modes = [mode for mode in modes if ":" not in mode]
     layers = PRESETS[preset].num_hidden_layers
+    if PRESETS[preset].is_sfa:
+        prompts = shared_prefix_prompts(PRESETS[preset].vocab_size)
+        assert min(len(p) for p in prompts) > PRESETS[preset].index_topk
     for rank, res in enumerate(results):
         off = res["off"]
         assert off["steps"][1]["requests"][0][1] > 0, "the first prompt needs two prefill chunks"
