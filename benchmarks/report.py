@@ -27,8 +27,9 @@ HEADLINES = ("capacity, deepseek-v3 TP 8", "capacity, deepseek-v4-flash TP 8",
              "capacity, vLLM tests' tiny DeepSeek TP 2 under vLLM's defaults",
              "vLLM prefill history", "transfer hidden, through the PIECEWISE-compiled model",
              "streamed prefill history hidden",
-             "bytes per decode step, owner / broadcast mode", "vLLM OpenAI server",
+             "bytes per decode step, owner / broadcast mode", "vLLM OpenAI server, tiny DeepSeek-V3",
              "vLLM decode step bytes per rank", "vLLM DeepSeek-V4 decode step bytes",
+             "vLLM OpenAI server, tiny DeepSeek-V4",
              "vLLM prefill instance of a PD pair",
              "host time KVPP adds to a vLLM decode step, 256 requests x 2000")
 
@@ -213,19 +214,9 @@ def rows() -> list[tuple[str, str, str]]:
                     f"{pt['goal_resolve_insert_route_verify_s'] * 1e3:.0f} "
                     f"ms){split}; passes {m['passes_share']:.1%} of a {m['compile_s']:.1f} s compile",
                     "`python benchmarks/pass_time.py`"))
-    vs = _load("vllm_serving")
-    off, on = vs["off"], vs["on"]
-    out.append((f"vLLM OpenAI server, tiny DeepSeek-V3 with {vs['layers']} layers, TP {vs['tp']}, "
-                f"{vs['kv_memory_bytes'] // 2**20} MiB of KV per rank, {vs['requests']} concurrent "
-                f"{vs['input_len']}-token prompts, KVPP off / on",
-                f"KV capacity {off['kv_capacity_tokens']:,} / {on['kv_capacity_tokens']:,} tokens "
-                f"({vs['capacity_ratio']:.2f}x); requests running at once {off['max_running']} / {on['max_running']}; "
-                f"preemptions {off['preemptions']} / {on['preemptions']}; output throughput "
-                f"{off['output_throughput_tok_s']:.1f} / {on['output_throughput_tok_s']:.1f} tok/s; median TTFT "
-                f"{off['median_ttft_ms'] / 1e3:.1f} / {on['median_ttft_ms'] / 1e3:.1f} s, TPOT "
-                f"{off['median_tpot_ms']:.0f} / {on['median_tpot_ms']:.0f} ms; greedy outputs "
-                f"{'equal' if vs['greedy_outputs_equal'] else 'DIFFER'} ({', '.join(vs['attention_backend'])})",
-                "`python benchmarks/vllm_serving.py`"))
+    out.append(_serving_row(_load("vllm_serving"), "`python benchmarks/vllm_serving.py`"))
+    out.append(_serving_row(_load("vllm_serving_deepseek_v4"),
+                            "`python benchmarks/vllm_serving.py --model deepseek-v4`"))
     pd = _load("pd_prefill")
     for connector, pair in pd["connectors"].items():
         off, on = pair["off"], pair["on"]
@@ -272,6 +263,24 @@ def rows() -> list[tuple[str, str, str]]:
                 f"{by[('broadcast', contexts[-1])]['decode_step_s'] * 1e3:.1f} ms)", "same"))
     out.append(_deepseek_v4_row(_load("vllm_deepseek_v4")))
     return out
+
+
+def _serving_row(vs: dict, command: str) -> tuple[str, str, str]:
+    off, on = vs["off"], vs["on"]
+    if vs.get("model") == "deepseek-v4":
+        model = "tiny DeepSeek-V4 (ratios 0, 4, 128, 4; every row on its owner)"
+        capacity = f"vLLM's blocks {off['kv_blocks']:,} / {on['kv_blocks']:,}"
+    else:
+        model = f"tiny DeepSeek-V3 with {vs['layers']} layers"
+        capacity = f"KV capacity {off['kv_capacity_tokens']:,} / {on['kv_capacity_tokens']:,} tokens"
+    return (f"vLLM OpenAI server, {model}, TP {vs['tp']}, {vs['kv_memory_bytes'] // 2**20} MiB of KV per rank, "
+            f"{vs['requests']} concurrent {vs['input_len']}-token prompts, KVPP off / on",
+            f"{capacity} ({vs['capacity_ratio']:.2f}x); requests running at once {off['max_running']} / "
+            f"{on['max_running']}; preemptions {off['preemptions']} / {on['preemptions']}; output throughput "
+            f"{off['output_throughput_tok_s']:.1f} / {on['output_throughput_tok_s']:.1f} tok/s; median TTFT "
+            f"{off['median_ttft_ms'] / 1e3:.1f} / {on['median_ttft_ms'] / 1e3:.1f} s, TPOT "
+            f"{off['median_tpot_ms']:.0f} / {on['median_tpot_ms']:.0f} ms; greedy outputs "
+            f"{'equal' if vs['greedy_outputs_equal'] else 'DIFFER'} ({', '.join(vs['attention_backend'])})", command)
 
 
 def _deepseek_v4_row(v4: dict) -> tuple[str, str, str]:

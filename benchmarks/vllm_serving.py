@@ -1,6 +1,7 @@
 """What KVPP buys a vLLM user: more requests held in the same KV memory, through vLLM's OpenAI server.
 
     python benchmarks/vllm_serving.py [--layers 16] [--kv-memory 48MiB] [--requests 16] [--input-len 500]
+    python benchmarks/vllm_serving.py --model deepseek-v4 [--kv-memory 16MiB]
 
 A tiny random DeepSeek-V3 with 16 layers (16 / (8 + 2) = 1.6x the blocks at TP 2 in theory, less the
 2 MiB padding) is served at TP 2 with a fixed ``--kv-cache-memory-bytes``, KVPP
@@ -13,6 +14,11 @@ KVPP differs. Reported, off and on: KV capacity in tokens as vLLM reports it (``
 the most requests running at once and the preemptions (vLLM's ``/metrics``, sampled while the client
 runs), output throughput, TTFT and TPOT medians, and whether the greedy outputs are equal where both
 servers run the same batches (under load they do not: vLLM's numerics depend on the batch).
+
+``--model deepseek-v4`` serves the tests' tiny random DeepSeek-V4 instead (`tiny_model.TINY_DEEPSEEK_V4`: ratios
+0, 4, 128 and 4, every row of a layer on its owner with KVPP), with the tests' shims in every server process
+(`deepseek_v4_on_cpu`: vLLM 0.32's window-metadata bug, seeded dummy weights alike in both servers), and writes
+``vllm_serving_deepseek_v4``.
 """
 
 from __future__ import annotations
@@ -37,7 +43,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvpp_fx.cli.byte_sizes import parse_bytes  # noqa: E402
-from tests.integrations.vllm.tiny_model import make_tiny_deepseek  # noqa: E402
+from tests.integrations.vllm.deepseek_v4_on_cpu import ENV as DEEPSEEK_V4_ENV  # noqa: E402
+from tests.integrations.vllm.tiny_model import (  # noqa: E402
+    TINY_DEEPSEEK_V4, make_tiny_deepseek, make_tiny_deepseek_v4_config)
+
+TINY_DEEPSEEK_V4_LAYERS = TINY_DEEPSEEK_V4["num_hidden_layers"]
+
+# Per model: the result's name, the default KV memory per rank and prompt length (KVPP off then holds about a
+# third of the requests), and what the servers add to vLLM's arguments and environment. vLLM sizes V4's
+# smallest KV memory by its max model length (about 39 KiB per token here), hence V4's shorter prompts.
+MODELS = {
+    "deepseek-v3": {"result": "vllm_serving", "kv_memory": "48MiB", "input_len": 500, "env": {},
+                    "args": ["--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]})]},
+    "deepseek-v4": {"result": "vllm_serving_deepseek_v4", "kv_memory": "16MiB", "input_len": 100,
+                    "env": {DEEPSEEK_V4_ENV: "1"}, "args": ["--load-format", "dummy", "--max-model-len", "384"]},
+}
 
 
 def _free_port() -> int:
@@ -56,26 +76,29 @@ def _gauge(text: str, name: str) -> float:
     return sum(values)
 
 
-def _capacity_tokens(text: str) -> int:
+def _cache_config(text: str) -> dict[str, str]:
     labels = re.search(r"^vllm:cache_config_info{([^}]*)}", text, re.M).group(1)
-    fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    return dict(re.findall(r'(\w+)="([^"]*)"', labels))
+
+
+def _capacity_tokens(text: str) -> int:
+    fields = _cache_config(text)
     return int(fields["num_gpu_blocks"]) * int(fields["block_size"])
 
 
 class Server:
     """vLLM's OpenAI server at TP 2, started and stopped around a `with`."""
 
-    def __init__(self, model: str, kvpp: bool, kv_memory: int, log: Path) -> None:
+    def __init__(self, model: str, kvpp: bool, kv_memory: int, log: Path, kind: dict) -> None:
         self.port = _free_port()
         self.log = log
         self.command = [
             sys.executable, "-m", "tests.integrations.vllm.serve", "--model", model, "--served-model-name",
             "tiny", "--host", "127.0.0.1", "--port", str(self.port), "--tensor-parallel-size", "2",
-            "--kv-cache-memory-bytes", str(kv_memory), "--dtype", "bfloat16", "--enforce-eager",
-            "--compilation-config", json.dumps({"custom_ops": ["-rotary_embedding"]}),
+            "--kv-cache-memory-bytes", str(kv_memory), "--dtype", "bfloat16", "--enforce-eager", *kind["args"],
             "--additional-config", json.dumps({"enable_kvpp": kvpp})]
         self.env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                        VLLM_LOGGING_LEVEL="WARNING", VLLM_SERVER_DEV_MODE="1")
+                        VLLM_LOGGING_LEVEL="WARNING", VLLM_SERVER_DEV_MODE="1", **kind["env"])
 
     def __enter__(self) -> Server:
         with open(self.log, "w") as out:
@@ -145,6 +168,7 @@ def drive(server: Server, model: str, args: argparse.Namespace) -> dict:
     check = client(server, model, args, 4, 2)
     return {
         "kv_capacity_tokens": _capacity_tokens(after),
+        "kv_blocks": int(_cache_config(after)["num_gpu_blocks"]),
         "max_running": int(max(running)),
         "preemptions": int(_gauge(after, "vllm:num_preemptions_total") - _gauge(before, "vllm:num_preemptions_total")),
         "completed": result["completed"],
@@ -158,19 +182,25 @@ def drive(server: Server, model: str, args: argparse.Namespace) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--kv-memory", default="48MiB")
+    parser.add_argument("--model", choices=tuple(MODELS), default="deepseek-v3")
+    parser.add_argument("--layers", type=int, default=16, help="DeepSeek-V3's layers (V4: the tests' four)")
+    parser.add_argument("--kv-memory", default=None, help="per rank (default: the model's in MODELS)")
     parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--input-len", type=int, default=500)
+    parser.add_argument("--input-len", type=int, default=None, help="default: the model's in MODELS")
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    kv_memory = parse_bytes(args.kv_memory)
+    kind = MODELS[args.model]
+    args.input_len = args.input_len or kind["input_len"]
+    kv_memory = parse_bytes(args.kv_memory or kind["kv_memory"])
     with tempfile.TemporaryDirectory(prefix="kvpp-serving-") as tmp:
-        model = make_tiny_deepseek(Path(tmp) / "model", num_layers=args.layers)
+        if args.model == "deepseek-v4":
+            model = make_tiny_deepseek_v4_config(Path(tmp) / "model", tokenizer=True)
+        else:
+            model = make_tiny_deepseek(Path(tmp) / "model", num_layers=args.layers)
         runs = {}
         for name, kvpp in (("off", False), ("on", True)):
-            with Server(model, kvpp, kv_memory, Path(tmp) / f"{name}.log") as server:
+            with Server(model, kvpp, kv_memory, Path(tmp) / f"{name}.log", kind) as server:
                 runs[name] = drive(server, model, args)
                 if kvpp:
                     stats = server.kvpp_stats()
@@ -181,10 +211,11 @@ def main(argv=None) -> int:
     equal = off.pop("generated_texts") == on.pop("generated_texts")
     under_load = [a == b for a, b in zip(off.pop("generated_texts_under_load"), on.pop("generated_texts_under_load"))]
     result = {
-        "layers": args.layers, "tp": 2, "kv_memory_bytes": kv_memory, "requests": args.requests,
+        "model": args.model, "layers": TINY_DEEPSEEK_V4_LAYERS if args.model == "deepseek-v4" else args.layers,
+        "tp": 2, "kv_memory_bytes": kv_memory, "requests": args.requests,
         "input_len": args.input_len, "output_len": args.output_len, "dtype": "bfloat16",
         "attention_backend": on["attention_backends"], "off": off, "on": on,
-        "capacity_ratio": on["kv_capacity_tokens"] / off["kv_capacity_tokens"],
+        "capacity_ratio": on["kv_blocks"] / off["kv_blocks"],
         "max_running_ratio": on["max_running"] / off["max_running"],
         "throughput_ratio": on["output_throughput_tok_s"] / off["output_throughput_tok_s"],
         "greedy_outputs_equal": equal,
@@ -195,7 +226,7 @@ def main(argv=None) -> int:
           f"{on['max_running']}, preemptions {off['preemptions']} -> {on['preemptions']}, output throughput "
           f"{result['throughput_ratio']:.2f}x, greedy outputs equal: {equal} (under load {sum(under_load)} of "
           f"{len(under_load)})")
-    write_result("vllm_serving", result, args.out)
+    write_result(kind["result"], result, args.out)
     return 0 if equal else 1
 
 

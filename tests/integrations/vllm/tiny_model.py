@@ -90,11 +90,14 @@ TINY_DEEPSEEK_V4 = {
 }
 
 
-def make_tiny_deepseek_v4_config(path: Path, max_positions: int | None = None) -> str:
-    """A directory holding `TINY_DEEPSEEK_V4` as its config.json (`max_positions`: its context, if longer)."""
+def make_tiny_deepseek_v4_config(path: Path, max_positions: int | None = None, tokenizer: bool = False) -> str:
+    """A directory holding `TINY_DEEPSEEK_V4` as its config.json (`max_positions`: its context, if longer), and the
+    tiny tokenizer if asked (what vLLM's OpenAI server and benchmark client need)."""
     path.mkdir(parents=True, exist_ok=True)
     config = dict(TINY_DEEPSEEK_V4)
     if max_positions is not None:
         config["max_position_embeddings"] = max(max_positions, config["max_position_embeddings"])
     (path / "config.json").write_text(json.dumps(config))
+    if tokenizer:
+        _write_tokenizer(path)
     return str(path)

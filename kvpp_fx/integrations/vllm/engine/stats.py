@@ -13,6 +13,9 @@ def worker_stats(worker: Any = None) -> dict[str, Any] | None:
         stats = deepseek_v4.snapshot()
         stats["worker_class"] = type(getattr(worker, "worker", worker)).__name__
         stats["runner_class"] = type(worker.model_runner).__name__
+        context = worker.model_runner.compilation_config.static_forward_context
+        stats["attention_backends"] = sorted({layer.get_attn_backend().get_name() for layer in context.values()
+                                              if hasattr(layer, "get_attn_backend")})
         return stats
     state = getattr(getattr(worker, "model_runner", None), "_kvpp", None)
     if state is None or state.comm.runtime is None:

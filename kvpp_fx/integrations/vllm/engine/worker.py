@@ -133,7 +133,7 @@ def kvpp_worker_class(base: type) -> type:
 
         # Reachable from a running server too (``POST /collective_rpc`` with VLLM_SERVER_DEV_MODE=1).
         def kvpp_stats(self) -> dict[str, Any] | None:
-            return self._kvpp_v4.snapshot() if self._kvpp_v4 is not None else worker_stats(self)
+            return worker_stats(self)
 
         def kvpp_set_device_api(self, factory: str | None = None) -> None:
             """The tests' one seam into a worker (``collective_rpc("kvpp_set_device_api", args=(...,))``):
