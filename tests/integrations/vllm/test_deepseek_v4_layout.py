@@ -71,9 +71,10 @@ class _Config:  # vLLM's KVCacheConfig, as far as the allocation reads it
     kv_cache_groups: list
 
 
-def allocation_ranks(rank: int, world: int, blocks_by_rank: list[int]) -> str:
+def allocation_ranks(rank: int, world: int, blocks_by_rank: list[int], failing_rank: int | None = None) -> str:
     """Two layers of 100-byte pages in one group, one per rank, vLLM planning 8 blocks; each rank's budget holds
-    `blocks_by_rank[rank]`. What each rank's allocation returns or raises."""
+    `blocks_by_rank[rank]`, and vLLM's allocation fails on `failing_rank` (as it does out of memory). What each
+    rank's allocation returns or raises."""
     import types
 
     import torch.distributed as dist
@@ -84,26 +85,35 @@ def allocation_ranks(rank: int, world: int, blocks_by_rank: list[int]) -> str:
     hf = types.SimpleNamespace(num_hidden_layers=2)
     engine = DeepseekV4Engine(types.SimpleNamespace(size=world),
                               types.SimpleNamespace(model_config=types.SimpleNamespace(hf_text_config=hf)))
-    engine.group, engine.rank = dist.new_group(list(range(world)), timeout=timedelta(seconds=20)), rank
+    engine.agreement_group = dist.new_group(list(range(world)), timeout=timedelta(seconds=20), backend="gloo")
+    engine.rank = rank
     engine.note_budget({0: 0, 1: 1}, blocks_by_rank[rank], 200, 100, {name: 100 for name in names})
     spec = types.SimpleNamespace(page_size_bytes=100)
     config = _Config(8, [_Tensor(8 * 200, names, 100, 200)], [types.SimpleNamespace(layer_names=names,
                                                                                     kv_cache_spec=spec)])
+    def vllm_allocate(rewritten):
+        if rank == failing_rank:
+            raise RuntimeError("out of memory")
+        return {t.layers[0]: (t.size, t.offset) for t in rewritten.kv_cache_tensors}
+
     try:
-        caches = engine.allocate(config, lambda c: {t.layers[0]: (t.size, t.offset) for t in c.kv_cache_tensors})
-    except KVPPAllocationError as exc:
+        caches = engine.allocate(config, vllm_allocate)
+    except (KVPPAllocationError, RuntimeError) as exc:
         return f"refused: {exc}"
     return f"allocated: {sorted(caches)} {engine.allocation['allocated_bytes']}"
 
 
 def test_a_refusal_on_one_rank_stops_every_rank_before_the_sinks_gather():
-    """Rank 1's budget holds fewer blocks than vLLM planned: it raises its own error, and rank 0, whose allocation
-    succeeded, raises one naming rank 1 instead of waiting in the sinks' gather. With both budgets large enough,
-    both allocate (each its own layer's 100-byte page per block, the other's as an absent cache)."""
+    """Rank 1's budget holds fewer blocks than vLLM planned, or vLLM's own allocation fails there: it raises its own
+    error, and rank 0, whose allocation succeeded, raises one naming rank 1 instead of waiting in the sinks'
+    gather. With both budgets large enough, both allocate (each its own layer's 100-byte page per block, the
+    other's as an absent cache)."""
     from tests.support.launch import launch
 
     refused = launch(allocation_ranks, 2, [8, 4], timeout_s=120)
     assert refused[1].startswith("refused: vLLM planned 8 blocks, the KVPP budget holds 4"), refused[1]
-    assert refused[0].startswith("refused: rank 1 of the KVPP group refused its DeepSeek-V4 KV cache"), refused[0]
+    assert refused[0].startswith("refused: rank 1 of the KVPP group failed its DeepSeek-V4 KV cache"), refused[0]
+    failed = launch(allocation_ranks, 2, [8, 8], 1, timeout_s=120)
+    assert failed[1] == "refused: out of memory" and failed[0] == refused[0], failed
     allocated = launch(allocation_ranks, 2, [8, 8], timeout_s=120)
     assert allocated == ["allocated: ['model.layers.0.attn', 'model.layers.1.attn'] 800"] * 2, allocated

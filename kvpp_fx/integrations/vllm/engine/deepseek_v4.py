@@ -51,7 +51,7 @@ class DeepseekV4Engine:
         self.target_layers = tuple(range(self.num_target_layers))
         self.owners: dict[int, int] | None = None  # from vLLM's KV cache groups, at the budget
         self.hooks: dict[int, attention.OwnerRoutedAttention] = {}
-        self.group = self.exchange_group = None
+        self.group = self.agreement_group = self.exchange_group = None
         self.rank, self.group_size = 0, config.size
         self.api: DeviceAPI | None = None
         self.health = Health(0)
@@ -106,7 +106,7 @@ class DeepseekV4Engine:
 
         from kvpp_fx.integrations.vllm.cache.allocation import kvpp_group
 
-        self.group, _, self.exchange_group, ranks = kvpp_group(self.config, exchanges=True)
+        self.group, self.agreement_group, self.exchange_group, ranks = kvpp_group(self.config, exchanges=True)
         self.rank, self.group_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.api = DeviceAPI(torch.device(device))
         if not self.api.immediate_checks:  # an owner's failure status would be left unread
@@ -151,27 +151,29 @@ class DeepseekV4Engine:
     # --- initialize_from_config ---------------------------------------------------------------------
 
     def allocate(self, kv_cache_config: Any, vllm_allocate: Any) -> dict[str, torch.Tensor]:
-        """This rank's caches, then every layer's sinks; a rank that refuses its allocation (its budget or vLLM's
-        config) makes every rank raise before the sinks' gather, which the others would otherwise wait in."""
+        """This rank's caches, then every layer's sinks; a rank whose allocation fails (KVPP's refusal of its
+        budget or of vLLM's config, or vLLM's allocation itself) makes every rank raise before the sinks' gather,
+        which the others would otherwise wait in."""
         try:
             caches, refusal = cache.allocate(self, kv_cache_config, vllm_allocate), None
-        except KVPPAllocationError as exc:
+        except Exception as exc:  # re-raised below, once the peers know
             caches, refusal = {}, exc
         refusing = self.ranks_refusing(refusal is not None)
         if refusal is not None:
             raise refusal
         if refusing:
-            raise KVPPAllocationError(f"rank {', '.join(map(str, refusing))} of the KVPP group refused its DeepSeek-V4 "
+            raise KVPPAllocationError(f"rank {', '.join(map(str, refusing))} of the KVPP group failed its DeepSeek-V4 "
                                       "KV cache allocation (its error says why); this rank stops with it.")
         attention.gather_sinks(self.hooks, self.group)
         return caches
 
     def ranks_refusing(self, refused: bool) -> list[int]:
-        """The group ranks whose allocation refused, as every rank learns it (one all-gather of a flag)."""
+        """The group ranks whose allocation failed, as every rank learns it: one all-gather of a flag on the
+        group's gloo agreement group (host tensors, whatever the world's backend)."""
         import torch.distributed as dist
 
         flags = [torch.zeros(1, dtype=torch.int64) for _ in range(self.group_size)]
-        dist.all_gather(flags, torch.tensor([int(refused)]), group=self.group)
+        dist.all_gather(flags, torch.tensor([int(refused)]), group=self.agreement_group)
         return [rank for rank, flag in enumerate(flags) if flag.item()]
 
     def note_allocation(self, num_blocks: int, nbytes: int, held: set[str]) -> None:
