@@ -264,7 +264,8 @@ def _drive(llm, variant: dict, worker_stats, SamplingParams) -> dict:
     # At start, as on a GPU: vLLM's warm-up assumes a runner without requests.
     warm_up = llm.collective_rpc(v2_warm_up) if variant.get("v2_warm_up") else None
     result = {"v2_warm_up": warm_up, "tokens": run(), "stats": llm.collective_rpc(worker_stats),
-              "num_blocks": llm.collective_rpc(vllm_num_blocks), "config": _config_summary(llm),
+              "num_blocks": llm.collective_rpc(vllm_num_blocks), "kv_cache_bytes": llm.collective_rpc(kv_cache_bytes),
+              "config": _config_summary(llm),
               "schedule": scheduled()}
     if variant.get("args", {}).get("disable_log_stats") is False:
         result["prefix_cache_hits"] = _counter(llm, "vllm:prefix_cache_hits")
@@ -421,6 +422,19 @@ def v2_warm_up(worker) -> dict:
 
 def vllm_num_blocks(worker) -> int:
     return int(worker.model_runner.kv_cache_config.num_blocks)
+
+
+def kv_cache_bytes(worker) -> int:
+    """The bytes behind the caches vLLM bound to the worker's attention layers, each backing storage once."""
+    import torch
+
+    storages = {}
+    for layer in worker.model_runner.compilation_config.static_forward_context.values():
+        caches = getattr(layer, "kv_cache", None)
+        for cache in caches if isinstance(caches, (list, tuple)) else [caches]:
+            if isinstance(cache, torch.Tensor) and cache.numel():
+                storages[cache.untyped_storage().data_ptr()] = cache.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def split(_: str = "") -> dict:
