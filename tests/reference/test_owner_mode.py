@@ -46,7 +46,8 @@ def modes_ranks(rank: int, world: int, preset: str, options: dict, modes: tuple[
                 new_tokens: int = 10, workload: str = "shared_prefix"):
     """The shared-prefix workload with KVPP off, then with KVPP on in each of `modes`; per step: logits,
     mode and bytes. One KVPP group of all ranks (TP = world). A mode "owner:<fault>" runs owner mode
-    over the device API `FAULTS[<fault>]` (a negative control)."""
+    over the device API `FAULTS[<fault>]`, and "off:every-token" KVPP off with a wrong top-k: every context token
+    instead of the indexer's choice (negative controls)."""
     config = PRESETS[preset]
     prompts = WORKLOADS[workload](config.vocab_size)
     groups = rank_groups(rank, world)
@@ -56,7 +57,8 @@ def modes_ranks(rank: int, world: int, preset: str, options: dict, modes: tuple[
         torch._dynamo.reset()
         kvpp_mode, _, fault = mode.partition(":")
         kvpp = kvpp_mode != "off"
-        # "off:every-token": KVPP off with a wrong top-k, every context token instead of the indexer's choice
+        if fault and ((fault == "every-token") == kvpp or fault not in (*FAULTS, "every-token")):
+            raise ValueError(f"mode {mode!r}: a fault of FAULTS with KVPP on, or 'off:every-token'")
         model = dataclasses.replace(config, index_topk=EVERY_TOKEN) if fault == "every-token" else config
         engine_config = EngineConfig(token_budget=token_budget, kvpp_mode=kvpp_mode if kvpp else "broadcast",
                                      device_api=FAULTS[fault] if fault in FAULTS else None, **options)
@@ -80,7 +82,7 @@ OWNER_FAULTS = ("owner:swap-heads", "owner:skip-gather")
 @pytest.mark.parametrize("preset,world,options,modes", [
     ("tiny", 2, {"graph_mode": "eager"}, MODES + OWNER_FAULTS),
     ("tiny-sfa", 2, {"graph_mode": "piecewise", "inner": "eager"}, ("owner", "auto", "off:every-token")),
-    ("tiny-sfa", 4, {"graph_mode": "eager"}, ("owner",)),
+    ("tiny-sfa", 4, {"graph_mode": "eager"}, ("owner", "owner:swap-heads")),
     ("tiny-mtp", 2, {"graph_mode": "piecewise", "inner": "aot_eager", "speculative": True}, ("owner",)),
 ], ids=["mla-tp2-eager", "sfa-tp2-piecewise", "sfa-tp4-eager", "mtp-tp2-piecewise-aot_eager"])
 def test_every_mode_is_bit_identical_to_kvpp_off(preset, world, options, modes):
