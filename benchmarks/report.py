@@ -268,7 +268,7 @@ def rows() -> list[tuple[str, str, str]]:
 def _serving_row(vs: dict, command: str) -> tuple[str, str, str]:
     off, on = vs["off"], vs["on"]
     if vs.get("model") == "deepseek-v4":
-        model = "tiny DeepSeek-V4 (ratios 0, 4, 128, 4; every row on its owner)"
+        model = "tiny DeepSeek-V4 (ratios 0, 4, 128, 4; every row on its owner; prompts within the index top-k)"
         capacity = f"vLLM's blocks {off['kv_blocks']:,} / {on['kv_blocks']:,}"
     else:
         model = f"tiny DeepSeek-V3 with {vs['layers']} layers"

@@ -8,17 +8,22 @@ A tiny random DeepSeek-V3 with 16 layers (16 / (8 + 2) = 1.6x the blocks at TP 2
 off and then on, each driven by vLLM's own benchmark client (``vllm bench serve``, whose module runs
 here: the CPU wheel's ``vllm`` script does not start) with more concurrent long-prompt requests than
 KVPP off can hold. The servers run vLLM's default model runner, V2, its Triton kernels under Triton's
-interpreter (``tests/integrations/vllm/serve.py``). Both servers run eagerly in bfloat16 on the platform's MLA
-backend, so that only
-KVPP differs. Reported, off and on: KV capacity in tokens as vLLM reports it (``vllm:cache_config_info``),
+interpreter (``tests/integrations/vllm/serve.py``). Both servers run eagerly in bfloat16 on the attention
+backends vLLM picks (the KVPP server reports its own), so that only KVPP differs. Reported, off and on: vLLM's
+block count and KV capacity in tokens as vLLM reports them (``vllm:cache_config_info``),
 the most requests running at once and the preemptions (vLLM's ``/metrics``, sampled while the client
 runs), output throughput, TTFT and TPOT medians, and whether the greedy outputs are equal where both
-servers run the same batches (under load they do not: vLLM's numerics depend on the batch).
+servers run the same batches (under load they do not: vLLM's numerics depend on the batch), each from an
+empty prefix cache (after the load, a server with more KV memory keeps more prefixes cached). The tiny
+tokenizer decodes every id of the model's vocabulary, so equal texts are equal tokens.
 
 ``--model deepseek-v4`` serves the tests' tiny random DeepSeek-V4 instead (`tiny_model.TINY_DEEPSEEK_V4`: ratios
 0, 4, 128 and 4, every row of a layer on its owner with KVPP), with the tests' shims in every server process
 (`deepseek_v4_on_cpu`: vLLM 0.32's window-metadata bug, seeded dummy weights alike in both servers), and writes
-``vllm_serving_deepseek_v4``.
+``vllm_serving_deepseek_v4``. Its prompts are shorter than the index top-k (512 compressed rows, 2,048 tokens)
+allows within the KV memory at hand, so its indexers keep every compressed row: the engine tests cover their
+selection (`test_vllm_deepseek_v4.py`). vLLM's capacity in tokens is not V4's (its block size there is the
+compressor states' 4 tokens); the ratio is of vLLM's blocks.
 """
 
 from __future__ import annotations
@@ -49,8 +54,8 @@ from tests.integrations.vllm.tiny_model import (  # noqa: E402
 
 TINY_DEEPSEEK_V4_LAYERS = TINY_DEEPSEEK_V4["num_hidden_layers"]
 
-# Per model: the result's name, the default KV memory per rank and prompt length (KVPP off then holds about a
-# third of the requests), and what the servers add to vLLM's arguments and environment. vLLM sizes V4's
+# Per model: the result's name, the default KV memory per rank and prompt length (KVPP off then holds under half
+# of the 16 requests), and what the servers add to vLLM's arguments and environment. vLLM sizes V4's
 # smallest KV memory by its max model length (about 39 KiB per token here), hence V4's shorter prompts.
 MODELS = {
     "deepseek-v3": {"result": "vllm_serving", "kv_memory": "48MiB", "input_len": 500, "env": {},
@@ -122,6 +127,11 @@ class Server:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=30)
 
+    def reset_prefix_cache(self) -> None:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/reset_prefix_cache", data=b"", method="POST")
+        with urllib.request.urlopen(request, timeout=60):
+            pass
+
     def kvpp_stats(self) -> list:
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/collective_rpc",
                                          data=json.dumps({"method": "kvpp_stats"}).encode(),
@@ -165,6 +175,8 @@ def drive(server: Server, model: str, args: argparse.Namespace) -> dict:
         stop.set()
         sampler.join()
     after = _metrics(server.port)
+    # the check's prompts are the load's first four: from an empty prefix cache, both servers compute them alike
+    server.reset_prefix_cache()
     check = client(server, model, args, 4, 2)
     return {
         "kv_capacity_tokens": _capacity_tokens(after),
@@ -183,7 +195,7 @@ def drive(server: Server, model: str, args: argparse.Namespace) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=tuple(MODELS), default="deepseek-v3")
-    parser.add_argument("--layers", type=int, default=16, help="DeepSeek-V3's layers (V4: the tests' four)")
+    parser.add_argument("--layers", type=int, default=None, help="DeepSeek-V3's layers (default 16)")
     parser.add_argument("--kv-memory", default=None, help="per rank (default: the model's in MODELS)")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--input-len", type=int, default=None, help="default: the model's in MODELS")
@@ -191,6 +203,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     kind = MODELS[args.model]
+    if args.model == "deepseek-v4" and args.layers is not None:
+        parser.error("--layers: the DeepSeek-V4 model is the tests' tiny one, of 4 layers")
+    args.layers = TINY_DEEPSEEK_V4_LAYERS if args.model == "deepseek-v4" else args.layers or 16
     args.input_len = args.input_len or kind["input_len"]
     kv_memory = parse_bytes(args.kv_memory or kind["kv_memory"])
     with tempfile.TemporaryDirectory(prefix="kvpp-serving-") as tmp:
@@ -211,8 +226,7 @@ def main(argv=None) -> int:
     equal = off.pop("generated_texts") == on.pop("generated_texts")
     under_load = [a == b for a, b in zip(off.pop("generated_texts_under_load"), on.pop("generated_texts_under_load"))]
     result = {
-        "model": args.model, "layers": TINY_DEEPSEEK_V4_LAYERS if args.model == "deepseek-v4" else args.layers,
-        "tp": 2, "kv_memory_bytes": kv_memory, "requests": args.requests,
+        "model": args.model, "layers": args.layers, "tp": 2, "kv_memory_bytes": kv_memory, "requests": args.requests,
         "input_len": args.input_len, "output_len": args.output_len, "dtype": "bfloat16",
         "attention_backend": on["attention_backends"], "off": off, "on": on,
         "capacity_ratio": on["kv_blocks"] / off["kv_blocks"],

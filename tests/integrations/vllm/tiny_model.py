@@ -66,6 +66,8 @@ def _write_tokenizer(path: Path) -> None:
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(TEXT.splitlines(), trainer)
+    # every id the model can emit decodes to text, so that equal texts mean equal tokens
+    tokenizer.add_tokens([f"<t{i}>" for i in range(tokenizer.get_vocab_size(), VOCAB)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)
 
