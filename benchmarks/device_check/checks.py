@@ -619,7 +619,7 @@ def _owner_kernel(backend: str, device: torch.device) -> dict[str, Any]:
 
     step = metadata()  # one step: the ranks' own calls and the owner call share vLLM's metadata object
     own = [forward_mqa(q, step).float() for q in queries]
-    owner_md = owner_metadata(backend, step)
+    owner_md = owner_metadata(backend, step, h * g, False)
     full = owner_call(backend, forward_mqa, torch.cat(queries, dim=1), owner_md, h).float()
     diff = max(float((part - mine).abs().max()) for part, mine in zip(full.split(h, dim=1), own))
     result = {"max_abs_diff": diff, "heads": [h, h * g], "owner_metadata_own": owner_md is not step}

@@ -145,8 +145,8 @@ def plan_report(plan: KVPPPlan, available_bytes: int, *, max_model_len: int | No
 def vllm_backends(plan: KVPPPlan, available_bytes: int) -> dict[str, dict[str, Any]]:
     """Per vLLM MLA backend: whether its decode rows go to their owners, hence the slots vLLM takes with it
     (compact where they can: prefill history streams from the owners, under vLLM's defaults too) and the
-    capacity at this plan's block size.
-    An fp8 cache keeps whole-layer slots on the backends that quantize their queries for it."""
+    capacity at this plan's block size. With an fp8 cache, the backends that quantize their queries for it
+    exchange them quantized (`backends`)."""
     # The command line sits above the integrations (docs/design.md's layers), so it may import one.
     from kvpp_fx.integrations.vllm.attention.backends import BACKENDS, owner_blocker
 
@@ -157,11 +157,13 @@ def vllm_backends(plan: KVPPPlan, available_bytes: int) -> dict[str, dict[str, A
             out[name] = {"owner_rows": False, "slots": None, "capacity_ratio": None,
                          "why": f"{name} has no fp8 KV cache in vLLM 0.32", "vllm_block_size": support.block_size}
             continue
-        why = owner_blocker(name, quantized_queries=fp8 and support.fp8_cache == "quantized queries")
+        why = owner_blocker(name)
         chosen = plan if why is None else plan.whole_layer()
+        how = support.how + ("; its fp8 queries travel quantized" if fp8 and support.fp8_cache == "quantized queries"
+                             else "")
         out[name] = {"owner_rows": why is None, "slots": "compact" if why is None else "whole-layer",
-                     "capacity_ratio": chosen.capacity_ratio(available_bytes), "why": why or support.how,
-                     "vllm_block_size": support.block_size}
+                     "capacity_ratio": chosen.capacity_ratio(available_bytes), "why": why or how,
+                     "vllm_block_size": support.block_size, "queries": support.fp8_cache if fp8 else None}
     return out
 
 

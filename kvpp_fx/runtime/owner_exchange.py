@@ -1,9 +1,10 @@
 """Owner mode's exchange: a head-separable op of one layer runs on the layer's owner over every rank's heads.
 
-Per routed op: every rank packs its head operands into one buffer and one gather brings the buffers to
-the owner; the owner concatenates each operand along its head dimension in rank order (TP rank r holds
-heads r·H/N .. (r+1)·H/N - 1, so this is the full head order), runs the op once, splits the output
-along its head dimension and one scatter gives every rank its part, followed by one status value
+Per routed op: every rank packs its head operands into one buffer (one-byte floats, such as fp8 queries,
+as their bytes) and one gather brings the buffers to the owner; the owner concatenates each operand along
+its head dimension in rank order (TP rank r holds heads r·H/N .. (r+1)·H/N - 1, so this is the full head
+order), runs the op once, splits the output along its head dimension and one scatter gives every rank its
+part, followed by one status value
 (non-zero: the owner failed, and the part is zeros). Both collectives run on the current stream in
 program order, on the runtime's exchange group (its own communicator, so that an exchange never queues
 behind the next layer's broadcast), and the current stream waits for each (the host too, on CPU,
@@ -30,6 +31,14 @@ from kvpp_fx.runtime.device import DeviceAPI
 from kvpp_fx.runtime.errors import OwnerRoutingError
 from kvpp_fx.runtime.stats import TransferStats
 from kvpp_fx.runtime.timeline import Timeline
+
+
+def as_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as the collectives carry it: one-byte floats (fp8 queries) as their bytes, since gloo has no
+    fp8 type and NCCL not every one; the owner views them back."""
+    if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+        return tensor.view(torch.uint8)
+    return tensor
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,7 @@ class OwnerExchange:
         like = heads[rule.output_like] if output_like is None else output_like
         pack = torch.cat([t.contiguous().view(-1) for t in heads]) if len(heads) > 1 else \
             heads[0].contiguous().view(-1)
+        pack = as_wire(pack)
         nbytes = pack.numel() * pack.element_size() + like.numel() * like.element_size()
         self.issued += 1  # counted first: a failure while issuing may have left a peer's half pending
         self.exchanged.add(layer)
@@ -83,6 +93,7 @@ class OwnerExchange:
         parts, failure = None, None
         if owned:
             try:
+                gathered = [g.view(heads[0].dtype) for g in gathered]
                 parts = self._owner_parts(layer, heads, dims, gathered, compute, like, rule)
             except Exception as exc:  # the other ranks learn it from the scatter instead of a timeout
                 failure = exc

@@ -300,8 +300,9 @@ def test_the_least_kv_memory_holds_one_block_and_one_byte_less_none():
 
 def test_plan_says_per_vllm_backend_whether_compact_slots_apply(capsys):
     """DeepSeek-V3 at TP 8, 64 GiB, 128K and FlashMLA's block size: compact slots on every owner-capable vLLM
-    backend (FlashMLA at least 7.4x), whole-layer slots on AMX_MLA. The control: an fp8 cache, whose queries
-    FlashMLA quantizes, keeps whole-layer slots there while TRITON_MLA (unquantized queries) keeps compact ones."""
+    backend (FlashMLA at least 7.4x), whole-layer slots on AMX_MLA (the control). With an fp8 cache, owner rows
+    and compact slots on FLASHMLA, FLASHINFER_MLA and CUTLASS_MLA (their queries travel quantized) and on
+    TRITON_MLA (it keeps them unquantized); CPU_MLA has no fp8 cache."""
     common = ("--model", "deepseek-v3", "--tp", "8", "--kv-memory", "64GiB", "--block-size", "64",
               "--max-model-len", "131072")
     backends = plan_report_json(capsys, *common)["vllm_backends"]
@@ -311,8 +312,12 @@ def test_plan_says_per_vllm_backend_whether_compact_slots_apply(capsys):
     assert backends["AMX_MLA"]["slots"] == "whole-layer" and 6.0 < backends["AMX_MLA"]["capacity_ratio"] < 6.2
     assert {name for name, b in backends.items() if b["owner_rows"]} >= {"TRITON_MLA", "FLASHMLA", "CPU_MLA"}
     fp8 = plan_report_json(capsys, *common, "--kv-dtype", "fp8")["vllm_backends"]
-    assert fp8["FLASHMLA"]["slots"] == "whole-layer" and "quantizes the queries" in fp8["FLASHMLA"]["why"]
-    assert fp8["TRITON_MLA"]["slots"] == "compact"
+    for name in ("FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA"):
+        assert fp8[name]["owner_rows"] and fp8[name]["slots"] == "compact", (name, fp8[name])
+        assert fp8[name]["queries"] == "quantized queries" and "fp8 queries travel quantized" in fp8[name]["why"]
+        assert fp8[name]["capacity_ratio"] >= 7.4, (name, fp8[name])
+    assert fp8["TRITON_MLA"]["slots"] == "compact" and fp8["TRITON_MLA"]["queries"] == "unquantized queries"
+    assert fp8["AMX_MLA"]["slots"] is None and backends["AMX_MLA"]["queries"] is None
     assert fp8["CPU_MLA"]["slots"] is None and "no fp8 KV cache" in fp8["CPU_MLA"]["why"]
     assert "vllm_backends" not in plan_report_json(capsys, *common[:-2])  # whole-layer slots: nothing to choose
 

@@ -172,6 +172,56 @@ def test_owner_mode_results_and_refusals(world):
         assert "query tokens" in res["load_mismatch"] and "active-block" not in res["load_mismatch"]
 
 
+def fp8_query_ranks(rank: int, world: int):
+    """fp8 queries to each layer's owner, as a backend that quantizes its queries for an fp8 KV cache hands them
+    to `forward_mqa` (vLLM's FlashMLA, FlashInfer MLA and CUTLASS MLA), and float32 outputs back. The owner's op
+    stands in for the kernel: the dequantized queries times a fixed matrix. gloo has no fp8 type (a gather of
+    fp8 tensors raises "Invalid scalar type"): the exchange moves their bytes."""
+    from kvpp_fx.runtime.owner_exchange import HeadRule
+
+    rt = owner_runtime(world, attention=attention_shape(world))
+    rt.note_routing(rt.plan.target_layers, True)
+    rule = HeadRule(heads=((0, 1),), token_dims=(0,), output_dim=1)
+    like = torch.zeros(3, HEADS_PER_RANK, RANK_WIDTH)
+    weights = torch.randn(TOY_WIDTH, RANK_WIDTH, generator=torch.Generator().manual_seed(7))
+
+    def kernel(q):
+        return (q.float() * FP8_SCALE) @ weights
+
+    parts, own = {}, {}
+
+    def attend(layer, view):
+        query = (torch.cat(queries(rank, layer), dim=-1) / FP8_SCALE).to(torch.float8_e4m3fn)
+        own[layer] = kernel(query)
+        parts[layer] = rt.open_turn.owner_compute(rule, [query], lambda full: kernel(full[0]), output_like=like)
+
+    owner_forward(rt, attend=attend)
+    return {"parts": parts, "own": own, "last": rt.last_forward()}
+
+
+FP8_SCALE = 0.05
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fp8_queries_reach_the_owner_as_they_were_quantized(world):
+    """Each rank receives exactly its own fp8 queries' output, computed on the layer's owner; one byte per query
+    value crosses the link. The control: every rank's output differs from every other rank's own (a rank given
+    another's heads, or the owner's, would show)."""
+    results = launch(fp8_query_ranks, world)
+    tokens, layers = 3, 4
+    part = tokens * HEADS_PER_RANK * (TOY_WIDTH * 1 + RANK_WIDTH * 4)  # fp8 queries in, float32 output back
+    owned = layers // world
+    for rank, res in enumerate(results):
+        assert res["last"]["exchanges"] == layers and res["last"]["mode"] == "owner", res["last"]
+        assert res["last"]["bytes"] == owned * (world - 1) * part + (layers - owned) * part, res["last"]
+        for layer in range(layers):
+            assert res["parts"][layer].dtype == torch.float32
+            assert torch.equal(res["parts"][layer], res["own"][layer]), (rank, layer)
+            for other in range(world):
+                if other != rank:
+                    assert not torch.equal(res["parts"][layer], results[other]["own"][layer]), (rank, other, layer)
+
+
 # --- failures ---------------------------------------------------------------------------------------------
 
 def owner_stall_ranks(rank: int, world: int, timeout_s: float):

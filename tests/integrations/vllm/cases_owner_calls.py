@@ -25,7 +25,6 @@ def test_owner_rows_are_refused_where_vllm_cannot_run_them():
     assert why_not_owner_capable({"CPU_MLA"}, "mla", 1) is None
     assert why_not_owner_capable({"TRITON_MLA"}, "mla", 1) is None
     assert "AMX_MLA builds its decode metadata" in why_not_owner_capable({"AMX_MLA", "CPU_MLA"}, "mla", 1)
-    assert "quantizes the queries" in why_not_owner_capable({"FLASHMLA"}, "mla", 1, quantized_queries=True)
     assert "SFA" in why_not_owner_capable({"CPU_MLA"}, "sfa", 1)
     assert "prefill context parallelism" in why_not_owner_capable({"CPU_MLA"}, "mla", 2)
     state = EngineState(KVPPConfig(enable_kvpp=True, tp=2), None,
@@ -108,10 +107,11 @@ def test_owner_calls_get_their_own_metadata_where_the_backend_sizes_it_by_heads(
         decode: FlashAttnMLADecodeMetadata
 
     vllms = Metadata(decode)
-    owner = owner_metadata("FLASH_ATTN_MLA", vllms)
+    owner = owner_metadata("FLASH_ATTN_MLA", vllms, 8, False)
     assert owner.decode.scheduler_metadata is None and owner.decode.block_table is decode.block_table
     assert vllms.decode.scheduler_metadata is not None  # vLLM's object is not changed
-    assert owner_metadata("TRITON_MLA", metadata) is metadata and owner_metadata("CPU_MLA", metadata) is metadata
+    assert owner_metadata("TRITON_MLA", metadata, 8, True) is metadata
+    assert owner_metadata("CPU_MLA", metadata, 8, False) is metadata
 
 
 def test_flashmla_owner_calls_share_one_fresh_scheduling_metadata_per_step():
@@ -141,14 +141,14 @@ def test_flashmla_owner_calls_share_one_fresh_scheduling_metadata_per_step():
 
     state = EngineState(KVPPConfig(enable_kvpp=True, tp=2), vllm_config=None)
     first = step_metadata()
-    owner = state.step.owner_metadata("FLASHMLA", first)
+    owner = state.step.owner_metadata("FLASHMLA", first, 8)
     assert isinstance(owner.decode.scheduler_metadata, FlashMLASchedMeta)
     assert owner.decode.scheduler_metadata is not first.decode.scheduler_metadata
     assert owner.decode.block_table is first.decode.block_table and owner.num_decodes == 2
-    assert state.step.owner_metadata("FLASHMLA", first) is owner  # every owner call of the step
+    assert state.step.owner_metadata("FLASHMLA", first, 8) is owner  # every owner call of the step
     state.step.begin()  # the next step (`step.step_forward`)
     second = step_metadata()
-    assert (state.step.owner_metadata("FLASHMLA", second).decode.scheduler_metadata
+    assert (state.step.owner_metadata("FLASHMLA", second, 8).decode.scheduler_metadata
             is not owner.decode.scheduler_metadata)
 
 
@@ -230,12 +230,122 @@ def test_flashmla_owner_calls_pass_flashmlas_own_scheduling_and_head_count_check
         own = forward_mqa(torch.zeros(2, heads, 576, dtype=torch.bfloat16), metadata)
         for _layer in range(2):  # the owner calls of two owned layers
             out = owner_call("FLASHMLA", forward_mqa, torch.zeros(2, heads * group, 576, dtype=torch.bfloat16),
-                             state.step.owner_metadata("FLASHMLA", metadata), heads)
+                             state.step.owner_metadata("FLASHMLA", metadata, heads * group), heads)
         assert own.shape == (2, heads, 512) and out.shape == (2, heads * group, 512)
     assert calls == [heads, heads * group, heads * group] * 2
     # The control: the owner call given the step's own metadata, planned for the rank's heads.
     with pytest.raises(AssertionError, match="sched_meta.config.h_q must be equal to num_heads_q"):
         owner_call("FLASHMLA", forward_mqa, torch.zeros(2, heads * group, 576, dtype=torch.bfloat16), metadata, heads)
+
+
+def flashmla_fp8_kernel(monkeypatch, backend):
+    """vLLM's FlashMLA dense-fp8 entry points in its FlashMLA backend module (`get_mla_metadata_dense_fp8`,
+    `flash_mla_with_kvcache_fp8`; their CUDA extension is absent here) over a stand-in kernel: it checks the
+    arguments the extension's signature takes (fp8 query and cache, 576/512 widths, int32 tables, float32
+    descales), checks that the tile plan it runs was made for the call's heads (the plan's num_q_tokens_per_head_k
+    is query length x heads, as vLLM's builder makes it, times the DCP size under DCP), and computes the attention
+    in float32 from the descaled values, head by head. Returns the plans requested (their head counts)."""
+    interface, _ = flashmla_interface()
+    planned = []
+
+    def get_mla_metadata_dense_fp8(cache_seqlens, num_q_tokens_per_head_k, num_heads_k):
+        assert cache_seqlens.dtype == torch.int32 and num_heads_k == 1
+        planned.append(num_q_tokens_per_head_k)
+        tiles = torch.zeros(4, 8, dtype=torch.int32)
+        tiles[:, 5] = num_q_tokens_per_head_k  # a field the real plan leaves unused: what it was planned for
+        return tiles, torch.zeros(cache_seqlens.shape[0] + 1, dtype=torch.int32)
+
+    def flash_mla_with_kvcache_fp8(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                   num_splits, softmax_scale=None, causal=False, descale_q=None, descale_k=None):
+        b, s_q, h_q, d = q.shape
+        assert q.dtype == k_cache.dtype == torch.float8_e4m3fn and d == 576 and head_dim_v == 512 and causal
+        assert k_cache.dim() == 4 and k_cache.shape[2:] == (1, 576) and block_table.dtype == torch.int32
+        assert descale_q.shape == descale_k.shape == (1,) and descale_q.dtype == torch.float32
+        assert num_splits.shape == (b + 1,)
+        assert int(tile_scheduler_metadata[0, 5]) == s_q * h_q, (
+            f"tiles planned for {int(tile_scheduler_metadata[0, 5])} query rows per KV head, the call has {s_q * h_q}")
+        out = torch.empty(b, s_q, h_q, head_dim_v, dtype=torch.bfloat16)
+        for i in range(b):
+            n = int(cache_seqlens[i])
+            keys = k_cache[block_table[i].long()].reshape(-1, 576)[:n].float() * descale_k
+            for head in range(h_q):
+                query = q[i, :, head].float() * descale_q
+                weights = torch.softmax(query @ keys.T * softmax_scale, dim=-1)
+                out[i, :, head] = (weights @ keys[:, :head_dim_v]).to(out.dtype)
+        return out, torch.zeros(b, h_q, s_q)
+
+    monkeypatch.setattr(backend, "FlashMLASchedMeta", interface.FlashMLASchedMeta)
+    monkeypatch.setattr(backend, "get_mla_metadata_dense_fp8", get_mla_metadata_dense_fp8)
+    monkeypatch.setattr(backend, "flash_mla_with_kvcache_fp8", flash_mla_with_kvcache_fp8)
+    return planned
+
+
+def test_flashmla_fp8_owner_calls_descale_every_ranks_quantized_queries_as_their_own_calls(monkeypatch):
+    """An fp8 cache on FLASHMLA: each rank quantizes its queries with the layer's static q scale; the owner runs
+    vLLM's FlashMLA impl (its fp8 path) over every rank's fp8 queries with a dense-fp8 tile plan of its own,
+    made once per step for the group's heads, and each rank's part equals its own call's output exactly. The
+    controls: the owner call given vLLM's plan (made for the rank's heads) is refused by the kernel's plan
+    check; an owner whose layer holds another q scale gives other outputs (the allocation refuses that:
+    `check_scales`)."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.mla import flashmla as backend
+    from vllm.v1.attention.backends.mla.flashmla import FlashMLADecodeMetadata, FlashMLAImpl
+
+    from kvpp_fx.integrations.vllm.attention.backends import owner_call
+    from kvpp_fx.integrations.vllm.engine.state import EngineState
+
+    planned = flashmla_fp8_kernel(monkeypatch, backend)
+
+    @dataclasses.dataclass
+    class Metadata:  # FlashMLAMetadata, less the common fields its fp8 forward_mqa does not read
+        decode: FlashMLADecodeMetadata
+        num_decodes: int
+        num_decode_tokens: int
+
+    heads, group, batch = 4, 2, 2
+    torch.manual_seed(0)
+    q_scale, k_scale = torch.tensor(0.02), torch.tensor(0.03)
+    cache = (torch.randn(6, 64, 576) / k_scale).to(torch.float8_e4m3fn)
+    table = torch.tensor([[3, 1, 0], [5, 2, 4]], dtype=torch.int32)
+    seq_lens = torch.tensor([150, 71], dtype=torch.int32)
+
+    def step_metadata():  # as FlashMLAMetadataBuilder._build_decode builds an fp8 step's, for the rank's heads
+        scheduling = backend.FlashMLASchedMeta()
+        scheduling.tile_scheduler_metadata, scheduling.num_splits = backend.get_mla_metadata_dense_fp8(
+            seq_lens, 1 * heads, 1)
+        return Metadata(FlashMLADecodeMetadata(block_table=table, seq_lens=seq_lens, dcp_tot_seq_lens=None,
+                                               scheduler_metadata=scheduling), batch, batch)
+
+    impl = object.__new__(FlashMLAImpl)  # its __init__ asserts a Hopper GPU; forward_mqa reads these
+    impl.kv_cache_dtype, impl.kv_lora_rank, impl.scale, impl.need_to_return_lse_for_decode = "fp8", 512, 0.04, False
+    layer = types.SimpleNamespace(_q_scale=q_scale, _k_scale=k_scale)
+
+    def forward_mqa(q, metadata, on=layer):
+        return impl.forward_mqa(q, cache, metadata, on)[0]
+
+    # each rank's absorbed queries, quantized as vLLM's static per-tensor fp8 quantization does
+    queries = [(torch.randn(batch, heads, 576) / q_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+               for _ in range(group)]
+    state = EngineState(KVPPConfig(enable_kvpp=True, tp=group), vllm_config=None)
+    state.step.begin()
+    step = step_metadata()
+    own = [forward_mqa(q, step) for q in queries]
+    for _layer in range(2):  # two owned layers' owner calls in one step
+        full = owner_call("FLASHMLA", forward_mqa, torch.cat(queries, dim=1),
+                          state.step.owner_metadata("FLASHMLA", step, heads * group, True), heads)
+        assert full.shape == (batch, heads * group, 512) and full.dtype == torch.bfloat16
+        assert all(torch.equal(part, mine) for part, mine in zip(full.split(heads, dim=1), own))
+    assert planned == [heads, heads * group]  # vLLM's plan for the step, then one owner plan for the step
+    assert step.decode.scheduler_metadata.tile_scheduler_metadata[0, 5] == heads  # vLLM's object unchanged
+    assert len({tuple(t.flatten().tolist()) for t in own}) == group  # the ranks' outputs differ
+    with pytest.raises(AssertionError, match="tiles planned for 4 query rows per KV head, the call has 8"):
+        owner_call("FLASHMLA", forward_mqa, torch.cat(queries, dim=1), step, heads)
+    other_scale = types.SimpleNamespace(_q_scale=q_scale * 2, _k_scale=k_scale)
+    owner_metadata = state.step.owner_metadata("FLASHMLA", step, heads * group, True)
+    skewed = owner_call("FLASHMLA", lambda q, md: forward_mqa(q, md, other_scale), torch.cat(queries, dim=1),
+                        owner_metadata, heads)
+    assert not torch.equal(skewed[:, :heads], own[0])
 
 
 def test_cutlass_and_flashinfer_owner_calls_get_what_their_kernels_size_by_heads():
@@ -249,6 +359,10 @@ def test_cutlass_and_flashinfer_owner_calls_get_what_their_kernels_size_by_heads
     padded = owner_query("CUTLASS_MLA", query)
     assert padded.shape == query.shape and torch.equal(padded, query)
     assert padded.untyped_storage().nbytes() >= 3 * 128 * 576 * 4
+    quantized = query.clamp(-448, 448).to(torch.float8_e4m3fn)  # an fp8 cache's queries: storage of one byte each
+    padded = owner_query("CUTLASS_MLA", quantized)
+    assert padded.dtype == torch.float8_e4m3fn and torch.equal(padded.view(torch.uint8), quantized.view(torch.uint8))
+    assert padded.untyped_storage().nbytes() >= 3 * 128 * 576
     assert owner_query("FLASHMLA", query) is query
     with pytest.raises(ValueError, match="CUTLASS_MLA computes at most 128 query heads; an owner call has 129"):
         owner_query("CUTLASS_MLA", torch.randn(3, 129, 576))
@@ -275,7 +389,6 @@ def test_every_cuda_mla_backend_is_owner_capable_or_refused_by_name():
     assert {"TRITON_MLA", "FLASHMLA", "CPU_MLA"} <= set(owner_capable_backends())
     assert owner_blocker("TRITON_MLA") is None and owner_blocker("FLASHMLA") is None
     assert "AMX_MLA allocates its decode buffers by its own head count" in owner_blocker("AMX_MLA")
-    assert "quantizes the queries" in owner_blocker("FLASHMLA", quantized_queries=True)
     unknown = owner_blocker("ROCM_AITER_MLA")  # any backend the table does not know is refused by name
     assert "ROCM_AITER_MLA is not known to run an owner call" in unknown and "TRITON_MLA" in unknown
     assert why_not_owner_capable({"TRITON_MLA", "CPU_MLA"}, "mla", 1) is None

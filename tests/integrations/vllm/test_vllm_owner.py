@@ -249,3 +249,41 @@ def test_triton_mla_decode_rows_go_to_their_owners_with_the_tokens_of_kvpp_off(t
         assert stats["packed_layers"] > 0 and stats["modes"]["owner"] > 0 and stats["context_chunks"] > 0
     faulty = on["phases"]["skipped-gather"]
     assert faulty["tokens"] != off["phases"]["short"]["tokens"] and all(s["exchanges"] > 0 for s in faulty["stats"])
+
+
+@pytest.fixture(scope="module")
+def triton_fp8_runs(tiny_deepseek):
+    """TRITON_MLA with an fp8 KV cache (``kv_cache_dtype="fp8"``, e4m3 bytes; vLLM CPU's own MLA backends have
+    none) on V2 at TP 2, float32 queries, its Triton decode kernel interpreted (`triton_mla_on_cpu`, whose fp8
+    cache write follows ``concat_and_cache_mla``'s). Fresh short prompts only (`NO_HISTORY_ROWS`): every
+    row that reads the cache is a decode row. KVPP off; on in "auto", then in owner mode, then in owner mode
+    with no gather issued (the owner uses its own queries for every rank's heads: the negative control)."""
+    env = {triton_mla_on_cpu.ENV: "1"}
+    args = {**NO_HISTORY_ROWS, **EAGER, "attention_backend": "TRITON_MLA", "kv_cache_dtype": "fp8"}
+    eight = {"max_tokens": 8}
+    variants = {
+        "off": {"args": args, "env": env, "sampling": eight},
+        "on": {"kvpp": True, "args": args, "env": env, "sampling": eight, "phases": [
+            {"name": "owner", "mode": "owner"},
+            {"name": "skipped-gather", "mode": "owner", "fault": SKIPPED_GATHER}]},
+    }
+    return run_engines(tiny_deepseek, variants)
+
+
+def test_an_fp8_kv_cache_keeps_decode_rows_on_their_owners_with_the_tokens_of_kvpp_off(triton_fp8_runs):
+    """An fp8 cache: one byte per cached value on every rank (vLLM's caches hold 576 bytes per token and
+    layer), owner mode sends every decode row to its layer's owner, which runs TRITON_MLA's kernel over the
+    fp8 cache for both ranks' heads; the tokens equal KVPP off's, in "auto" and in owner mode; 1.5x the
+    blocks of KVPP off. The control: no gather changes the tokens."""
+    off, on = triton_fp8_runs["off"], triton_fp8_runs["on"]
+    assert len(off["tokens"]) == 2 and len(set(off["tokens"][0])) > 1
+    blocks_off, blocks_on = off["num_blocks"][0], on["num_blocks"][0]
+    assert off["kv_cache_bytes"] == [blocks_off * 16 * 576 * NUM_LAYERS] * 2, (off["kv_cache_bytes"], blocks_off)
+    assert blocks_on >= 1.5 * blocks_off, (blocks_on, blocks_off)
+    owner = on["phases"]["owner"]
+    assert on["tokens"] == off["tokens"] and owner["tokens"] == off["tokens"]
+    for stats in owner["stats"]:
+        assert stats["attention_backends"] == ["TRITON_MLA"] and stats["owner_blocker"] is None, stats
+        assert stats["rows"]["owner"] > 0 and stats["exchanges"] > 0 and stats["modes"]["owner"] > 0, stats
+    faulty = on["phases"]["skipped-gather"]
+    assert faulty["tokens"] != off["tokens"] and all(s["exchanges"] > 0 for s in faulty["stats"])

@@ -6,7 +6,9 @@ spawned and re-run the entry module, which imports this one):
 - the CPU platform returns TRITON_MLA when ``attention_backend="TRITON_MLA"`` is asked (it knows only its own
   MLA backends);
 - TRITON_MLA's cache write is CPU_MLA's: its own is the CUDA-only ``concat_and_cache_mla``, and CPU_MLA's
-  writes the same bytes (the latent, then the rope part, per slot);
+  writes the same bytes (the latent, then the rope part, per slot); for an fp8 cache (which CPU_MLA does
+  not have) the write follows ``concat_and_cache_mla``'s fp8 contract in torch: each value divided by the
+  layer's k scale, saturated to e4m3's range, stored as e4m3 bytes;
 - TRITON_MLA accepts float32, in which its Triton decode kernel is exact under the interpreter (the
   interpreter multiplies bfloat16 ``tl.dot`` operands as raw bits).
 
@@ -38,8 +40,21 @@ def apply() -> None:
             return AttentionBackendEnum.TRITON_MLA.get_path()
         return original(cls, selected_backend, attn_selector_config, num_heads)
 
+    def do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype, k_scale):
+        if not kv_cache_dtype.startswith("fp8"):
+            return CPUMLAImpl.do_kv_cache_update(self, kv_c_normed, k_pe, kv_cache, slot_mapping, kv_cache_dtype,
+                                                 k_scale)
+        if kv_cache.numel() == 0:
+            return None
+        rows = torch.cat([kv_c_normed, k_pe.squeeze(1)], dim=-1).float() / k_scale.float()
+        slots = slot_mapping.flatten().long()
+        valid = slots >= 0
+        flat = kv_cache.view(torch.float8_e4m3fn).view(-1, rows.shape[-1])
+        flat[slots[valid]] = rows[valid].clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return None
+
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
-    TritonMLAImpl.do_kv_cache_update = CPUMLAImpl.do_kv_cache_update
+    TritonMLAImpl.do_kv_cache_update = do_kv_cache_update
     TritonMLABackend.supported_dtypes = [*TritonMLABackend.supported_dtypes, torch.float32]
     setattr(CpuPlatform, _APPLIED, True)
 

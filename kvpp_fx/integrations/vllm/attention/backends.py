@@ -19,9 +19,9 @@ Per backend (read from vLLM 0.32's sources; only CPU_MLA and TRITON_MLA run on t
 - FLASHMLA, bf16 cache: the step's ``FlashMLASchedMeta`` is planned by its first call and asserts the same
   head count in every later call. Owner calls get their own, one fresh instance per step shared by every
   owner call of that step (`owner_metadata`), as vLLM's DeepSeek-V4 layers keep one per layer type.
-- FLASHMLA, fp8 cache: its dense-fp8 metadata is sized by the rank's heads (correct for more heads, per the
-  kernel's source, but over-subscribed); its queries are quantized to fp8, which owner rows do not
-  exchange: refused (`FP8_QUERIES`), so "auto" broadcasts.
+- FLASHMLA, fp8 cache: vLLM's builder plans the step's dense-fp8 tiles (``get_mla_metadata_dense_fp8``) for
+  the rank's query heads, times the DCP size under DCP. Owner calls get a plan of their own for the call's
+  heads, made the same way once per step (`owner_metadata`).
 - FLASH_ATTN_MLA (FA3): the ahead-of-time scheduler metadata is sized for ``num_heads x dcp``; an owner
   call given it could skip heads. Owner calls run with ``scheduler_metadata=None``, which FA3 plans itself.
 - FLASHINFER_MLA: the kernel reads the head count from the query; the one buffer sized by heads, the
@@ -32,8 +32,15 @@ Per backend (read from vLLM 0.32's sources; only CPU_MLA and TRITON_MLA run on t
   heads are refused.
 - AMX_MLA (CPU): allocates its decode buffers by its own head count: refused.
 
-Any other backend is refused by name. fp8 queries are refused on every backend: they carry the scale
-their rank quantized them with.
+Any other backend is refused by name.
+
+fp8 caches: FLASHMLA, FLASHINFER_MLA and CUTLASS_MLA quantize the absorbed queries to fp8 before
+``forward_mqa`` (``supports_quant_query_input``), with the layer's static ``_q_scale``, and their kernels
+descale with it. Owner rows exchange those fp8 queries as they are, as DCP's all-gather does: the owner's
+kernel descales every rank's heads with its own copy of the scale, which is the same number on every rank
+(vLLM 0.32 has no dynamic query scales: 1.0 or the checkpoint's per-layer value, not sharded), and the
+allocation checks that it is (`cache.allocation.check_scales`). TRITON_MLA dequantizes the cache inside its
+kernel and keeps its queries unquantized. CUTLASS_MLA runs with scales of 1.0 only (vLLM's own refusal).
 """
 
 from __future__ import annotations
@@ -60,8 +67,8 @@ BACKENDS: Mapping[str, OwnerSupport] = {
     "TRITON_MLA": OwnerSupport(True, "one kernel call per rank's heads, so vLLM's logits workspace, reserved for "
                                      "the rank's heads, holds every call", 16, fp8_cache="unquantized queries",
                                calls_per_rank=True),
-    "FLASHMLA": OwnerSupport(True, "owner calls get their own FlashMLASchedMeta per step (bf16 caches; fp8 caches "
-                                   "quantize the queries, which owner rows do not exchange)", 64),
+    "FLASHMLA": OwnerSupport(True, "owner calls get their own FlashMLASchedMeta per step, with an fp8 cache their "
+                                   "own dense-fp8 tile plan for the call's heads", 64),
     "FLASH_ATTN_MLA": OwnerSupport(True, "owner calls run without the ahead-of-time scheduler metadata, which is "
                                          "sized for the rank's heads", 16, fp8_cache="none"),
     "FLASHINFER_MLA": OwnerSupport(True, "the kernel takes the head count from the query; the first owner call "
@@ -72,8 +79,6 @@ BACKENDS: Mapping[str, OwnerSupport] = {
                             fp8_cache="none"),
 }
 
-FP8_QUERIES = ("the KV cache is fp8 and {backend} quantizes the queries for it; owner rows exchange unquantized "
-               "queries only")
 CUTLASS_HEADS = 128
 
 
@@ -81,37 +86,47 @@ def owner_capable_backends() -> list[str]:
     return sorted(name for name, support in BACKENDS.items() if support.owner_capable)
 
 
-def owner_blocker(backend: str, quantized_queries: bool = False) -> str | None:
-    """Why `backend`'s decode rows cannot go to their owners (None: they can). ``quantized_queries``: the
-    backend quantizes its queries for an fp8 cache (vLLM's ``impl.supports_quant_query_input``)."""
+def owner_blocker(backend: str) -> str | None:
+    """Why `backend`'s decode rows cannot go to their owners (None: they can)."""
     support = BACKENDS.get(backend)
     if support is None:
         return (f"attention backend {backend} is not known to run an owner call over the group's heads "
                 f"(owner rows run on {owner_capable_backends()})")
     if not support.owner_capable:
         return f"attention backend {backend} builds its decode metadata or workspace for its own heads ({support.how})"
-    if quantized_queries:
-        return FP8_QUERIES.format(backend=backend)
     return None
 
 
 # --- what an owner call needs, per backend -------------------------------------------------------------
 
 
-def owner_metadata(backend: str, metadata: Any) -> Any:
+def owner_metadata(backend: str, metadata: Any, query_heads: int, fp8_cache: bool) -> Any:
     """The metadata an owner call of this step reads: vLLM's, or a copy whose head-sized scheduling is the
-    owner call's own. The caller keeps one per step (every owner call of a step shares it)."""
+    owner call's own, for its ``query_heads``. The caller keeps one per step (every owner call of a step
+    shares it)."""
     decode = getattr(metadata, "decode", None)
     if decode is None:
         return metadata
     if backend == "FLASHMLA":
-        from vllm.v1.attention.backends.mla.flashmla import FlashMLASchedMeta
-
-        fresh = dataclasses.replace(decode, scheduler_metadata=FlashMLASchedMeta())
-        return dataclasses.replace(metadata, decode=fresh)
+        return dataclasses.replace(metadata, decode=dataclasses.replace(
+            decode, scheduler_metadata=flashmla_scheduling(metadata, query_heads, fp8_cache)))
     if backend == "FLASH_ATTN_MLA":
         return dataclasses.replace(metadata, decode=dataclasses.replace(decode, scheduler_metadata=None))
     return metadata
+
+
+def flashmla_scheduling(metadata: Any, query_heads: int, fp8_cache: bool) -> Any:
+    """A fresh FlashMLASchedMeta for an owner call: bf16 caches, empty (FlashMLA plans it in the call that
+    first reads it); fp8 caches, the dense-fp8 tiles vLLM's builder plans, for ``query_heads`` instead of the
+    rank's heads (decode requests have one query length, checked by vLLM's FlashMLA)."""
+    from vllm.v1.attention.backends.mla.flashmla import FlashMLASchedMeta, get_mla_metadata_dense_fp8
+
+    scheduling = FlashMLASchedMeta()
+    if fp8_cache:
+        tokens_per_request = -(-int(metadata.num_decode_tokens) // int(metadata.num_decodes))
+        scheduling.tile_scheduler_metadata, scheduling.num_splits = get_mla_metadata_dense_fp8(
+            metadata.decode.seq_lens, tokens_per_request * query_heads, 1)
+    return scheduling
 
 
 def owner_query(backend: str, query: Any) -> Any:

@@ -168,8 +168,6 @@ def hook_attention(runner: Any, state: EngineState) -> int:
     """Make the modules that read a target layer's cache wait for it: the MLA attention layer and,
     for SFA, the indexer that owns ``<...>.indexer.k_cache`` (it runs first)."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-    from vllm.v1.kv_cache_interface import is_quantized_kv_cache
-
     context = runner.compilation_config.static_forward_context
     modules = dict(runner.get_model().named_modules())
     vplan, targets = state.vplan, set(state.plan.target_layers)
@@ -177,11 +175,9 @@ def hook_attention(runner: Any, state: EngineState) -> int:
                  if index in targets and vplan.component[name] != INDEXER_COMPONENT}
     mla = [layer for layer in attention.values() if isinstance(layer, MLAAttention)]
     backends = {layer.get_attn_backend().get_name() for layer in mla}
-    quantized = any(getattr(layer.impl, "supports_quant_query_input", False)
-                    and is_quantized_kv_cache(layer.kv_cache_dtype) for layer in mla)
     config, choices = state.config, state.attention
     choices.owner_blocker = owner_rows.why_not_owner_capable(
-        backends, model_kind_of(runner.model_config), config.pcp, quantized) if config.size > 1 else "KVPP is off"
+        backends, model_kind_of(runner.model_config), config.pcp) if config.size > 1 else "KVPP is off"
     if choices.owner_blocker is None:
         from kvpp_fx.integrations.vllm.plugin import breakable_cudagraphs
 

@@ -42,7 +42,6 @@ from kvpp_fx.cache.cost import AttentionShape, LinkModel, RequestRows
 from kvpp_fx.integrations.vllm.attention.backends import before_owner_call, owner_blocker, owner_call
 from kvpp_fx.integrations.vllm.engine.batch import StepBatch, history_blocks, written_blocks
 from kvpp_fx.integrations.vllm.engine.state import open_turn
-from kvpp_fx.runtime.errors import OwnerRoutingError
 from kvpp_fx.runtime.owner_exchange import HeadRule
 
 # The cost model's link per platform. CPU: measured on the bench (gloo, 2 processes, 2 cores). CUDA
@@ -71,8 +70,7 @@ def attention_shape(model_config: Any) -> AttentionShape:
                           int(hf.kv_lora_rank), itemsize)
 
 
-def why_not_owner_capable(backends: set[str], model_kind: str, pcp: int,
-                          quantized_queries: bool = False) -> str | None:
+def why_not_owner_capable(backends: set[str], model_kind: str, pcp: int) -> str | None:
     """Why this engine's decode rows cannot go to the owner, or None when they can (`backends.owner_blocker`
     for each attention backend)."""
     if model_kind != "mla":
@@ -81,7 +79,7 @@ def why_not_owner_capable(backends: set[str], model_kind: str, pcp: int,
     if pcp != 1:
         return "prefill context parallelism splits the KVPP group beyond the heads' TP split"
     for backend in sorted(backends):
-        why = owner_blocker(backend, quantized_queries)
+        why = owner_blocker(backend)
         if why is not None:
             return why
     return None
@@ -133,18 +131,17 @@ def owner_impl_class(cls: type) -> type:
         if turn is None or not turn.rows_to_owner:
             return cls.forward_mqa(self, q, kv_cache, attn_metadata, layer)
         query = torch.cat(q, dim=-1) if isinstance(q, tuple) else q
-        if query.element_size() == 1:
-            # quantized queries carry per-rank scales the owner does not have
-            raise OwnerRoutingError(f"layer {self._kvpp_layer}: owner mode does not exchange quantized (fp8) "
-                                    "queries; set kvpp_mode to 'broadcast'.")
-        like = torch.empty(query.shape[0], query.shape[1], self.kv_lora_rank, dtype=query.dtype, device=query.device)
+        # fp8 queries (an fp8 cache's backends quantize them) travel as they are; the output is the model's dtype
+        like = torch.empty(query.shape[0], query.shape[1], self.kv_lora_rank, dtype=self._kvpp_output_dtype,
+                           device=query.device)
         backend = self._kvpp_backend
 
         def on_owner(full: list[torch.Tensor]) -> torch.Tensor:
             before_owner_call(backend, self)
+            metadata = self._kvpp_engine.step.owner_metadata(backend, attn_metadata, full[0].shape[1],
+                                                             self._kvpp_fp8_cache)
             return owner_call(backend, lambda q, metadata: cls.forward_mqa(self, q, kv_cache, metadata, layer)[0],
-                              full[0].contiguous(), self._kvpp_engine.step.owner_metadata(backend, attn_metadata),
-                              query.shape[1])
+                              full[0].contiguous(), metadata, query.shape[1])
 
         part = turn.owner_compute(MQA_RULE, [query], on_owner, output_like=like)
         return part, None
@@ -153,9 +150,13 @@ def owner_impl_class(cls: type) -> type:
 
 
 def hook_impl(layer: Any, engine: Any, index: int) -> None:
+    from vllm.v1.kv_cache_interface import is_quantized_kv_cache
+
     impl = layer.impl
     impl._kvpp_engine, impl._kvpp_layer = engine, index
     impl._kvpp_backend = layer.get_attn_backend().get_name()
+    impl._kvpp_output_dtype = engine.vllm_config.model_config.dtype
+    impl._kvpp_fp8_cache = is_quantized_kv_cache(layer.kv_cache_dtype)
     impl.__class__ = owner_impl_class(type(impl))
 
 

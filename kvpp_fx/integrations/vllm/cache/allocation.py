@@ -8,6 +8,9 @@ Invariants:
   a local draft cache; vLLM binds them by layer name. Every rank of a group allocates the same layout
   (`check_layout`), and `self_check` then proves every cache layer is bound to its KVPP view and
   vLLM's block count is at most the budget's.
+- Under a quantized (fp8) cache every rank of a group holds the same q and k scales for each layer
+  (`check_scales`): a rank reads the owner's cache bytes, and the owner descales every rank's quantized
+  queries, with the owner's scales.
 - Block ids mean one thing everywhere: vLLM's KV cache manager blocks. A backend that splits them into
   smaller kernel blocks (vLLM's virtual block splitting: its metadata tables then hold kernel block ids)
   is refused before anything is allocated (`check_kernel_blocks`), naming the block size to set.
@@ -106,6 +109,8 @@ def allocate(runner: Any, state: EngineState, kv_cache_config: Any, device: Any)
     vplan = plan_allocation(runner, state, kv_cache_config)
     connect(state, device)
     check_layout(state, kv_cache_config.num_blocks)
+    check_scales(quantized_cache_scales(runner, vplan.layer_index), state.comm.agreement_group,
+                 state.comm.group_ranks)
     comm = state.comm
     rank = torch.distributed.get_rank(comm.group)
     if comm.runtime is not None:
@@ -140,6 +145,34 @@ def check_layout(state: EngineState, num_blocks: int) -> None:
             state.plan.check_pool(num_blocks)
         except PoolTooSmallError as exc:
             raise KVPPAllocationError(f"vLLM planned {num_blocks} blocks: {exc}") from None
+
+
+def quantized_cache_scales(runner: Any, layer_index: dict[str, int]) -> dict[str, tuple[float, float]]:
+    """Each target attention layer's (q scale, k scale) where its cache is quantized: the values its kernels
+    quantize and descale with (static in vLLM 0.32: 1.0, or the checkpoint's). Read once, after loading."""
+    from vllm.v1.kv_cache_interface import is_quantized_kv_cache
+
+    context = runner.compilation_config.static_forward_context
+    scales = {}
+    for name in layer_index:
+        layer = context.get(name)
+        cache_dtype = getattr(layer, "kv_cache_dtype", "auto")
+        if hasattr(layer, "_q_scale") and is_quantized_kv_cache(cache_dtype):
+            scales[name] = (float(layer._q_scale), float(layer._k_scale))
+    return scales
+
+
+def check_scales(scales: dict[str, tuple[float, float]], agreement_group: Any, group_ranks: Any) -> None:
+    """Every rank of the group holds the same quantization scales for each layer (`quantized_cache_scales`)."""
+    gathered: list[Any] = [None] * torch.distributed.get_world_size(agreement_group)
+    torch.distributed.all_gather_object(gathered, scales, group=agreement_group)
+    for name in sorted(set().union(*gathered)):
+        values = [rank_scales.get(name) for rank_scales in gathered]
+        if len(set(values)) != 1:
+            raise KVPPAllocationError(
+                f"the ranks of KVPP group {group_ranks} hold different quantization scales for {name!r} "
+                f"((q scale, k scale) by rank: {values}); KVPP reads a layer's fp8 cache, and descales every "
+                "rank's quantized queries, with its owner's scales. Give every rank the same scales.")
 
 
 def create_runtime(state: EngineState, storage: Any, device_api_factory: str | None) -> None:

@@ -171,11 +171,13 @@ class StepState:
         self.awaited.add(layer)
         return True
 
-    def owner_metadata(self, backend: str, metadata: Any) -> Any:
-        """The metadata this step's owner calls read for vLLM's `metadata` (one per step and object)."""
+    def owner_metadata(self, backend: str, metadata: Any, query_heads: int, fp8_cache: bool = False) -> Any:
+        """The metadata this step's owner calls read for vLLM's `metadata` (one per step and object: every
+        owner call of a step has the group's heads)."""
         found = self.owner_calls.get(id(metadata))
         if found is None or found[0] is not metadata:
-            found = self.owner_calls[id(metadata)] = (metadata, owner_metadata(backend, metadata))
+            found = self.owner_calls[id(metadata)] = (metadata, owner_metadata(backend, metadata, query_heads,
+                                                                               fp8_cache))
         return found[1]
 
 
