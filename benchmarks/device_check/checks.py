@@ -551,10 +551,11 @@ OWNER_KERNEL_SHAPE = {"heads_per_rank": 16, "group": 8, "batch": 4, "blocks": 64
 
 
 def owner_kernels_worker(rank: int, world: int, device_type: str) -> dict[str, Any]:
-    """One rank (the others idle): vLLM's own ``forward_mqa`` of TRITON_MLA and FLASHMLA (bf16) on the device,
-    an owner call over a group's heads (DeepSeek-V3 under TP 8: 16 heads per rank, 8 ranks) against each
-    rank's own call, as KVPP runs it (`backends.owner_call`, `backends.owner_metadata`); for FLASHMLA the
-    control too: vLLM's one scheduling metadata for both head counts. Needs vLLM on the machine."""
+    """One rank (the others idle): vLLM's own ``forward_mqa`` of TRITON_MLA and FLASHMLA (bf16, and fp8 with
+    fp8 queries) on the device, an owner call over a group's heads (DeepSeek-V3 under TP 8: 16 heads per
+    rank, 8 ranks) against each rank's own call, as KVPP runs it (`backends.owner_call`,
+    `backends.owner_metadata`); for FLASHMLA (bf16) the control too: vLLM's one scheduling metadata for both
+    head counts. Needs vLLM on the machine."""
     if rank != 0:
         return {}
     try:
@@ -565,7 +566,7 @@ def owner_kernels_worker(rank: int, world: int, device_type: str) -> dict[str, A
         return {"skipped": "vLLM's GPU MLA kernels need a GPU (make test runs TRITON_MLA's under Triton's "
                            "interpreter on CPU)"}
     out = {}
-    for backend in ("TRITON_MLA", "FLASHMLA"):
+    for backend in ("TRITON_MLA", "FLASHMLA", "FLASHMLA_FP8"):
         try:
             out[backend] = _owner_kernel(backend, torch.device("cuda", 0))
         except Exception as exc:  # a kernel that does not import or run here is named, not hidden
@@ -581,12 +582,18 @@ def _owner_kernel(backend: str, device: torch.device) -> dict[str, Any]:
 
     s = OWNER_KERNEL_SHAPE
     h, g, b, block = s["heads_per_rank"], s["group"], s["batch"], s["block_size"]
+    fp8, backend = backend.endswith("_FP8"), backend.removesuffix("_FP8")
     torch.manual_seed(0)
     cache = torch.randn(s["blocks"], block, 576, device=device, dtype=torch.bfloat16)
     table = torch.randperm(s["blocks"], device=device, dtype=torch.int32)[: b * 8].view(b, 8)
     seq_lens = torch.tensor([block * 8 - 5, 100, 257, 33][:b], device=device, dtype=torch.int32)
     queries = [torch.randn(b, h, 576, device=device, dtype=torch.bfloat16) for _ in range(g)]
     layer = types.SimpleNamespace(_k_scale=torch.ones((), device=device), _q_scale=torch.ones((), device=device))
+    if fp8:  # as vLLM quantizes an fp8 cache's rows and (static per-tensor scales) its absorbed queries
+        layer = types.SimpleNamespace(_k_scale=torch.tensor(0.05, device=device),
+                                      _q_scale=torch.tensor(0.02, device=device))
+        cache = (cache.float() / layer._k_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        queries = [(q.float() / layer._q_scale).clamp(-448, 448).to(torch.float8_e4m3fn) for q in queries]
     if backend == "TRITON_MLA":
         from vllm.platforms import current_platform
         from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl as Impl
@@ -599,31 +606,36 @@ def _owner_kernel(backend: str, device: torch.device) -> dict[str, Any]:
             return types.SimpleNamespace(decode=decode, max_seq_len=int(seq_lens.max()), causal=True)
     else:
         from vllm.v1.attention.backends.mla.flashmla import FlashMLADecodeMetadata, FlashMLAImpl as Impl
-        from vllm.v1.attention.ops.flashmla import FlashMLASchedMeta
+        from vllm.v1.attention.ops.flashmla import FlashMLASchedMeta, get_mla_metadata_dense_fp8
 
-        impl = types.SimpleNamespace(kv_lora_rank=512, scale=0.07, kv_cache_dtype="auto",
+        impl = types.SimpleNamespace(kv_lora_rank=512, scale=0.07, kv_cache_dtype="fp8" if fp8 else "auto",
                                      need_to_return_lse_for_decode=False)
 
         @dataclasses.dataclass
         class Metadata:  # FlashMLAMetadata, less the common fields its forward_mqa does not read
             decode: FlashMLADecodeMetadata
             num_decodes: int
+            num_decode_tokens: int
 
-        def metadata():
+        def metadata():  # as FlashMLAMetadataBuilder builds a step's, for the rank's heads
+            scheduling = FlashMLASchedMeta()
+            if fp8:
+                scheduling.tile_scheduler_metadata, scheduling.num_splits = get_mla_metadata_dense_fp8(
+                    seq_lens, h, 1)
             decode = FlashMLADecodeMetadata(block_table=table, seq_lens=seq_lens, dcp_tot_seq_lens=None,
-                                            scheduler_metadata=FlashMLASchedMeta())
-            return Metadata(decode, b)
+                                            scheduler_metadata=scheduling)
+            return Metadata(decode, b, b)
 
     def forward_mqa(q, md):
         return Impl.forward_mqa(impl, q, cache, md, layer)[0]
 
     step = metadata()  # one step: the ranks' own calls and the owner call share vLLM's metadata object
     own = [forward_mqa(q, step).float() for q in queries]
-    owner_md = owner_metadata(backend, step, h * g, False)
+    owner_md = owner_metadata(backend, step, h * g, fp8)
     full = owner_call(backend, forward_mqa, torch.cat(queries, dim=1), owner_md, h).float()
     diff = max(float((part - mine).abs().max()) for part, mine in zip(full.split(h, dim=1), own))
     result = {"max_abs_diff": diff, "heads": [h, h * g], "owner_metadata_own": owner_md is not step}
-    if backend == "FLASHMLA":  # the control: vLLM's one metadata object for both head counts
+    if backend == "FLASHMLA" and not fp8:  # the control: vLLM's one metadata object for both head counts
         shared = metadata()
         forward_mqa(queries[0], shared)
         try:
