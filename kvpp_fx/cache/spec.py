@@ -188,7 +188,9 @@ def attention_shape_from_hf_config(config: Mapping[str, Any], query_dtype: str =
     """What owner mode ships per head and query token of an absorbed-MLA model.
 
     A head's query is ``kv_lora_rank + qk_rope_head_dim`` values and its output ``kv_lora_rank`` values,
-    of the activation dtype: an fp8 or int8 KV cache does not change them.
+    of the activation dtype. Under an fp8 KV cache vLLM's FLASHMLA, FLASHINFER_MLA and CUTLASS_MLA quantize
+    the queries to one byte per value before the exchange: counted here at the activation dtype, these
+    bytes bound theirs from above.
     """
     if query_dtype not in QUERY_DTYPES:
         raise ValueError(f"query dtype must be one of {tuple(QUERY_DTYPES)}, got {query_dtype!r}.")
