@@ -55,7 +55,7 @@ def _impl(engine, layer: int):
     impl = CPUMLAImpl(HEADS, KV_LORA + ROPE, SCALE, 1, None, None, "auto", None, AttentionType.DECODER, None,
                       q_lora_rank=None, kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE,
                       qk_head_dim=NOPE + ROPE, v_head_dim=V, kv_b_proj=proj)
-    reader = types.SimpleNamespace(impl=impl, get_attn_backend=lambda: CPUMLABackend)
+    reader = types.SimpleNamespace(impl=impl, get_attn_backend=lambda: CPUMLABackend, kv_cache_dtype="auto")
     owner_rows.hook_impl(reader, engine, layer)
     assert context_stream.hook_impl(reader), "CPU_MLA's impl reads its history through vLLM's chunks"
     return impl
@@ -99,7 +99,8 @@ def _stream_ranks(rank: int, world: int):
                      attention=AttentionShape(HEADS * world, NOPE + ROPE, V, 4))
     for layer in rt.plan.owned_layers(rt.rank):
         rt.typed_views(layer)["kv"].copy_(_owners_cache(layer))
-    engine = EngineState(config=types.SimpleNamespace(pcp=1), vllm_config=None,
+    vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(dtype=torch.float32))
+    engine = EngineState(config=types.SimpleNamespace(pcp=1), vllm_config=vllm_config,
                          layout=Layout(scratch_blocks=SCRATCH), comm=Communication(runtime=rt))
     wrap_gathers()  # as a KVPP worker whose decode rows may go to the owner does, before hooking its layers
     impls = {layer: _impl(engine, layer) for layer in rt.plan.target_layers}
