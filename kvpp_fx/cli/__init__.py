@@ -114,10 +114,13 @@ def _cmd_plan_single_cache(args: argparse.Namespace) -> int:
                       scratch_blocks=args.scratch_blocks)
     report = plan_report(plan, available, max_model_len=args.max_model_len, token_budget=token_budget)
     _, config = load_hf_config(args.model)
-    whole = vllm_whole_layer_steps(plan, report["engine_blocks"], sparse=bool(config.get("index_topk")),
+    whole = vllm_whole_layer_steps(plan, available, sparse=bool(config.get("index_topk")),
                                    pcp=args.pcp, link_gb_per_s=args.link_gbps)
     if whole is not None:
         report["vllm_whole_layer_steps"] = whole
+        # the per-backend rows describe dense MLA decode rows on their owners, which this engine has not
+        report.pop("vllm_backends", None)
+        report.pop("vllm_config", None)
     elif (shape := _owner_shape(config, plan.group_size)) is not None:  # decode rows go to their owners
         report["exchange_reserve"] = exchange_reserve(
             plan, shape, available, max_num_seqs=args.max_num_seqs,

@@ -167,11 +167,13 @@ def vllm_backends(plan: KVPPPlan, available_bytes: int) -> dict[str, dict[str, A
     return out
 
 
-def vllm_whole_layer_steps(plan: KVPPPlan, num_blocks: int, *, sparse: bool, pcp: int,
+def vllm_whole_layer_steps(plan: KVPPPlan, available_bytes: int, *, sparse: bool, pcp: int,
                            link_gb_per_s: float) -> dict[str, Any] | None:
     """Where kvpp-fx's vLLM integration broadcasts whole layers on every step, decode steps included: SFA
     models (vLLM's sparse and indexer metadata hold block ids KVPP does not remap) and prefill context
-    parallelism (each rank's metadata holds only its part of the batch). None elsewhere."""
+    parallelism (each rank's metadata holds only its part of the batch). Decode rows cannot go to their owners
+    there, so vLLM's slots are whole layers whatever ``plan`` chose: the blocks, capacity and bytes are the
+    whole-layer plan's. None elsewhere."""
     reasons = []
     if sparse:
         reasons.append("SFA: vLLM's sparse and indexer metadata are not remapped to packed slots, and SFA has no "
@@ -180,9 +182,12 @@ def vllm_whole_layer_steps(plan: KVPPPlan, num_blocks: int, *, sparse: bool, pcp
         reasons.append("PCP: each rank's attention metadata holds only its part of the batch")
     if not reasons:
         return None
-    per_step = plan.broadcast_bytes_per_forward(num_blocks)
-    return {"reasons": reasons, "bytes_per_step": per_step, "link_gb_per_s": link_gb_per_s,
-            "seconds_per_step": per_step / (link_gb_per_s * 1e9)}
+    whole = plan.whole_layer()
+    blocks = whole.num_blocks(available_bytes)
+    per_step = whole.broadcast_bytes_per_forward(blocks)
+    return {"reasons": reasons, "slots": "whole-layer", "engine_blocks": blocks,
+            "capacity_ratio": whole.capacity_ratio(available_bytes), "bytes_per_step": per_step,
+            "link_gb_per_s": link_gb_per_s, "seconds_per_step": per_step / (link_gb_per_s * 1e9)}
 
 
 def exchange_reserve(plan: KVPPPlan, shape: AttentionShape, available_bytes: int, *, max_num_seqs: int,

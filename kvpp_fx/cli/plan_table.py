@@ -82,7 +82,8 @@ def format_plan_table(report: dict[str, Any]) -> str:
         lines += ["", f"in vLLM every step broadcasts whole layers, decode steps included: "
                       f"{format_bytes(whole['bytes_per_step'])} per step at full occupancy, "
                       f"{whole['seconds_per_step'] * 1e3:.1f} ms at {whole['link_gb_per_s']:g} GB/s: not for long "
-                      "decodes at scale"]
+                      f"decodes at scale; whole-layer slots there ({whole['engine_blocks']:,} blocks, "
+                      f"{whole['capacity_ratio']:.3f}x)"]
         lines += [f"  {reason}" for reason in whole["reasons"]]
     if "draft_sharding_gain" in report:
         lines.append(f"draft sharding gain over local drafts: {report['draft_sharding_gain']:.3f}x")

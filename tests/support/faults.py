@@ -193,3 +193,8 @@ class FailingHistoryGather:
     def __call__(self) -> None:
         self.calls += 1
         raise RuntimeError(self.MESSAGE)
+
+
+def dropped_broadcast_of_layer_1(device) -> DroppedBroadcast:
+    """`DroppedBroadcast` of the plan's second target layer (the tiny DeepSeek-V3.2's layer 1)."""
+    return DroppedBroadcast(device, position=1)

@@ -4,7 +4,8 @@ session. (The `cases_*.py` files' own pytest process loads this file too; nothin
 import pytest
 
 from tests.integrations.vllm.engine_runs import ENV
-from tests.integrations.vllm.tiny_model import make_tiny_deepseek, make_tiny_deepseek_v4_config
+from tests.integrations.vllm.tiny_model import (make_tiny_deepseek, make_tiny_deepseek_v4_config,
+                                                make_tiny_deepseek_v32_config)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -23,3 +24,8 @@ def tiny_deepseek(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_deepseek_v4_config(tmp_path_factory):
     return make_tiny_deepseek_v4_config(tmp_path_factory.mktemp("tiny_deepseek_v4"))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v32_config(tmp_path_factory):
+    return make_tiny_deepseek_v32_config(tmp_path_factory.mktemp("tiny_deepseek_v32"))

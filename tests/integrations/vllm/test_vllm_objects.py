@@ -19,7 +19,8 @@ CASE_FILES = ("tests/integrations/vllm/cases_cache_specs.py", "tests/integration
               "tests/integrations/vllm/cases_hooks.py", "tests/integrations/vllm/cases_compile_modes.py",
               "tests/integrations/vllm/cases_breakable_graphs.py", "tests/integrations/vllm/cases_owner_calls.py",
               "tests/integrations/vllm/cases_context_gathers.py", "tests/integrations/vllm/cases_host_sync.py",
-              "tests/integrations/vllm/cases_context_stream.py", "tests/integrations/vllm/cases_deepseek_v4.py")
+              "tests/integrations/vllm/cases_context_stream.py", "tests/integrations/vllm/cases_deepseek_v4.py",
+              "tests/integrations/vllm/cases_deepseek_v32.py")
 
 
 def _case_names() -> list[str]:

@@ -103,3 +103,24 @@ def make_tiny_deepseek_v4_config(path: Path, max_positions: int | None = None, t
     if tokenizer:
         _write_tokenizer(path)
     return str(path)
+
+
+# A tiny DeepSeek-V3.2 (MLA with sparse attention: a lightning indexer selects 512 context positions per token),
+# loaded with vLLM's dummy weights as `deepseek_v32_on_cpu` widens them; dense layers.
+TINY_DEEPSEEK_V32 = {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "num_hidden_layers": 2,
+    "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 64, "first_k_dense_replace": 2,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "n_group": 1, "topk_group": 1,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 128, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "index_n_heads": 4, "index_head_dim": 128,
+    "index_topk": 512, "vocab_size": VOCAB, "max_position_embeddings": 2048, "rope_theta": 10000,
+    "hidden_act": "silu", "rms_norm_eps": 1e-6, "torch_dtype": "float32", "bos_token_id": 0, "eos_token_id": 1,
+    "tie_word_embeddings": False, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+}
+
+
+def make_tiny_deepseek_v32_config(path: Path) -> str:
+    """A directory holding `TINY_DEEPSEEK_V32` as its config.json."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(TINY_DEEPSEEK_V32))
+    return str(path)

@@ -12,6 +12,7 @@ from tests.integrations.vllm import triton_mla_on_cpu  # noqa: I001  (TRITON_MLA
 from tests.integrations.vllm import cpu_chunked_prefill  # noqa: I001  (MLA's chunked prefill on CPU, where asked)
 from tests.integrations.vllm import mooncake_on_cpu  # noqa: F401, I001  (vLLM's MooncakeConnector on CPU, where asked)
 from tests.integrations.vllm import deepseek_v4_on_cpu  # noqa: I001  (DeepSeek-V4 on vLLM CPU, where asked)
+from tests.integrations.vllm import deepseek_v32_on_cpu  # noqa: I001  (DeepSeek-V3.2 on vLLM CPU, where asked)
 
 import contextlib
 import dataclasses
@@ -216,6 +217,8 @@ def generate(model_dir: str, variant: dict) -> dict:
             cpu_chunked_prefill.apply()
         if os.environ.get(deepseek_v4_on_cpu.ENV):
             deepseek_v4_on_cpu.apply()
+        if os.environ.get(deepseek_v32_on_cpu.ENV):
+            deepseek_v32_on_cpu.apply()
         with keep_mode_3() if variant.get("mode3") else contextlib.nullcontext():
             llm = LLM(**args)
         try:
@@ -269,6 +272,8 @@ def _drive(llm, variant: dict, worker_stats, SamplingParams) -> dict:
               "schedule": scheduled()}
     if variant.get("args", {}).get("disable_log_stats") is False:
         result["prefix_cache_hits"] = _counter(llm, "vllm:prefix_cache_hits")
+    if os.environ.get(deepseek_v32_on_cpu.ENV):
+        result["indexer"] = llm.collective_rpc(deepseek_v32_on_cpu.indexer_stats)
     if variant.get("fault"):
         llm.reset_prefix_cache()
         llm.collective_rpc("kvpp_set_device_api", args=(variant["fault"],))
