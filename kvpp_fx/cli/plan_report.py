@@ -176,8 +176,8 @@ def vllm_whole_layer_steps(plan: KVPPPlan, available_bytes: int, *, sparse: bool
     whole-layer plan's. None elsewhere."""
     reasons = []
     if sparse:
-        reasons.append("SFA: vLLM's sparse and indexer metadata are not remapped to packed slots, and SFA has no "
-                       "owner rows yet")
+        reasons.append("SFA: vLLM's sparse and indexer metadata are not remapped to packed slots, and vLLM's sparse "
+                       "MLA backends (FlashMLA's, FlashInfer's) run no owner call yet")
     if pcp > 1:
         reasons.append("PCP: each rank's attention metadata holds only its part of the batch")
     if not reasons:

@@ -25,7 +25,11 @@ def test_owner_rows_are_refused_where_vllm_cannot_run_them():
     assert why_not_owner_capable({"CPU_MLA"}, "mla", 1) is None
     assert why_not_owner_capable({"TRITON_MLA"}, "mla", 1) is None
     assert "AMX_MLA builds its decode metadata" in why_not_owner_capable({"AMX_MLA", "CPU_MLA"}, "mla", 1)
-    assert "SFA" in why_not_owner_capable({"CPU_MLA"}, "sfa", 1)
+    assert why_not_owner_capable({"CPU_MLA"}, "sfa", 1) == (
+        "the model is SFA: attention backend CPU_MLA is not known to run a sparse owner call (owner rows run on [])")
+    assert "FLASHMLA_SPARSE is not known to run a sparse owner call" in why_not_owner_capable({"FLASHMLA_SPARSE"},
+                                                                                           "sfa", 1)
+    assert "the model is MHA" in why_not_owner_capable({"CPU_MLA"}, "mha", 1)
     assert "prefill context parallelism" in why_not_owner_capable({"CPU_MLA"}, "mla", 2)
     state = EngineState(KVPPConfig(enable_kvpp=True, tp=2), None,
                         attention=AttentionChoices(owner_blocker="the model is SFA"))
@@ -375,6 +379,25 @@ def test_cutlass_and_flashinfer_owner_calls_get_what_their_kernels_size_by_heads
     other = types.SimpleNamespace(_mla_counter_bytes=4096)
     before_owner_call("TRITON_MLA", other)
     assert other._mla_counter_bytes == 4096
+
+
+def test_a_plugins_sparse_backend_is_declared_through_kvpps_seam():
+    """`register_owner_backend`: a backend declared as running sparse owner calls serves SFA models (and not dense
+    MLA ones); declaring a known name otherwise is refused; a dense backend serves no SFA model."""
+    from kvpp_fx.integrations.vllm.attention.backends import (BACKENDS, OwnerSupport, owner_blocker,
+                                                              register_owner_backend)
+
+    support = OwnerSupport(True, "a plugin's sparse kernel", 64, fp8_cache="none", sparse=True)
+    try:
+        register_owner_backend("PLUGIN_SPARSE", support)
+        register_owner_backend("PLUGIN_SPARSE", support)  # the same declaration again: nothing changes
+        assert owner_blocker("PLUGIN_SPARSE", sparse=True) is None
+        assert "not known to run an owner call over the group's heads" in owner_blocker("PLUGIN_SPARSE")
+        assert "PLUGIN_SPARSE" in owner_blocker("FLASHMLA", sparse=True)  # the sparse ones it names
+        with pytest.raises(ValueError, match="attention backend FLASHMLA is already declared"):
+            register_owner_backend("FLASHMLA", support)
+    finally:
+        BACKENDS.pop("PLUGIN_SPARSE", None)
 
 
 def test_every_cuda_mla_backend_is_owner_capable_or_refused_by_name():

@@ -15,7 +15,9 @@ entry module, which imports this one). vLLM's model (on CPU, `deepseek_v2.Deepse
   scale per token), then for every token the weighted ReLU logits over its request's earlier keys and their
   top-k logical positions (-1 where fewer) into the layer's top-k buffer;
 - ``deepseek_v2.per_token_group_quant_fp8``: torch (its CPU path is a Triton kernel, slow interpreted);
-- vLLM's dummy weights: `deepseek_v4_on_cpu.load_weights` (seeded per module and TP rank, +-0.1).
+- vLLM's dummy weights: `deepseek_v4_on_cpu.load_weights` (seeded per module and TP rank, +-0.1);
+- KVPP is told (`register_owner_backend`, its seam for a plugin's backend) that the stand-in runs sparse owner
+  calls: its ``forward_mqa`` takes the heads from the query and reads the layer's top-k buffer.
 
 - the indexer cache's kernel block sizes: 16 as well as 64 (vLLM CPU gives MLA models blocks of 16 without
   AMX, or where CPU_MLA is named; the torch indexer reads any block size).
@@ -237,6 +239,7 @@ def apply() -> None:
     from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
     from vllm.platforms.cpu import CpuPlatform
 
+    from kvpp_fx.integrations.vllm.attention.backends import OwnerSupport, register_owner_backend
     from tests.integrations.vllm.deepseek_v4_on_cpu import load_weights
 
     if getattr(CpuPlatform, _APPLIED, False):
@@ -249,6 +252,10 @@ def apply() -> None:
         return original(cls, selected_backend, attn_selector_config, num_heads)
 
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    # KVPP's seam for a plugin's attention backend: the stand-in's forward_mqa takes its heads from the query
+    # and reads the layer's top-k buffer, so one call on the owner serves every rank's heads
+    register_owner_backend("CUSTOM", OwnerSupport(True, "the torch stand-in (tests): heads from the query", 16,
+                                                  fp8_cache="none", sparse=True))
     # vLLM CPU gives MLA models blocks of 16 without AMX (and where CPU_MLA is named); the torch indexer takes any
     deepseek_v2.DeepseekV32IndexerBackend.get_supported_kernel_block_sizes = staticmethod(
         lambda kv_cache_spec=None: [16, 64])

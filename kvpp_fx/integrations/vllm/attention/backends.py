@@ -32,7 +32,10 @@ Per backend (read from vLLM 0.32's sources; only CPU_MLA and TRITON_MLA run on t
   heads are refused.
 - AMX_MLA (CPU): allocates its decode buffers by its own head count: refused.
 
-Any other backend is refused by name.
+Any other backend is refused by name, and so is every sparse MLA backend (SFA models: DeepSeek-V3.2,
+GLM-5) that is not registered as running a sparse owner call (`register_owner_backend`): one ``forward_mqa`` on
+the owner over every rank's queries, reading the layer's top-k buffer that the owner's indexer just filled.
+vLLM's GPU sparse backends (FlashMLA's and FlashInfer's) have none written yet.
 
 fp8 caches: FLASHMLA, FLASHINFER_MLA and CUTLASS_MLA quantize the absorbed queries to fp8 before
 ``forward_mqa`` (``supports_quant_query_input``), with the layer's static ``_q_scale``, and their kernels
@@ -46,7 +49,7 @@ kernel and keeps its queries unquantized. CUTLASS_MLA runs with scales of 1.0 on
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,9 +63,10 @@ class OwnerSupport:
     block_size: int | None = None  # the kernel block size vLLM 0.32 uses for DeepSeek-V3 (kvpp-fx plan)
     fp8_cache: str = "quantized queries"  # with an fp8 cache: "quantized queries", "unquantized queries", "none"
     calls_per_rank: bool = False  # the owner runs one kernel call per rank's heads, not one over all of them
+    sparse: bool = False  # a sparse MLA backend (SFA): its calls read the layer's top-k buffer
 
 
-BACKENDS: Mapping[str, OwnerSupport] = {
+BACKENDS: dict[str, OwnerSupport] = {
     "CPU_MLA": OwnerSupport(True, "the kernel takes the head count from the query", 16, fp8_cache="none"),
     "TRITON_MLA": OwnerSupport(True, "one kernel call per rank's heads, so vLLM's logits workspace, reserved for "
                                      "the rank's heads, holds every call", 16, fp8_cache="unquantized queries",
@@ -82,16 +86,26 @@ BACKENDS: Mapping[str, OwnerSupport] = {
 CUTLASS_HEADS = 128
 
 
-def owner_capable_backends() -> list[str]:
-    return sorted(name for name, support in BACKENDS.items() if support.owner_capable)
+def owner_capable_backends(sparse: bool = False) -> list[str]:
+    return sorted(name for name, support in BACKENDS.items() if support.owner_capable and support.sparse == sparse)
 
 
-def owner_blocker(backend: str) -> str | None:
-    """Why `backend`'s decode rows cannot go to their owners (None: they can)."""
+def register_owner_backend(name: str, support: OwnerSupport) -> None:
+    """Declare how an attention backend vLLM knows by `name` (a plugin's, registered with vLLM's
+    ``register_backend``) runs owner calls; an owner call then runs its impl's own ``forward_mqa``."""
+    if name in BACKENDS and BACKENDS[name] != support:
+        raise ValueError(f"attention backend {name} is already declared: {BACKENDS[name]}.")
+    BACKENDS[name] = support
+
+
+def owner_blocker(backend: str, sparse: bool = False) -> str | None:
+    """Why `backend`'s decode rows cannot go to their owners (None: they can). ``sparse``: the model's MLA is
+    sparse (SFA), so the backend must run a sparse owner call."""
     support = BACKENDS.get(backend)
-    if support is None:
-        return (f"attention backend {backend} is not known to run an owner call over the group's heads "
-                f"(owner rows run on {owner_capable_backends()})")
+    kind = "a sparse owner call" if sparse else "an owner call over the group's heads"
+    if support is None or support.sparse != sparse:
+        return (f"attention backend {backend} is not known to run {kind} (owner rows run on "
+                f"{owner_capable_backends(sparse)})")
     if not support.owner_capable:
         return f"attention backend {backend} builds its decode metadata or workspace for its own heads ({support.how})"
     return None

@@ -92,9 +92,10 @@ def _capture_class() -> type:
 
 
 @functools.cache
-def waiting_class(cls: type, writes: bool = False) -> type:
+def waiting_class(cls: type, writes: bool = False, indexer: bool = False) -> type:
     """`cls` whose forward waits for its layer first; with ``writes`` (an MLA attention layer), whose cache
-    write is skipped on a non-owner when every row of the step goes to the owner."""
+    write is skipped on a non-owner when every row of the step goes to the owner; with ``indexer`` (an SFA
+    layer's indexer), which that non-owner skips whole: its keys are written, and its top-k read, on the owner."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Traced by Dynamo in the compiled path, where the graph pass places the ops instead.
@@ -104,6 +105,9 @@ def waiting_class(cls: type, writes: bool = False) -> type:
                 capture.add_eager(functools.partial(await_layer, self._kvpp_engine, self._kvpp_layer))
             else:
                 await_layer(self._kvpp_engine, self._kvpp_layer)
+                if indexer and owner_rows.skips_cache_write(self):
+                    self._kvpp_engine.counters.note_skipped_cache_write()
+                    return self.topk_indices_buffer
         return cls.forward(self, *args, **kwargs)
 
     def update_kv_cache(self, kv_c_normed: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
@@ -203,7 +207,9 @@ def hook_attention(runner: Any, state: EngineState) -> int:
         if reader is None:
             raise hook_error(f"cache reader of {name!r}", "no module of the model reads this cache.")
         reader._kvpp_engine, reader._kvpp_layer = state, index
-        reader.__class__ = waiting_class(type(reader), isinstance(reader, MLAAttention))
+        is_mla = isinstance(reader, MLAAttention)
+        reader.__class__ = waiting_class(type(reader), writes=is_mla,
+                                         indexer=not is_mla and choices.owner_blocker is None)
         hooked += 1
     choices.streams_history = bool(streaming) and all(streaming)
     return hooked

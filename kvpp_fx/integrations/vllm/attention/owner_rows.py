@@ -73,15 +73,14 @@ def attention_shape(model_config: Any) -> AttentionShape:
 def why_not_owner_capable(backends: set[str], model_kind: str, pcp: int) -> str | None:
     """Why this engine's decode rows cannot go to the owner, or None when they can (`backends.owner_blocker`
     for each attention backend)."""
-    if model_kind != "mla":
-        return (f"the model is {model_kind.upper()}: its indexer reads its own cache on every rank, and only "
-                "MLA decode rows are exchanged")
+    if model_kind not in ("mla", "sfa"):
+        return f"the model is {model_kind.upper()}: only MLA decode rows are exchanged"
     if pcp != 1:
         return "prefill context parallelism splits the KVPP group beyond the heads' TP split"
     for backend in sorted(backends):
-        why = owner_blocker(backend)
+        why = owner_blocker(backend, sparse=model_kind == "sfa")
         if why is not None:
-            return why
+            return f"the model is SFA: {why}" if model_kind == "sfa" else why
     return None
 
 

@@ -50,6 +50,9 @@ def config_blocker(vllm_config: Any, streams_history: bool = True) -> str | None
     cache = getattr(vllm_config, "cache_config", None)
     parallel = getattr(vllm_config, "parallel_config", None)
     kind = model_kind_of(getattr(vllm_config, "model_config", None))
+    if kind == "sfa":
+        return ("the model is SFA: vLLM's sparse and indexer metadata hold block tables KVPP does not remap to "
+                "packed slots")
     if kind != "mla":
         return f"the model is {kind.upper()}: its decode rows do not go to the owner"
     if not streams_history:

@@ -12,7 +12,9 @@ the metadata, never from a device read:
   (`batch.active_blocks`) and of those the step fills (`batch.written_blocks`), so a packed slot gives
   each a position;
 - whole layers where the metadata cannot be remapped to packed slots: micro-batched (DBO) steps, SFA
-  models, and prefill context parallelism, whose metadata is each rank's part of the batch.
+  models, and prefill context parallelism, whose metadata is each rank's part of the batch; for an SFA
+  model whose sparse backend runs owner calls and routes every token as a decode row, with the engine's
+  mode and the step's load, so its rows may all go to the owners instead (`whole_layer_rows`).
 
 Then, in a forward that packs blocks, non-owned layers read remapped metadata (`packed_metadata`), remapped
 once per forward. The forward hands each layer's turn to the step's state as its wait opens it
@@ -27,6 +29,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from kvpp_fx.cache.cost import StepLoad
 from kvpp_fx.integrations.vllm.attention import owner_rows, packed_metadata
 from kvpp_fx.integrations.vllm.engine.batch import StepBatch, active_blocks, history_written_by_step, written_blocks
 from kvpp_fx.integrations.vllm.cache.specs import INDEXER_COMPONENT
@@ -46,7 +49,7 @@ def step_forward(state: EngineState, batch: StepBatch) -> Iterator[None]:
     state.step.begin()
     has_history, on_turn = batch.has_history, state.step.take_turn
     if not packs(state, metadata):  # whole layers: the step's metadata cannot be remapped to packed slots
-        forward = runtime.forward(has_history=has_history, on_turn=on_turn)
+        forward = runtime.forward(has_history=has_history, on_turn=on_turn, **whole_layer_rows(state, batch, rows))
     elif rows is None:  # no MLA metadata: every row reads its blocks by broadcast
         forward = runtime.forward(has_history=has_history, blocks=active_blocks(batch), written=written_blocks(batch),
                                   on_turn=on_turn)
@@ -73,6 +76,17 @@ def step_rows(state: EngineState, metadata, batch: StepBatch):
     streams = choices.streams_history and state.layout.scratch_blocks is not None
     return owner_rows.step_requests(metadata, choices.metadata_layer, batch,
                                     owner_capable=choices.owner_blocker is None, streams_history=streams)
+
+
+def whole_layer_rows(state: EngineState, batch: StepBatch, rows) -> dict:
+    """A step that sends whole layers, where every row of it may go to the owner instead (an SFA model on a
+    sparse backend that runs owner calls, whose metadata routes every token as a decode row): the engine's
+    mode and the step's load, so "owner" and "auto" can send all of its rows to the owners. Else nothing:
+    whole layers."""
+    if rows is None or state.attention.owner_blocker is not None or rows[1] != batch.num_reqs:
+        return {}
+    (group,) = rows[0]
+    return {"mode": state.attention.mode, "load": StepLoad(group.query_tokens, group.attention_pairs)}
 
 
 def history_ahead(state: EngineState, batch: StepBatch, num_decodes: int) -> bool:
