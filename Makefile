@@ -71,6 +71,7 @@ BENCHMARKS := capacity runtime_overhead step_host_cost overlap overlap_model his
 bench: $(VLLM_STAMP)
 	cd benchmarks && for b in $(BENCHMARKS); do $(abspath $(PY)) $$b.py || exit 1; done
 	cd benchmarks && $(abspath $(PY)) vllm_serving.py --model deepseek-v4
+	cd benchmarks && $(abspath $(PY)) vllm_owner_mode.py --model deepseek-v3.2 --contexts 1024,4096,8192
 	$(PY) benchmarks/report.py --write
 
 clean:

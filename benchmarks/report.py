@@ -28,7 +28,8 @@ HEADLINES = ("capacity, deepseek-v3 TP 8", "capacity, deepseek-v4-flash TP 8",
              "vLLM prefill history", "transfer hidden, through the PIECEWISE-compiled model",
              "streamed prefill history hidden",
              "bytes per decode step, owner / broadcast mode", "vLLM OpenAI server, tiny DeepSeek-V3",
-             "vLLM decode step bytes per rank", "vLLM DeepSeek-V4 decode step bytes",
+             "vLLM decode step bytes per rank", "vLLM decode step bytes per rank, tiny DeepSeek-V3.2",
+             "vLLM DeepSeek-V4 decode step bytes",
              "vLLM OpenAI server, tiny DeepSeek-V4",
              "vLLM prefill instance of a PD pair",
              "host time KVPP adds to a vLLM decode step, 256 requests x 2000")
@@ -261,8 +262,26 @@ def rows() -> list[tuple[str, str, str]]:
                 f"{step['owner']:.2f}x / {step['broadcast']:.2f}x (medians: off {off_step * 1e3:.1f} ms, owner "
                 f"{by[('owner', contexts[-1])]['decode_step_s'] * 1e3:.1f} ms, broadcast "
                 f"{by[('broadcast', contexts[-1])]['decode_step_s'] * 1e3:.1f} ms)", "same"))
+    out.append(_deepseek_v32_row(_load("vllm_owner_mode_deepseek_v32")))
     out.append(_deepseek_v4_row(_load("vllm_deepseek_v4")))
     return out
+
+
+def _deepseek_v32_row(vo: dict) -> tuple[str, str, str]:
+    contexts = vo["contexts"]
+    by = {(r["mode"], r["context"]): r for r in vo["rows"]}
+    ratio = vo[f"bytes_ratio_{contexts[-1]}_over_{contexts[0]}"]
+    step = vo[f"decode_step_over_off_at_{contexts[-1]}"]
+    labels = " / ".join(f"{c // 1024}k" for c in contexts)
+    return (f"vLLM decode step bytes per rank, tiny DeepSeek-V3.2 TP {vo['tp']} (index top-k 512; torch stand-ins "
+            f"for vLLM's sparse kernels), after {labels}-token prompts, owner / broadcast mode (whole layers)",
+            "; ".join(f"{_mib(max(by[('owner', c)]['bytes_per_rank']))} / "
+                      f"{_mib(max(by[('broadcast', c)]['bytes_per_rank']))}" for c in contexts)
+            + f" ({contexts[-1] // 1024}k / {contexts[0] // 1024}k: owner {ratio['owner']:.2f}x; owner bytes "
+            f"{'equal' if vo['owner_bytes_match_formula'] else 'DIFFER FROM'} the formula); decode step KVPP / off "
+            f"at {contexts[-1] // 1024}k: owner {step['owner']:.2f}x, broadcast {step['broadcast']:.2f}x (the "
+            "stand-in indexer dominates a step here, and owner mode runs each layer's indexer on its owner only)",
+            "`python benchmarks/vllm_owner_mode.py --model deepseek-v3.2 --contexts 1024,4096,8192`")
 
 
 def _serving_row(vs: dict, command: str) -> tuple[str, str, str]:

@@ -54,5 +54,6 @@ def test_every_doc_is_short_and_every_link_between_them_resolves():
 def test_every_result_file_is_in_the_table():
     used = {"capacity", "overlap", "overlap_model", "runtime_overhead", "decode_step", "active_blocks", "pass_time",
             "owner_mode", "vllm_serving", "vllm_owner_mode", "hybrid_steps", "pd_prefill", "step_host_cost",
-            "vllm_prefill_history", "history_overlap", "vllm_deepseek_v4", "vllm_serving_deepseek_v4"}
+            "vllm_prefill_history", "history_overlap", "vllm_deepseek_v4", "vllm_serving_deepseek_v4",
+            "vllm_owner_mode_deepseek_v32"}
     assert {p.stem for p in (ROOT / "benchmarks" / "results").glob("*.json")} == used

@@ -119,8 +119,11 @@ TINY_DEEPSEEK_V32 = {
 }
 
 
-def make_tiny_deepseek_v32_config(path: Path) -> str:
-    """A directory holding `TINY_DEEPSEEK_V32` as its config.json."""
+def make_tiny_deepseek_v32_config(path: Path, max_positions: int | None = None) -> str:
+    """A directory holding `TINY_DEEPSEEK_V32` as its config.json (`max_positions`: its context, if longer)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(TINY_DEEPSEEK_V32))
+    config = dict(TINY_DEEPSEEK_V32)
+    if max_positions is not None:
+        config["max_position_embeddings"] = max(max_positions, config["max_position_embeddings"])
+    (path / "config.json").write_text(json.dumps(config))
     return str(path)
