@@ -11,7 +11,7 @@ remapped to packed slots); the slots stay whole layers (`docs/vllm.md`, the SFA 
 import pytest
 
 from tests.integrations.vllm import deepseek_v32_on_cpu
-from tests.integrations.vllm.engine_runs import EAGER, OWNER_BYTES_PER_TOKEN, SKIPPED_GATHER, run_engines
+from tests.integrations.vllm.engine_runs import OWNER_BYTES_PER_TOKEN, SKIPPED_GATHER, run_engines
 from tests.integrations.vllm.tiny_model import TINY_DEEPSEEK_V32
 
 pytestmark = pytest.mark.vllm
@@ -22,14 +22,15 @@ FAULT = "tests.support.faults:dropped_broadcast_of_layer_1"
 @pytest.fixture(scope="module")
 def v32_runs(tiny_deepseek_v32_config):
     """The staggered workload (a 700-token prompt, longer than the index top-k, then two short prompts that join
-    while it decodes), 8 tokens each, float32, V2, eager, blocks of 16 on every host (CPU_MLA named: vLLM CPU's
-    MLA block size without AMX), 64 MiB of KV per rank. KVPP off, then the short workload on the same engine;
+    while it decodes), 8 tokens each, float32, vLLM's defaults (V2, its compile mode for this model: 0, as for
+    DeepSeek-V4; chunked prefill and prefix caching as vLLM CPU sets them for MLA), blocks of 16 on every host
+    (CPU_MLA named: vLLM CPU's MLA block size without AMX), 64 MiB of KV per rank. KVPP off, then the short workload on the same engine;
     on in "auto", then the short workload in broadcast mode, in broadcast mode with the owner of layer 1
     broadcasting zeros (a negative control), in owner mode, and in owner mode with no gather issued (the owner
     computes every rank's heads from its own queries: a negative control)."""
     env = {deepseek_v32_on_cpu.ENV: "1"}
-    args = {**EAGER, "dtype": "float32", "load_format": "dummy", "attention_backend": "CPU_MLA",
-            "max_model_len": 1024, "kv_cache_memory_bytes": 64 << 20}
+    args = {"dtype": "float32", "load_format": "dummy", "attention_backend": "CPU_MLA", "max_model_len": 1024,
+            "kv_cache_memory_bytes": 64 << 20}
     common = {"args": args, "env": env, "workload": "staggered", "sampling": {"max_tokens": 8}}
     variants = {"off": {**common, "phases": [{"name": "short"}]}, "on": {**common, "kvpp": True, "phases": [
         {"name": "broadcast", "mode": "broadcast"}, {"name": "dropped", "mode": "broadcast", "fault": FAULT},
@@ -50,6 +51,8 @@ def test_kvpp_gives_the_tokens_of_kvpp_off_with_every_row_on_its_owner(v32_runs)
     outputs, whatever their context: the same bytes per token after 700 tokens as after 90. The controls: a
     layer broadcast as zeros, and no gather in owner mode, change the tokens."""
     off, on = v32_runs["off"], v32_runs["on"]
+    assert off["config"]["mode"] == on["config"]["mode"] == 0 and on["config"]["model_runner"] == "V2"
+    assert on["config"]["block_size"] == 16
     short = off["phases"]["short"]["tokens"]
     assert len(off["tokens"]) == 3 and len(set(off["tokens"][0])) > 1, off["tokens"]
     assert on["tokens"] == off["tokens"]
