@@ -153,9 +153,12 @@ def vllm_backends(plan: KVPPPlan, available_bytes: int) -> dict[str, dict[str, A
     fp8 = any(c.dtype in ("uint8", "float8_e4m3fn") for layer in plan.spec.layers for c in layer.components)
     out = {}
     for name, support in BACKENDS.items():
+        if support.sparse:  # a plugin's sparse backend (`register_owner_backend`): not a dense MLA model's
+            continue
         if fp8 and support.fp8_cache == "none":
             out[name] = {"owner_rows": False, "slots": None, "capacity_ratio": None,
-                         "why": f"{name} has no fp8 KV cache in vLLM 0.32", "vllm_block_size": support.block_size}
+                         "why": f"{name} has no fp8 KV cache in vLLM 0.32", "vllm_block_size": support.block_size,
+                         "queries": None}
             continue
         why = owner_blocker(name)
         chosen = plan if why is None else plan.whole_layer()

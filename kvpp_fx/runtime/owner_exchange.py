@@ -4,12 +4,11 @@ Per routed op: every rank packs its head operands into one buffer (one-byte floa
 as their bytes) and one gather brings the buffers to the owner; the owner concatenates each operand along
 its head dimension in rank order (TP rank r holds heads r·H/N .. (r+1)·H/N - 1, so this is the full head
 order), runs the op once, splits the output along its head dimension and one scatter gives every rank its
-part, followed by one status value
-(non-zero: the owner failed, and the part is zeros). Both collectives run on the current stream in
-program order, on the runtime's exchange group (its own communicator, so that an exchange never queues
-behind the next layer's broadcast), and the current stream waits for each (the host too, on CPU,
-bounded by the timeout; on a device the communicator's watchdog bounds them). On a device the status
-values are read on the host later, without waiting (`PendingChecks`).
+part, followed by one status value (non-zero: the owner failed, and the part is zeros). Both collectives
+run on the current stream in program order, on the runtime's exchange group (its own communicator, so that
+an exchange never queues behind the next layer's broadcast), and the current stream waits for each (the
+host too, on CPU, bounded by the timeout; on a device the communicator's watchdog bounds them). On a device
+the status values are read on the host later, without waiting (`PendingChecks`).
 
 Invariant: before anything is issued, every head operand holds the forward's agreed query tokens on
 its token dimension (and, with an attention shape, the rank's share of the heads), and all have one

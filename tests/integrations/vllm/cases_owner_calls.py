@@ -30,6 +30,11 @@ def test_owner_rows_are_refused_where_vllm_cannot_run_them():
     assert "FLASHMLA_SPARSE is not known to run a sparse owner call" in why_not_owner_capable({"FLASHMLA_SPARSE"},
                                                                                            "sfa", 1)
     assert "the model is MHA" in why_not_owner_capable({"CPU_MLA"}, "mha", 1)
+    from kvpp_fx.integrations.vllm.attention.owner_rows import shared_topk_blocker
+
+    assert shared_topk_blocker({0, 1, 2, 3}, {0, 1, 2, 3}) is None
+    assert shared_topk_blocker({0, 1, 2, 3}, {0, 2}).startswith(
+        "the model is SFA and layers [1, 3] reuse an earlier layer's top-k")
     assert "prefill context parallelism" in why_not_owner_capable({"CPU_MLA"}, "mla", 2)
     state = EngineState(KVPPConfig(enable_kvpp=True, tp=2), None,
                         attention=AttentionChoices(owner_blocker="the model is SFA"))
@@ -145,14 +150,14 @@ def test_flashmla_owner_calls_share_one_fresh_scheduling_metadata_per_step():
 
     state = EngineState(KVPPConfig(enable_kvpp=True, tp=2), vllm_config=None)
     first = step_metadata()
-    owner = state.step.owner_metadata("FLASHMLA", first, 8)
+    owner = state.step.owner_metadata("FLASHMLA", first, 8, False)
     assert isinstance(owner.decode.scheduler_metadata, FlashMLASchedMeta)
     assert owner.decode.scheduler_metadata is not first.decode.scheduler_metadata
     assert owner.decode.block_table is first.decode.block_table and owner.num_decodes == 2
-    assert state.step.owner_metadata("FLASHMLA", first, 8) is owner  # every owner call of the step
+    assert state.step.owner_metadata("FLASHMLA", first, 8, False) is owner  # every owner call of the step
     state.step.begin()  # the next step (`step.step_forward`)
     second = step_metadata()
-    assert (state.step.owner_metadata("FLASHMLA", second, 8).decode.scheduler_metadata
+    assert (state.step.owner_metadata("FLASHMLA", second, 8, False).decode.scheduler_metadata
             is not owner.decode.scheduler_metadata)
 
 
@@ -234,7 +239,7 @@ def test_flashmla_owner_calls_pass_flashmlas_own_scheduling_and_head_count_check
         own = forward_mqa(torch.zeros(2, heads, 576, dtype=torch.bfloat16), metadata)
         for _layer in range(2):  # the owner calls of two owned layers
             out = owner_call("FLASHMLA", forward_mqa, torch.zeros(2, heads * group, 576, dtype=torch.bfloat16),
-                             state.step.owner_metadata("FLASHMLA", metadata, heads * group), heads)
+                             state.step.owner_metadata("FLASHMLA", metadata, heads * group, False), heads)
         assert own.shape == (2, heads, 512) and out.shape == (2, heads * group, 512)
     assert calls == [heads, heads * group, heads * group] * 2
     # The control: the owner call given the step's own metadata, planned for the rank's heads.

@@ -99,3 +99,16 @@ def test_the_writer_finder_finds_a_write(tmp_path):
                        "    step, y = state.step, 0\n    step.turn = None\n")
     assert part_writes(planted) == [("layout", "vplan"), ("counters", "steps"), ("comm", "runtime"),
                                     ("step", "turn")]
+
+
+def test_a_sparse_steps_load_counts_at_most_top_k_keys_per_query():
+    """The load "auto" weighs for an SFA step whose rows may all go to the owners: a query token scores at most
+    top-k keys. By hand, top-k 12: 10 computed + 3 new score 11 + 12 + 12; a fresh 5-token prompt 1 + ... + 5; one
+    decode after 1,000 tokens 12. Dense attention would score 36 + 15 + 1,001 (the control)."""
+    import numpy as np
+
+    from kvpp_fx.integrations.vllm.engine.step import sparse_pairs
+
+    batch = types.SimpleNamespace(num_computed=np.array([10, 0, 1000]), query_lens=np.array([3, 5, 1]))
+    assert sparse_pairs(batch, 12) == 35 + 15 + 12
+    assert sparse_pairs(batch, 1 << 20) == 36 + 15 + 1001

@@ -24,10 +24,10 @@ def v32_runs(tiny_deepseek_v32_config):
     """The staggered workload (a 700-token prompt, longer than the index top-k, then two short prompts that join
     while it decodes), 8 tokens each, float32, vLLM's defaults (V2, its compile mode for this model: 0, as for
     DeepSeek-V4; chunked prefill and prefix caching as vLLM CPU sets them for MLA), blocks of 16 on every host
-    (CPU_MLA named: vLLM CPU's MLA block size without AMX), 64 MiB of KV per rank. KVPP off, then the short workload on the same engine;
-    on in "auto", then the short workload in broadcast mode, in broadcast mode with the owner of layer 1
-    broadcasting zeros (a negative control), in owner mode, and in owner mode with no gather issued (the owner
-    computes every rank's heads from its own queries: a negative control)."""
+    (CPU_MLA named: vLLM CPU's MLA block size without AMX), 64 MiB of KV per rank. KVPP off, then the short
+    workload on the same engine; on in "auto", then the short workload in broadcast mode, in broadcast mode
+    with the owner of layer 1 broadcasting zeros (a negative control), in owner mode, and in owner mode with no
+    gather issued (the owner computes every rank's heads from its own queries: a negative control)."""
     env = {deepseek_v32_on_cpu.ENV: "1"}
     args = {"dtype": "float32", "load_format": "dummy", "attention_backend": "CPU_MLA", "max_model_len": 1024,
             "kv_cache_memory_bytes": 64 << 20}
@@ -70,6 +70,7 @@ def test_kvpp_gives_the_tokens_of_kvpp_off_with_every_row_on_its_owner(v32_runs)
         for stats in stats_of:
             assert stats["model_runner"] == "V2" and stats["owner_blocker"] is None, stats
             assert stats["modes"]["owner"] > 0 and stats["skipped_cache_writes"] > 0, stats
+            assert stats["skipped_indexers"] == stats["skipped_cache_writes"], stats  # one layer each, non-owner
             assert stats["last_forward"]["mode"] == "owner" and stats["last_forward"]["broadcast_bytes"] == 0
             assert stats["last_forward"]["exchange_bytes"] == tokens * OWNER_BYTES_PER_TOKEN * layers, stats
     for stats in phases["broadcast"]["stats"]:

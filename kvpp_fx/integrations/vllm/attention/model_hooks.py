@@ -95,7 +95,9 @@ def _capture_class() -> type:
 def waiting_class(cls: type, writes: bool = False, indexer: bool = False) -> type:
     """`cls` whose forward waits for its layer first; with ``writes`` (an MLA attention layer), whose cache
     write is skipped on a non-owner when every row of the step goes to the owner; with ``indexer`` (an SFA
-    layer's indexer), which that non-owner skips whole: its keys are written, and its top-k read, on the owner."""
+    layer's indexer module, vLLM's generic ``Indexer``), which that non-owner skips whole in eager forwards: its
+    keys are written, and its top-k read, on the owner. (In a compiled piece or a breakable capture the indexer
+    runs on the non-owner too, into its scratch slot; nothing reads what it computes there.)"""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Traced by Dynamo in the compiled path, where the graph pass places the ops instead.
@@ -106,7 +108,7 @@ def waiting_class(cls: type, writes: bool = False, indexer: bool = False) -> typ
             else:
                 await_layer(self._kvpp_engine, self._kvpp_layer)
                 if indexer and owner_rows.skips_cache_write(self):
-                    self._kvpp_engine.counters.note_skipped_cache_write()
+                    self._kvpp_engine.counters.note_skipped_indexer()
                     return self.topk_indices_buffer
         return cls.forward(self, *args, **kwargs)
 
@@ -182,6 +184,12 @@ def hook_attention(runner: Any, state: EngineState) -> int:
     config, choices = state.config, state.attention
     choices.owner_blocker = owner_rows.why_not_owner_capable(
         backends, model_kind_of(runner.model_config), config.pcp) if config.size > 1 else "KVPP is off"
+    if choices.owner_blocker is None:
+        layers = {index for name, index in vplan.layer_index.items() if index in targets}
+        indexed = {index for name, index in vplan.layer_index.items()
+                   if index in targets and vplan.component[name] == INDEXER_COMPONENT}
+        if indexed:
+            choices.owner_blocker = owner_rows.shared_topk_blocker(layers, indexed)
     if choices.owner_blocker is None:
         from kvpp_fx.integrations.vllm.plugin import breakable_cudagraphs
 

@@ -84,6 +84,18 @@ def why_not_owner_capable(backends: set[str], model_kind: str, pcp: int) -> str 
     return None
 
 
+def shared_topk_blocker(attention_layers: set[int], indexed_layers: set[int]) -> str | None:
+    """Why an SFA model's rows cannot go to their owners when some attention layers have no indexer of their own
+    (vLLM's IndexCache: ``index_topk_freq`` > 1 or an ``index_topk_pattern`` with "S"): such a layer reads the
+    top-k an earlier layer's indexer left in the model's one buffer, which a non-owner of that earlier layer
+    never fills. None when every layer has its indexer."""
+    shared = sorted(attention_layers - indexed_layers)
+    if not shared:
+        return None
+    return (f"the model is SFA and layers {shared} reuse an earlier layer's top-k (IndexCache: index_topk_freq or "
+            "index_topk_pattern), which a rank that does not own that earlier layer never computes")
+
+
 def step_requests(attn_metadata: Any, layer_name: str, batch: StepBatch, owner_capable: bool,
                   streams_history: bool = False) -> tuple[tuple[RequestRows, ...], int] | None:
     """The step's requests for `KVPPRuntime.forward(requests=...)`: the decode rows (the first

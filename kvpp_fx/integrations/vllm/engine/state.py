@@ -149,8 +149,9 @@ class StepState:
     """What a target-model step builds for its layers, cleared when the next step opens (`begin`)."""
 
     awaited: set[int] = field(default_factory=set)  # layers the eager hooks waited for
-    # the owner calls' metadata (`backends.owner_metadata`), by the id of vLLM's metadata object it is built from
-    owner_calls: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+    # the owner calls' metadata (`backends.owner_metadata`), by the id of vLLM's metadata object it is built from,
+    # the call's heads and whether the layer's cache is fp8
+    owner_calls: dict[tuple[int, int, bool], tuple[Any, Any]] = field(default_factory=dict)
     turn: LayerTurn | None = None  # the open layer's turn, as the step's forward handed it (`take_turn`)
 
     def begin(self) -> None:
@@ -171,13 +172,13 @@ class StepState:
         self.awaited.add(layer)
         return True
 
-    def owner_metadata(self, backend: str, metadata: Any, query_heads: int, fp8_cache: bool = False) -> Any:
-        """The metadata this step's owner calls read for vLLM's `metadata` (one per step and object: every
-        owner call of a step has the group's heads)."""
-        found = self.owner_calls.get(id(metadata))
+    def owner_metadata(self, backend: str, metadata: Any, query_heads: int, fp8_cache: bool) -> Any:
+        """The metadata this step's owner calls read for vLLM's `metadata` (one per step, object, head count and
+        cache kind: vLLM may give layers with a bf16 and an fp8 cache one metadata object)."""
+        key = (id(metadata), query_heads, fp8_cache)
+        found = self.owner_calls.get(key)
         if found is None or found[0] is not metadata:
-            found = self.owner_calls[id(metadata)] = (metadata, owner_metadata(backend, metadata, query_heads,
-                                                                               fp8_cache))
+            found = self.owner_calls[key] = (metadata, owner_metadata(backend, metadata, query_heads, fp8_cache))
         return found[1]
 
 
@@ -190,12 +191,13 @@ class Counters:
     prefill_rows_with_history: int = 0  # rows whose prefill starts after computed tokens (a later chunk
     #                                     of a chunked prefill, or a prefix-cache hit)
     skipped_cache_writes: int = 0  # layer writes a non-owner skipped (decode rows on the owner)
+    skipped_indexers: int = 0  # SFA indexers a non-owner skipped (every row on the owner)
     packed_layers: int = 0  # non-owned layer forwards that read remapped metadata over a packed slot
     compiled_graphs: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)  # (kind, layers) of each
 
     def note_new_runtime(self) -> None:
         """The counts of steps' routes restart with each runtime, as its own stats do."""
-        self.mixed_steps = self.skipped_cache_writes = self.packed_layers = 0
+        self.mixed_steps = self.skipped_cache_writes = self.skipped_indexers = self.packed_layers = 0
 
     def note_step(self, prefill_rows_with_history: int, mixed: bool) -> None:
         self.steps += 1
@@ -207,6 +209,9 @@ class Counters:
 
     def note_skipped_cache_write(self) -> None:
         self.skipped_cache_writes += 1
+
+    def note_skipped_indexer(self) -> None:
+        self.skipped_indexers += 1
 
     def note_compiled_graph(self, kind: str, layers: tuple[int, ...]) -> None:
         self.compiled_graphs.append((kind, layers))

@@ -37,6 +37,7 @@ def worker_stats(worker: Any = None) -> dict[str, Any] | None:
     stats["steps"] = counters.steps
     stats["mixed_steps"] = counters.mixed_steps
     stats["skipped_cache_writes"] = counters.skipped_cache_writes
+    stats["skipped_indexers"] = counters.skipped_indexers
     stats["packed_layers"] = counters.packed_layers
     stats["scratch_blocks"] = state.layout.scratch_blocks
     stats["slot_blocks"] = runtime.storage.slot_blocks

@@ -29,6 +29,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 from kvpp_fx.cache.cost import StepLoad
 from kvpp_fx.integrations.vllm.attention import owner_rows, packed_metadata
 from kvpp_fx.integrations.vllm.engine.batch import StepBatch, active_blocks, history_written_by_step, written_blocks
@@ -83,10 +85,20 @@ def whole_layer_rows(state: EngineState, batch: StepBatch, rows) -> dict:
     sparse backend that runs owner calls, whose metadata routes every token as a decode row): the engine's
     mode and the step's load, so "owner" and "auto" can send all of its rows to the owners. Else nothing:
     whole layers."""
-    if rows is None or state.attention.owner_blocker is not None or rows[1] != batch.num_reqs:
+    if rows is None or state.attention.owner_blocker is not None or not rows[0] or rows[1] != batch.num_reqs:
         return {}
     (group,) = rows[0]
-    return {"mode": state.attention.mode, "load": StepLoad(group.query_tokens, group.attention_pairs)}
+    topk = getattr(state.vllm_config.model_config.hf_text_config, "index_topk", None)
+    pairs = group.attention_pairs if topk is None else sparse_pairs(batch, int(topk))
+    return {"mode": state.attention.mode, "load": StepLoad(group.query_tokens, pairs)}
+
+
+def sparse_pairs(batch: StepBatch, topk: int) -> int:
+    """The (query, key) pairs a step's sparse attention scores: a request's j-th query token (of q, after h
+    computed tokens) scores min(h + j, topk) keys."""
+    history, query = batch.num_computed.astype(np.int64), batch.query_lens.astype(np.int64)
+    full = np.clip(topk - history, 0, query)  # query tokens that score their whole causal context
+    return int((full * history + full * (full + 1) // 2 + (query - full) * topk).sum())
 
 
 def history_ahead(state: EngineState, batch: StepBatch, num_decodes: int) -> bool:
