@@ -196,7 +196,9 @@ def fp8_query_ranks(rank: int, world: int):
         parts[layer] = rt.open_turn.owner_compute(rule, [query], lambda full: kernel(full[0]), output_like=like)
 
     owner_forward(rt, attend=attend)
-    return {"parts": parts, "own": own, "last": rt.last_forward()}
+    # plain values: a tensor would travel to the test as a file descriptor this process no longer serves
+    return {"parts": {layer: (str(t.dtype), t.tolist()) for layer, t in parts.items()},
+            "own": {layer: (str(t.dtype), t.tolist()) for layer, t in own.items()}, "last": rt.last_forward()}
 
 
 FP8_SCALE = 0.05
@@ -215,11 +217,11 @@ def test_fp8_queries_reach_the_owner_as_they_were_quantized(world):
         assert res["last"]["exchanges"] == layers and res["last"]["mode"] == "owner", res["last"]
         assert res["last"]["bytes"] == owned * (world - 1) * part + (layers - owned) * part, res["last"]
         for layer in range(layers):
-            assert res["parts"][layer].dtype == torch.float32
-            assert torch.equal(res["parts"][layer], res["own"][layer]), (rank, layer)
+            assert res["parts"][layer][0] == "torch.float32"
+            assert res["parts"][layer] == res["own"][layer], (rank, layer)
             for other in range(world):
                 if other != rank:
-                    assert not torch.equal(res["parts"][layer], results[other]["own"][layer]), (rank, other, layer)
+                    assert res["parts"][layer] != results[other]["own"][layer], (rank, other, layer)
 
 
 # --- failures ---------------------------------------------------------------------------------------------
