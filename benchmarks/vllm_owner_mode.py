@@ -21,10 +21,11 @@ Reported per mode and context:
 
 ``--model deepseek-v3.2``: the tests' tiny DeepSeek-V3.2 (2 layers, 4 heads, index top-k 512, float32, vLLM's
 dummy weights widened) through vLLM's own V3.2 classes with the tests' torch stand-ins for the sparse kernels
-vLLM CPU lacks (`tests/integrations/vllm/deepseek_v32_on_cpu.py`, in every engine process). Its steps send every
-row to the owners (owner mode) or whole layers (broadcast mode: its slots are whole layers), so the broadcast
-side is the whole layer of each non-owned layer, latent rows and indexer keys; result
-``vllm_owner_mode_deepseek_v32``.
+vLLM CPU lacks (`tests/integrations/vllm/deepseek_v32_on_cpu.py`, in every engine process). The KVPP engine
+starts in broadcast mode, so its slots are whole layers and both modes run on it (one that starts in "auto" takes
+owner-only slots, on which every mode sends rows to the owners). Its steps send every row to the owners (owner
+mode) or whole layers (broadcast mode), so the broadcast side is the whole layer of each non-owned layer, latent
+rows and indexer keys; result ``vllm_owner_mode_deepseek_v32``.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def engine_main(model: str, kvpp: bool, contexts: list[int], decode_steps: int, 
     llm = LLM(model=model, skip_tokenizer_init=True, tensor_parallel_size=2, dtype="float32",
               attention_backend="CPU_MLA", enforce_eager=True, max_model_len=max(contexts) + decode_steps + 16,
               kv_cache_memory_bytes=512 << 20, compilation_config={"custom_ops": ["-rotary_embedding"]},
-              additional_config={"enable_kvpp": kvpp}, **({"load_format": "dummy"} if sparse else {}))
+              additional_config={"enable_kvpp": kvpp, **({"kvpp_mode": "broadcast"} if kvpp and sparse else {})},
+              **({"load_format": "dummy"} if sparse else {}))
     params = SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True)
     engine = llm.llm_engine
     runs = []

@@ -112,3 +112,34 @@ def test_a_sparse_steps_load_counts_at_most_top_k_keys_per_query():
     batch = types.SimpleNamespace(num_computed=np.array([10, 0, 1000]), query_lens=np.array([3, 5, 1]))
     assert sparse_pairs(batch, 12) == 35 + 15 + 12
     assert sparse_pairs(batch, 1 << 20) == 36 + 15 + 1001
+
+
+def test_owner_only_slots_send_every_step_to_the_owners_or_refuse_it():
+    """With owner-only slots (an SFA model's, which hold no layer), every step's rows go to the owners whatever the
+    engine's mode, broadcast included, with the step's sparse load; a step whose metadata leaves a row out of the
+    decode rows is refused by name before anything moves. The control: on whole-layer slots the same steps take
+    the engine's mode, and the partial one broadcasts whole layers (no arguments)."""
+    import numpy as np
+
+    from kvpp_fx.cache.cost import Mode, RequestRows, StepLoad
+    from kvpp_fx.integrations.vllm.attention.owner_rows import OwnerRowsUnsupportedError
+    from kvpp_fx.integrations.vllm.engine.state import AttentionChoices, Layout
+    from kvpp_fx.integrations.vllm.engine.step import whole_layer_rows
+
+    model_config = types.SimpleNamespace(hf_text_config=types.SimpleNamespace(index_topk=12))
+    batch = types.SimpleNamespace(num_computed=np.array([10, 0]), query_lens=np.array([1, 5]), num_reqs=2)
+    group = RequestRows(6, 0)
+    load = StepLoad(6, 11 + 15)
+
+    def state(owner_only: bool, mode: Mode) -> EngineState:
+        return EngineState(config=types.SimpleNamespace(pcp=1), vllm_config=types.SimpleNamespace(
+            model_config=model_config), layout=Layout(scratch_blocks=1 if owner_only else None, owner_only=owner_only),
+            attention=AttentionChoices(mode=mode))
+
+    for mode in (Mode.AUTO, Mode.OWNER, Mode.BROADCAST):
+        assert whole_layer_rows(state(True, mode), batch, ((group,), 2)) == {"mode": Mode.OWNER, "load": load}
+        assert whole_layer_rows(state(False, mode), batch, ((group,), 2)) == {"mode": mode, "load": load}
+        for rows in (((group,), 1), None):
+            with pytest.raises(OwnerRowsUnsupportedError, match="owner-only slots hold no layer.*'broadcast' from"):
+                whole_layer_rows(state(True, mode), batch, rows)
+            assert whole_layer_rows(state(False, mode), batch, rows) == {}

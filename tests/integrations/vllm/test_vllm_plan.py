@@ -169,9 +169,51 @@ def test_compact_slots_need_every_history_row_to_be_sheddable_or_streamed():
         assert compact_blocker(vllm_config, None, streams_history=True) is None, reason
     always = {
         "decode rows cannot go to their owners (backend X)": (config(), "backend X"),
-        "the model is SFA": (config(model_config=NS(use_mla=True, is_hybrid=False, hf_config=NS(index_topk=8))), None),
         "a KV connector is set": (config(kv_transfer_config=NS(kv_connector="MooncakeConnectorV2")), None),
         "micro-batching (DBO) is on": (config(parallel_config=NS(use_ubatching=True)), None),
     }
     for reason, (vllm_config, owner_blocker) in always.items():
         assert reason in compact_blocker(vllm_config, owner_blocker, streams_history=True), reason
+
+
+def test_an_sfa_model_takes_owner_only_slots_unless_it_starts_broadcasting():
+    """An SFA model on a backend that runs sparse owner calls takes owner-only slots of one block, whatever its
+    prefill features (no step reads a slot); broadcast mode at start, a KV connector, micro-batching, a backend
+    without owner calls, compiled pieces and an attention that writes its cache in its own forward keep whole-layer
+    slots, each named; an explicit kvpp_scratch_blocks is refused."""
+    from types import SimpleNamespace as NS
+
+    from kvpp_fx.integrations.vllm.cache.scratch import (OWNER_ONLY_SLOT_BLOCKS, compact_blocker, config_blocker,
+                                                         owner_only, slot_blocks)
+    from kvpp_fx.integrations.vllm.setup.config import KVPPConfig
+
+    def config(index_topk=8, **changes):
+        base = dict(model_config=NS(use_mla=True, is_hybrid=False, hf_config=NS(index_topk=index_topk),
+                                    max_model_len=4096),
+                    speculative_config=NS(method="mtp"), cache_config=NS(enable_prefix_caching=True),
+                    scheduler_config=NS(enable_chunked_prefill=True, max_num_batched_tokens=2048),
+                    parallel_config=NS(use_ubatching=False), compilation_config=NS(mode=0))
+        return NS(**{**base, **changes})
+
+    sfa, dense = config(), config(index_topk=None)
+    assert owner_only(sfa) and not owner_only(dense)
+    for mode in ("auto", "owner"):
+        assert compact_blocker(sfa, None, streams_history=False, mode=mode) is None, mode
+    assert slot_blocks(sfa, KVPPConfig(enable_kvpp=True, tp=2), 64) == OWNER_ONLY_SLOT_BLOCKS == 1
+    assert slot_blocks(dense, KVPPConfig(enable_kvpp=True, tp=2), 64) == 4096 // 64 + 2048 // 64
+    assert "reads prefill history only from its cache" in compact_blocker(dense, None, streams_history=False)
+    whole = {
+        "kvpp_mode is 'broadcast' at start": (sfa, None, "broadcast"),
+        "a KV connector is set": (config(kv_transfer_config=NS(kv_connector="NixlConnector")), None, "auto"),
+        "micro-batching (DBO) is on": (config(parallel_config=NS(use_ubatching=True)), None, "auto"),
+        "compile mode 3: the indexer runs inside compiled pieces": (config(compilation_config=NS(mode=3)), None,
+                                                                    "owner"),
+        "decode rows cannot go to their owners (the model is SFA: X)": (sfa, "the model is SFA: X", "owner"),
+    }
+    for reason, (vllm_config, owner_blocker, mode) in whole.items():
+        assert reason in compact_blocker(vllm_config, owner_blocker, streams_history=True, mode=mode), reason
+    # vLLM's CUDA DeepSeek-V3.2 attention writes its caches inside its fused norm-rope kernel
+    why = compact_blocker(sfa, None, streams_history=True, own_cache_writers=("DeepseekV32Attention",))
+    assert "['DeepseekV32Attention'] write their MLA cache in their own forward" in why
+    assert compact_blocker(dense, None, streams_history=True, own_cache_writers=("DeepseekV32Attention",)) is None
+    assert "the model is SFA" in config_blocker(sfa)  # what an explicit kvpp_scratch_blocks is refused with

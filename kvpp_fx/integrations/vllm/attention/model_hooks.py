@@ -45,7 +45,8 @@ def prepare_model(runner: Any, state: EngineState) -> None:
     hooked = hook_attention(runner, state)
     choices = state.attention
     choices.compact_blocker = (scratch.compact_blocker(state.vllm_config, choices.owner_blocker,
-                                                       choices.streams_history)
+                                                       choices.streams_history, choices.mode,
+                                                       choices.own_cache_writers)
                                if state.config.size > 1 else "KVPP is off")
     if state.config.scratch_blocks is not None and choices.compact_blocker is not None:
         raise scratch.ScratchLayoutError(scratch.refusal(choices.compact_blocker))
@@ -152,6 +153,15 @@ def replay_ref(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def own_cache_writers(classes: set[type]) -> tuple[str, ...]:
+    """The MLA layer classes with a forward of their own, which may write their cache inside a fused kernel
+    with vLLM's slot mapping (vLLM's DeepSeek-V3.2 and GLM-5 attention on CUDA does, in ``fused_norm_rope``),
+    where KVPP can neither remap nor skip the write."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    return tuple(sorted(cls.__qualname__ for cls in classes if cls.forward is not MLAAttention.forward))
+
+
 def own_cache_writes_under_capture(classes: set[type], breakable: bool) -> str | None:
     """Why decode rows cannot go to their owners (and so slots stay whole layers) under breakable CUDA
     graphs, or None. KVPP's eager cache write (`replayed_cache_write`) serves vLLM's ``MLAAttention.forward``,
@@ -159,12 +169,8 @@ def own_cache_writes_under_capture(classes: set[type], breakable: bool) -> str |
     cache inside a fused kernel of a captured segment (vLLM's DeepSeek-V3.2 and GLM-5 attention does, in
     ``fused_norm_rope``), which replays the capture's slot mapping: right for whole-layer slots, which hold
     every block at its pool id, wrong for a remapped mapping or an owner-mode write skip."""
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
-    if not breakable:
-        return None
-    own = sorted(cls.__qualname__ for cls in classes if cls.forward is not MLAAttention.forward)
-    if not own:
+    own = own_cache_writers(classes)
+    if not breakable or not own:
         return None
     return (f"under breakable CUDA graphs, {own} write their MLA cache in their own forward, which a captured "
             "segment replays with vLLM's slot mapping")
@@ -190,6 +196,7 @@ def hook_attention(runner: Any, state: EngineState) -> int:
                    if index in targets and vplan.component[name] == INDEXER_COMPONENT}
         if indexed:
             choices.owner_blocker = owner_rows.shared_topk_blocker(layers, indexed)
+    choices.own_cache_writers = own_cache_writers({type(layer) for layer in mla})
     if choices.owner_blocker is None:
         from kvpp_fx.integrations.vllm.plugin import breakable_cudagraphs
 

@@ -122,6 +122,9 @@ def choose_layout(runner: Any, state: EngineState, available: int) -> VllmPlan:
                                                         group_minimum(available),
                                                         explicit=state.config.scratch_blocks is not None)
     layout.vplan, layout.scratch_blocks = chosen, chosen.plan.scratch_blocks
+    layout.owner_only = chosen.plan.compact and scratch.owner_only(runner.vllm_config)
+    if layout.owner_only:
+        layout.scratch_choice = f"owner-only slots, every row of a step on its layer's owner ({layout.scratch_choice})"
     return chosen
 
 

@@ -20,6 +20,13 @@ streaming-input session. So a compact slot holds every step where:
 Prefill rows take no slot positions (`owner_rows.step_requests`): a budget of prompts packs nothing,
 however many requests share it, and a step's packed list is its broadcast decode rows' alone.
 
+An SFA model's compact slots are owner-only (`owner_only`): its sparse and indexer metadata are not
+remapped to packed slots, so no step reads a slot, and every row of every step, first prefills included,
+goes to its layer's owner (`step.whole_layer_rows`; the sparse backend routes every token as a decode row).
+A slot of `OWNER_ONLY_SLOT_BLOCKS` then stands in for the layers a rank does not hold. It keeps whole-layer
+slots where the engine starts in broadcast mode, where a non-owner would write a cache that KVPP cannot skip
+(compiled pieces, an attention with a forward of its own), and with a KV connector or micro-batching.
+
 Elsewhere vLLM keeps whole-layer slots, and an explicit ``kvpp_scratch_blocks`` is refused naming
 the reason. Where compact slots can run, the worker takes whichever layout holds more blocks in its
 budget (`choose_plan`): S includes the token budget, so on a small pool whole-layer slots can win.
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvpp_fx.cache.cost import AUTO, BROADCAST
 from kvpp_fx.cache.placement import PoolTooSmallError, scratch_blocks_for
 from kvpp_fx.integrations.vllm.setup.config import KVPPConfig, model_kind_of
 
@@ -48,7 +56,6 @@ def config_blocker(vllm_config: Any, streams_history: bool = True) -> str | None
     (`streams_history`: whether prefill history streams from the owners instead of a slot)."""
     scheduler = getattr(vllm_config, "scheduler_config", None)
     cache = getattr(vllm_config, "cache_config", None)
-    parallel = getattr(vllm_config, "parallel_config", None)
     kind = model_kind_of(getattr(vllm_config, "model_config", None))
     if kind == "sfa":
         return ("the model is SFA: vLLM's sparse and indexer metadata hold block tables KVPP does not remap to "
@@ -60,9 +67,14 @@ def config_blocker(vllm_config: Any, streams_history: bool = True) -> str | None
         if why is not None:
             return (f"{why}, and this attention backend reads prefill history only from its cache (not through "
                     "vLLM's chunked context, which KVPP streams from the owners)")
+    return _engine_blocker(vllm_config)
+
+
+def _engine_blocker(vllm_config: Any) -> str | None:
+    """A setting under which a step reads pools or metadata that no slot layout serves, or None."""
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         return "a KV connector is set: its external tokens are a prefill row's history, and it reads whole pools"
-    if getattr(parallel, "use_ubatching", False):
+    if getattr(getattr(vllm_config, "parallel_config", None), "use_ubatching", False):
         return "micro-batching (DBO) is on: its per-micro-batch metadata is not remapped to packed slots"
     return None
 
@@ -80,17 +92,48 @@ def _prefill_history(vllm_config: Any, scheduler: Any, cache: Any) -> str | None
     return None
 
 
-def compact_blocker(vllm_config: Any, owner_blocker: str | None, streams_history: bool) -> str | None:
+def compact_blocker(vllm_config: Any, owner_blocker: str | None, streams_history: bool,
+                    mode: str = AUTO, own_cache_writers: tuple[str, ...] = ()) -> str | None:
     """Why compact slots cannot run on this engine (`owner_blocker`: why its decode rows cannot go to
-    the owner; `streams_history`: whether its prefill history streams from the owners), or None."""
+    the owner; `streams_history`: whether its prefill history streams from the owners; `mode`: the engine's
+    mode at start; `own_cache_writers`: MLA classes that write their cache in a forward of their own), or
+    None. An SFA model's slots are owner-only (`owner_only`) where they are compact."""
     if owner_blocker is not None:
         return f"decode rows cannot go to their owners ({owner_blocker})"
+    if owner_only(vllm_config):
+        return owner_only_blocker(vllm_config, mode, own_cache_writers)
     return config_blocker(vllm_config, streams_history)
+
+
+def owner_only(vllm_config: Any) -> bool:
+    """Whether compact slots here are owner-only: an SFA model, whose sparse and indexer metadata KVPP does
+    not remap, so no step reads a slot; every row of every step goes to its layer's owner instead."""
+    return model_kind_of(getattr(vllm_config, "model_config", None)) == "sfa"
+
+
+def owner_only_blocker(vllm_config: Any, mode: str, own_cache_writers: tuple[str, ...] = ()) -> str | None:
+    """Why an SFA model keeps whole-layer slots: broadcast mode asked at start, a cache write KVPP cannot skip
+    on a non-owner (an attention's own forward, an indexer inside a compiled piece), whose bytes would land in a
+    slot that holds no layer, or a setting under which a step's rows cannot all go to the owners."""
+    if mode == BROADCAST:
+        return ("kvpp_mode is 'broadcast' at start: an SFA model's steps then broadcast whole layers (its sparse "
+                "and indexer metadata are not remapped to packed slots)")
+    if own_cache_writers:
+        return (f"{list(own_cache_writers)} write their MLA cache in their own forward with vLLM's slot mapping, "
+                "which KVPP cannot skip on a rank that does not hold the layer")
+    compile_mode = int(getattr(getattr(vllm_config, "compilation_config", None), "mode", 0) or 0)
+    if compile_mode != 0:
+        return (f"compile mode {compile_mode}: the indexer runs inside compiled pieces on every rank, and its key "
+                "write, which KVPP skips only in eager forwards, would land in a slot that holds no layer")
+    return _engine_blocker(vllm_config)
 
 
 def refusal(why: str) -> str:
     return (f"additional_config.kvpp_scratch_blocks cannot run here: {why}, so a step could read more blocks "
             "than a compact slot holds. Remove kvpp_scratch_blocks (KVPP then keeps whole-layer slots).")
+
+
+OWNER_ONLY_SLOT_BLOCKS = 1  # the smallest slot a plan has: an owner-only slot is never read
 
 
 def request_blocks(vllm_config: Any, block_size: int) -> int:
@@ -99,10 +142,12 @@ def request_blocks(vllm_config: Any, block_size: int) -> int:
 
 
 def slot_blocks(vllm_config: Any, config: KVPPConfig, block_size: int) -> int:
-    """S: the explicit ``kvpp_scratch_blocks``, else the blocks of a max-length request plus those of a
-    full token budget."""
+    """S: the explicit ``kvpp_scratch_blocks``, else `OWNER_ONLY_SLOT_BLOCKS` for owner-only slots, else the
+    blocks of a max-length request plus those of a full token budget."""
     if config.scratch_blocks is not None:
         return config.scratch_blocks
+    if owner_only(vllm_config):
+        return OWNER_ONLY_SLOT_BLOCKS
     return scratch_blocks_for(int(vllm_config.model_config.max_model_len),
                               int(vllm_config.scheduler_config.max_num_batched_tokens), block_size)
 

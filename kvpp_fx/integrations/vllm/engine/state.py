@@ -117,6 +117,7 @@ class Layout:
     budget_blocks: int | None = None  # what determine_available_memory promised vLLM's planner
     scratch_blocks: int | None = None  # S of the compact slots this worker plans, None: whole-layer slots
     scratch_choice: str = ""  # why this layout (`scratch.choose_plan`)
+    owner_only: bool = False  # compact slots that no step reads: every row goes to its owner (`scratch.owner_only`)
 
 
 @dataclass
@@ -128,6 +129,7 @@ class AttentionChoices:
     owner_blocker: str | None = None  # why decode rows cannot go to the owner here, or None
     compact_blocker: str | None = None  # why scratch slots here must hold whole layers, or None
     streams_history: bool = False  # every target MLA impl streams its prefill context from the owner
+    own_cache_writers: tuple[str, ...] = ()  # target MLA classes writing their cache in a forward of their own
     metadata_layer: str | None = None  # a target MLA layer whose metadata names the step's decode rows
 
 

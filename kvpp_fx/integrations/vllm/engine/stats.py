@@ -41,6 +41,7 @@ def worker_stats(worker: Any = None) -> dict[str, Any] | None:
     stats["packed_layers"] = counters.packed_layers
     stats["scratch_blocks"] = state.layout.scratch_blocks
     stats["slot_blocks"] = runtime.storage.slot_blocks
+    stats["owner_only"] = state.layout.owner_only
     stats["compact_blocker"] = state.attention.compact_blocker
     stats["streams_history"] = state.attention.streams_history
     stats["kvpp_mode"] = state.attention.mode

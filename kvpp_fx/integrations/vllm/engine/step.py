@@ -14,7 +14,8 @@ the metadata, never from a device read:
 - whole layers where the metadata cannot be remapped to packed slots: micro-batched (DBO) steps, SFA
   models, and prefill context parallelism, whose metadata is each rank's part of the batch; for an SFA
   model whose sparse backend runs owner calls and routes every token as a decode row, with the engine's
-  mode and the step's load, so its rows may all go to the owners instead (`whole_layer_rows`).
+  mode and the step's load, so its rows may all go to the owners instead, and always do with owner-only
+  slots (`whole_layer_rows`).
 
 Then, in a forward that packs blocks, non-owned layers read remapped metadata (`packed_metadata`), remapped
 once per forward. The forward hands each layer's turn to the step's state as its wait opens it
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpp_fx.cache.cost import StepLoad
+from kvpp_fx.cache.cost import OWNER, StepLoad
 from kvpp_fx.integrations.vllm.attention import owner_rows, packed_metadata
 from kvpp_fx.integrations.vllm.engine.batch import StepBatch, active_blocks, history_written_by_step, written_blocks
 from kvpp_fx.integrations.vllm.cache.specs import INDEXER_COMPONENT
@@ -84,13 +85,21 @@ def whole_layer_rows(state: EngineState, batch: StepBatch, rows) -> dict:
     """A step that sends whole layers, where every row of it may go to the owner instead (an SFA model on a
     sparse backend that runs owner calls, whose metadata routes every token as a decode row): the engine's
     mode and the step's load, so "owner" and "auto" can send all of its rows to the owners. Else nothing:
-    whole layers."""
+    whole layers. With owner-only slots (`scratch.owner_only`), which hold no layer, every step's rows go to
+    the owners whatever the mode, and a step whose rows cannot is refused before anything moves."""
+    owner_only = state.layout.owner_only
     if rows is None or state.attention.owner_blocker is not None or not rows[0] or rows[1] != batch.num_reqs:
+        if owner_only:
+            decode = "no MLA metadata" if rows is None else f"{rows[1]} of them decode rows in its metadata"
+            raise owner_rows.OwnerRowsUnsupportedError(
+                f"a step of {batch.num_reqs} requests ({decode}) cannot send every row to the layers' owners, and "
+                "this engine's owner-only slots hold no layer to broadcast into: run this backend with "
+                "kvpp_mode='broadcast' from the start (whole-layer slots).")
         return {}
     (group,) = rows[0]
     topk = getattr(state.vllm_config.model_config.hf_text_config, "index_topk", None)
     pairs = group.attention_pairs if topk is None else sparse_pairs(batch, int(topk))
-    return {"mode": state.attention.mode, "load": StepLoad(group.query_tokens, pairs)}
+    return {"mode": OWNER if owner_only else state.attention.mode, "load": StepLoad(group.query_tokens, pairs)}
 
 
 def sparse_pairs(batch: StepBatch, topk: int) -> int:
