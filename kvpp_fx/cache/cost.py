@@ -59,6 +59,14 @@ def max_decode_rows(max_num_seqs: int, speculative_tokens: int, token_budget: in
     return min(max_num_seqs * (1 + speculative_tokens), token_budget)
 
 
+def scored_pairs(query_tokens: int, history: int, topk: int | None = None) -> int:
+    """The (query, key) pairs a request's attention scores in a step: its j-th query token (j = 1..query_tokens,
+    after `history` computed tokens) scores every earlier token and itself, ``history + j``, or at most `topk`
+    of them under sparse attention."""
+    full = query_tokens if topk is None else max(0, min(query_tokens, topk - history))
+    return full * history + full * (full + 1) // 2 + (query_tokens - full) * (topk or 0)
+
+
 @dataclass(frozen=True)
 class AttentionShape:
     """What owner mode ships per query token and head, for every target layer.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvpp_fx.cache.cost import OWNER, AttentionShape, LinkModel, StepLoad, choose_mode
+from kvpp_fx.cache.cost import OWNER, AttentionShape, LinkModel, StepLoad, choose_mode, scored_pairs
 from kvpp_fx.cache.placement import KVPPPlan
 
 
@@ -67,14 +67,8 @@ def step_load(context_tokens: int, batch_tokens: int, requests: int, sparse_topk
     groups = [(both, q_base + 1, c_base + 1),
               (q_extra - both, q_base + 1, c_base), (c_extra - both, q_base, c_base + 1),
               (requests - max(q_extra, c_extra), q_base, c_base)]
-    pairs = sum(count * _request_pairs(q, c, sparse_topk) for count, q, c in groups)
+    pairs = sum(count * scored_pairs(q, c, sparse_topk) for count, q, c in groups)
     return StepLoad(query_tokens=batch_tokens, attention_pairs=pairs)
-
-
-def _request_pairs(query_tokens: int, history: int, topk: int | None) -> int:
-    """sum over j = 1..query_tokens of min(history + j, topk)."""
-    full = query_tokens if topk is None else max(0, min(query_tokens, topk - history))
-    return full * history + full * (full + 1) // 2 + (query_tokens - full) * (topk or 0)
 
 
 def owner_cost(plan: KVPPPlan, transfer: dict[str, Any], shape: AttentionShape, link: LinkModel, *,

@@ -9,7 +9,7 @@ Pure functions of the scheduled chunks: a request's blocks with history are the 
 
 from __future__ import annotations
 
-from kvpp_fx.cache.cost import RequestRows, StepLoad
+from kvpp_fx.cache.cost import RequestRows, StepLoad, scored_pairs
 from kvpp_fx.reference.scheduling import ScheduledChunk
 
 
@@ -21,11 +21,9 @@ def blocks_filled(item: ScheduledChunk, block_size: int) -> list[int]:
     return item.request.blocks[-(-item.start // block_size): -(-(item.start + item.count) // block_size)]
 
 
-def scored_pairs(item: ScheduledChunk, index_topk: int | None) -> int:
-    """The (query, context token) pairs the chunk's attention scores: every earlier token, or at most
-    ``index_topk`` of them under sparse attention."""
-    return sum(min(position + 1, index_topk) if index_topk is not None else position + 1
-               for position in range(item.start, item.start + item.count))
+def chunk_pairs(item: ScheduledChunk, index_topk: int | None) -> int:
+    """The (query, context token) pairs the chunk's attention scores (`cost.scored_pairs`)."""
+    return scored_pairs(item.count, item.start, index_topk)
 
 
 def active_blocks(batch: list[ScheduledChunk], block_size: int) -> list[int]:
@@ -44,12 +42,12 @@ def written_blocks(batch: list[ScheduledChunk], block_size: int) -> list[int]:
 
 def step_load(batch: list[ScheduledChunk], index_topk: int | None) -> StepLoad:
     """The step's query tokens and the (query, context token) pairs its attention scores."""
-    return StepLoad(sum(item.count for item in batch), sum(scored_pairs(item, index_topk) for item in batch))
+    return StepLoad(sum(item.count for item in batch), sum(chunk_pairs(item, index_topk) for item in batch))
 
 
 def request_rows(batch: list[ScheduledChunk], block_size: int, index_topk: int | None) -> tuple[RequestRows, ...]:
     """Each scheduled request's rows, the blocks with history it reads and the blocks it fills, in
     batch order (the order of the rows of the step's block table): the runtime gives each its path."""
-    return tuple(RequestRows(item.count, scored_pairs(item, index_topk), tuple(blocks_with_history(item, block_size)),
+    return tuple(RequestRows(item.count, chunk_pairs(item, index_topk), tuple(blocks_with_history(item, block_size)),
                              written=tuple(blocks_filled(item, block_size)))
                  for item in batch)

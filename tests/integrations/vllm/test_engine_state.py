@@ -109,9 +109,16 @@ def test_a_sparse_steps_load_counts_at_most_top_k_keys_per_query():
 
     from kvpp_fx.integrations.vllm.engine.step import sparse_pairs
 
+    from kvpp_fx.cache.cost import scored_pairs
+
     batch = types.SimpleNamespace(num_computed=np.array([10, 0, 1000]), query_lens=np.array([3, 5, 1]))
     assert sparse_pairs(batch, 12) == 35 + 15 + 12
     assert sparse_pairs(batch, 1 << 20) == 36 + 15 + 1001
+    # the scalar form the planner and the reference engine count with, request by request
+    for topk in (1, 4, 12, 1 << 20):
+        assert sparse_pairs(batch, topk) == sum(scored_pairs(int(q), int(h), topk) for q, h in (
+            zip(batch.query_lens, batch.num_computed))), topk
+    assert [scored_pairs(3, 10), scored_pairs(5, 0), scored_pairs(1, 1000)] == [36, 15, 1001]
 
 
 def test_owner_only_slots_send_every_step_to_the_owners_or_refuse_it():

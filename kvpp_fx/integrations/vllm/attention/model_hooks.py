@@ -180,6 +180,7 @@ def hook_attention(runner: Any, state: EngineState) -> int:
     """Make the modules that read a target layer's cache wait for it: the MLA attention layer and,
     for SFA, the indexer that owns ``<...>.indexer.k_cache`` (it runs first)."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
     context = runner.compilation_config.static_forward_context
     modules = dict(runner.get_model().named_modules())
     vplan, targets = state.vplan, set(state.plan.target_layers)

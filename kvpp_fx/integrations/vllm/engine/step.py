@@ -103,8 +103,8 @@ def whole_layer_rows(state: EngineState, batch: StepBatch, rows) -> dict:
 
 
 def sparse_pairs(batch: StepBatch, topk: int) -> int:
-    """The (query, key) pairs a step's sparse attention scores: a request's j-th query token (of q, after h
-    computed tokens) scores min(h + j, topk) keys."""
+    """The (query, key) pairs a step's sparse attention scores: `cost.scored_pairs` of every request, over the
+    batch's arrays at once (host work per step stays a few array operations however many requests it has)."""
     history, query = batch.num_computed.astype(np.int64), batch.query_lens.astype(np.int64)
     full = np.clip(topk - history, 0, query)  # query tokens that score their whole causal context
     return int((full * history + full * (full + 1) // 2 + (query - full) * topk).sum())
