@@ -115,7 +115,8 @@ def _cmd_plan_single_cache(args: argparse.Namespace) -> int:
     report = plan_report(plan, available, max_model_len=args.max_model_len, token_budget=token_budget)
     _, config = load_hf_config(args.model)
     whole = vllm_whole_layer_steps(plan, available, sparse=bool(config.get("index_topk")),
-                                   pcp=args.pcp, link_gb_per_s=args.link_gbps)
+                                   pcp=args.pcp, link_gb_per_s=args.link_gbps,
+                                   owner_shape=_owner_shape(config, plan.group_size))
     if whole is not None:
         report["vllm_whole_layer_steps"] = whole
         # the per-backend rows describe dense MLA decode rows on their owners, which this engine has not

@@ -171,12 +171,15 @@ def vllm_backends(plan: KVPPPlan, available_bytes: int) -> dict[str, dict[str, A
 
 
 def vllm_whole_layer_steps(plan: KVPPPlan, available_bytes: int, *, sparse: bool, pcp: int,
-                           link_gb_per_s: float) -> dict[str, Any] | None:
+                           link_gb_per_s: float, owner_shape: AttentionShape | None = None) -> dict[str, Any] | None:
     """Where kvpp-fx's vLLM integration broadcasts whole layers on every step, decode steps included: SFA
     models (vLLM's sparse and indexer metadata hold block ids KVPP does not remap) and prefill context
     parallelism (each rank's metadata holds only its part of the batch). Decode rows cannot go to their owners
     there, so vLLM's slots are whole layers whatever ``plan`` chose: the blocks, capacity and bytes are the
-    whole-layer plan's. None elsewhere."""
+    whole-layer plan's. None elsewhere.
+
+    For an SFA model without PCP, also what owner-only slots give on a sparse backend that runs owner calls
+    (`vllm_owner_only`, given the model's ``owner_shape``)."""
     reasons = []
     if sparse:
         reasons.append("SFA: vLLM's sparse and indexer metadata are not remapped to packed slots, and vLLM's sparse "
@@ -188,9 +191,27 @@ def vllm_whole_layer_steps(plan: KVPPPlan, available_bytes: int, *, sparse: bool
     whole = plan.whole_layer()
     blocks = whole.num_blocks(available_bytes)
     per_step = whole.broadcast_bytes_per_forward(blocks)
-    return {"reasons": reasons, "slots": "whole-layer", "engine_blocks": blocks,
-            "capacity_ratio": whole.capacity_ratio(available_bytes), "bytes_per_step": per_step,
-            "link_gb_per_s": link_gb_per_s, "seconds_per_step": per_step / (link_gb_per_s * 1e9)}
+    out = {"reasons": reasons, "slots": "whole-layer", "engine_blocks": blocks,
+           "capacity_ratio": whole.capacity_ratio(available_bytes), "bytes_per_step": per_step,
+           "link_gb_per_s": link_gb_per_s, "seconds_per_step": per_step / (link_gb_per_s * 1e9)}
+    if sparse and pcp == 1 and owner_shape is not None:
+        out["owner_only"] = vllm_owner_only(plan, available_bytes, owner_shape)
+    return out
+
+
+def vllm_owner_only(plan: KVPPPlan, available_bytes: int, shape: AttentionShape) -> dict[str, Any]:
+    """An SFA model's owner-only slots in vLLM (`integrations/vllm/cache/scratch.py`), where its sparse backend
+    runs owner calls: each rank holds its own layers beside a slot of one block, and every row goes to its
+    layers' owners, so a decode step moves its tokens' queries and outputs, whatever their context: per layer
+    and decode token, what the owner's link carries (`AttentionShape.owner_bytes_per_layer`)."""
+    from kvpp_fx.integrations.vllm.cache.scratch import OWNER_ONLY_SLOT_BLOCKS
+
+    owner_only = plan.with_(scratch_blocks=OWNER_ONLY_SLOT_BLOCKS, request_blocks=None)
+    return {"needs": "a sparse MLA backend that runs owner calls: none of vLLM's GPU ones yet (a plugin's, "
+                     "declared with register_owner_backend)",
+            "slot_blocks": OWNER_ONLY_SLOT_BLOCKS, "engine_blocks": owner_only.num_blocks(available_bytes),
+            "capacity_ratio": owner_only.capacity_ratio(available_bytes),
+            "owner_bytes_per_layer_and_token": shape.owner_bytes_per_layer(1, plan.group_size)}
 
 
 def exchange_reserve(plan: KVPPPlan, shape: AttentionShape, available_bytes: int, *, max_num_seqs: int,

@@ -85,6 +85,12 @@ def format_plan_table(report: dict[str, Any]) -> str:
                       f"decodes at scale; whole-layer slots there ({whole['engine_blocks']:,} blocks, "
                       f"{whole['capacity_ratio']:.3f}x)"]
         lines += [f"  {reason}" for reason in whole["reasons"]]
+        only = whole.get("owner_only")
+        if only is not None:
+            lines += [f"with {only['needs']}: owner-only slots ({only['slot_blocks']} block), "
+                      f"{only['engine_blocks']:,} blocks, {only['capacity_ratio']:.3f}x; every row on its layers' "
+                      f"owners, whose link carries {format_bytes(only['owner_bytes_per_layer_and_token'])} per layer "
+                      "and decode token whatever the context"]
     if "draft_sharding_gain" in report:
         lines.append(f"draft sharding gain over local drafts: {report['draft_sharding_gain']:.3f}x")
     backends = report.get("vllm_backends")

@@ -359,6 +359,25 @@ def test_plan_says_where_vllm_broadcasts_whole_layers_on_every_step(capsys, mode
     assert main(["plan", *args]) == 0
     text = capsys.readouterr().out
     assert ("in vLLM every step broadcasts whole layers, decode steps included" in text) == (reason is not None)
+    assert ("owner-only slots" in text) == (reason == "SFA: ")
+
+
+@pytest.mark.parametrize("max_model_len", [None, 131072])
+def test_plan_gives_an_sfa_models_owner_only_slots_where_its_backend_runs_owner_calls(capsys, max_model_len):
+    """DeepSeek-V3.2 at TP 8, 64 GiB: on a sparse backend that runs owner calls, each rank holds only its layers
+    (at most 8 of 61) beside a one-block slot: about 61 / 8 = 7.625x (each side's buffers padded to 2 MiB), at
+    least 7.5x (whole-layer slots: 6.1x). A decode token's owner link carries the other 7 ranks' 16 heads of
+    queries (576 values) and outputs (512), bf16, per layer: 7 x 16 x 1,088 x 2 = 243,712 bytes, with no term in
+    the context."""
+    args = ["--model", "deepseek-v3.2-exp", "--tp", "8", "--kv-memory", "64GiB",
+            *(["--max-model-len", str(max_model_len)] if max_model_len else [])]
+    whole = plan_report_json(capsys, *args)["vllm_whole_layer_steps"]
+    only = whole["owner_only"]
+    assert 7.5 <= only["capacity_ratio"] == pytest.approx(61 / 8, rel=1e-3) and whole["capacity_ratio"] < 6.2
+    assert only["slot_blocks"] == 1 and only["engine_blocks"] > whole["engine_blocks"]
+    assert only["owner_bytes_per_layer_and_token"] == 7 * 16 * (576 + 512) * 2 == 243_712
+    assert main(["plan", *args]) == 0
+    assert "owner-only slots (1 block), 52,252 blocks, 7.626x" in capsys.readouterr().out
 
 
 def test_plan_reports_the_owner_exchange_reserve_of_a_gpu_engine(capsys):

@@ -183,3 +183,33 @@ def test_under_breakable_cuda_graphs_mla_layers_that_write_their_own_cache_keep_
     assert own_cache_writes_under_capture({FusedWriteAttention}, breakable=False) is None
     why = own_cache_writes_under_capture({MLAAttention, FusedWriteAttention}, breakable=True)
     assert "FusedWriteAttention" in why and "breakable CUDA graphs" in why
+
+
+def test_an_sfa_models_owner_only_slots_need_every_token_routed_and_no_unskippable_cache_write():
+    """Owner-only slots hold no layer, so a non-owner must write nothing there: an attention with a forward of its
+    own (vLLM's CUDA DeepSeek-V3.2, eager too) and an indexer replayed by a breakable capture each keep whole-layer
+    slots, and so does a sparse backend not declared to route every token as a decode row (a prefill step could
+    not go to the owners). The control: the declared stand-in's plain MLAAttention, eager, has no hazard."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    from kvpp_fx.integrations.vllm.attention.backends import BACKENDS, OwnerSupport, register_owner_backend
+    from kvpp_fx.integrations.vllm.attention.model_hooks import owner_only_hazard
+
+    class FusedWriteAttention(MLAAttention):  # as DeepseekV32Attention (vLLM's CUDA build only)
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    try:
+        register_owner_backend("ROUTES_EVERY_TOKEN", OwnerSupport(True, "test", 16, sparse=True,
+                                                                  routes_every_token=True))
+        register_owner_backend("SPLITS_PREFILLS", OwnerSupport(True, "test", 64, sparse=True))
+        assert owner_only_hazard({"ROUTES_EVERY_TOKEN"}, {MLAAttention}, breakable=False) is None
+        why = owner_only_hazard({"ROUTES_EVERY_TOKEN", "SPLITS_PREFILLS"}, {MLAAttention}, breakable=False)
+        assert "['SPLITS_PREFILLS'] are not declared to route every token as a decode row" in why
+        why = owner_only_hazard({"ROUTES_EVERY_TOKEN"}, {FusedWriteAttention}, breakable=False)
+        assert "FusedWriteAttention'] write their MLA cache in their own forward" in why
+        why = owner_only_hazard({"ROUTES_EVERY_TOKEN"}, {MLAAttention}, breakable=True)
+        assert "breakable CUDA graphs a non-owner's indexer runs inside the capture" in why
+    finally:
+        for name in ("ROUTES_EVERY_TOKEN", "SPLITS_PREFILLS"):
+            BACKENDS.pop(name, None)

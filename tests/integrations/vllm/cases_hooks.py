@@ -77,13 +77,14 @@ def test_a_hook_that_cannot_be_applied_names_vllm_version_and_hook():
         worker.kvpp_runner_class(NoBudget)
 
 
-def _engine_config(max_num_seqs=1024, budget=16384, speculative_tokens=None):
-    """What `layout.exchange_reserve` reads of a VllmConfig: DeepSeek-V3's attention, bf16."""
-    hf = types.SimpleNamespace(num_attention_heads=128, kv_lora_rank=512, qk_rope_head_dim=64)
+def _engine_config(max_num_seqs=1024, budget=16384, speculative_tokens=None, index_topk=None):
+    """What `layout.exchange_reserve` reads of a VllmConfig: DeepSeek-V3's attention (V3.2's with `index_topk`),
+    bf16."""
+    hf = types.SimpleNamespace(num_attention_heads=128, kv_lora_rank=512, qk_rope_head_dim=64, index_topk=index_topk)
     speculative = None if speculative_tokens is None else types.SimpleNamespace(
         num_speculative_tokens=speculative_tokens)
     return types.SimpleNamespace(
-        model_config=types.SimpleNamespace(hf_text_config=hf, dtype=torch.bfloat16),
+        model_config=types.SimpleNamespace(hf_text_config=hf, hf_config=hf, dtype=torch.bfloat16),
         scheduler_config=types.SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget),
         speculative_config=speculative)
 
@@ -91,7 +92,7 @@ def _engine_config(max_num_seqs=1024, budget=16384, speculative_tokens=None):
 def test_a_gpu_budget_keeps_the_owner_exchanges_peak_for_the_most_decode_rows_a_step_has():
     """vLLM's profile run does not exchange owner rows, so the memory it measures as left for the KV cache
     never held them: on a device KVPP keeps the owner call's peak for max_num_seqs requests (each with its
-    speculative tokens, within the token budget) out of the KV budget."""
+    speculative tokens, within the token budget; an SFA model's whole token budget) out of the KV budget."""
     from kvpp_fx.cache.cost import AttentionShape
     from kvpp_fx.integrations.vllm.cache.layout import budget, exchange_reserve
     from kvpp_fx.integrations.vllm.engine.state import AttentionChoices, EngineState, KVPPAllocationError
@@ -103,6 +104,8 @@ def test_a_gpu_budget_keeps_the_owner_exchanges_peak_for_the_most_decode_rows_a_
         shape.owner_exchange_peak_bytes(2048, 8)
     assert exchange_reserve(_engine_config(budget=1500, speculative_tokens=1), state, "cuda") == \
         shape.owner_exchange_peak_bytes(1500, 8)
+    # an SFA model's steps send every row to the owners, prefills included: the whole token budget
+    assert exchange_reserve(_engine_config(index_topk=2048), state, "cuda") == shape.owner_exchange_peak_bytes(16384, 8)
     assert exchange_reserve(_engine_config(), state, "cpu") == 0  # vLLM CPU's KV space is a fixed size
     blocked = EngineState(KVPPConfig(enable_kvpp=True, tp=8), None, attention=AttentionChoices(owner_blocker="AMX_MLA"))
     assert exchange_reserve(_engine_config(), blocked, "cuda") == 0

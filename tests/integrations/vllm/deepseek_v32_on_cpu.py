@@ -255,7 +255,7 @@ def apply() -> None:
     # KVPP's seam for a plugin's attention backend: the stand-in's forward_mqa takes its heads from the query
     # and reads the layer's top-k buffer, so one call on the owner serves every rank's heads
     register_owner_backend("CUSTOM", OwnerSupport(True, "the torch stand-in (tests): heads from the query", 16,
-                                                  fp8_cache="none", sparse=True))
+                                                  fp8_cache="none", sparse=True, routes_every_token=True))
     # vLLM CPU gives MLA models blocks of 16 without AMX (and where CPU_MLA is named); the torch indexer takes any
     deepseek_v2.DeepseekV32IndexerBackend.get_supported_kernel_block_sizes = staticmethod(
         lambda kv_cache_spec=None: [16, 64])

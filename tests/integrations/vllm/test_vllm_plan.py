@@ -179,8 +179,8 @@ def test_compact_slots_need_every_history_row_to_be_sheddable_or_streamed():
 def test_an_sfa_model_takes_owner_only_slots_unless_it_starts_broadcasting():
     """An SFA model on a backend that runs sparse owner calls takes owner-only slots of one block, whatever its
     prefill features (no step reads a slot); broadcast mode at start, a KV connector, micro-batching, a backend
-    without owner calls, compiled pieces and an attention that writes its cache in its own forward keep whole-layer
-    slots, each named; an explicit kvpp_scratch_blocks is refused."""
+    without owner calls, compiled pieces and what the loaded attention forbids keep whole-layer slots, each
+    named; an explicit kvpp_scratch_blocks is refused."""
     from types import SimpleNamespace as NS
 
     from kvpp_fx.integrations.vllm.cache.scratch import (OWNER_ONLY_SLOT_BLOCKS, compact_blocker, config_blocker,
@@ -212,8 +212,8 @@ def test_an_sfa_model_takes_owner_only_slots_unless_it_starts_broadcasting():
     }
     for reason, (vllm_config, owner_blocker, mode) in whole.items():
         assert reason in compact_blocker(vllm_config, owner_blocker, streams_history=True, mode=mode), reason
-    # vLLM's CUDA DeepSeek-V3.2 attention writes its caches inside its fused norm-rope kernel
-    why = compact_blocker(sfa, None, streams_history=True, own_cache_writers=("DeepseekV32Attention",))
-    assert "['DeepseekV32Attention'] write their MLA cache in their own forward" in why
-    assert compact_blocker(dense, None, streams_history=True, own_cache_writers=("DeepseekV32Attention",)) is None
+    # what the loaded attention forbids (`model_hooks.owner_only_hazard`, cases_breakable_graphs) keeps them too,
+    # and means nothing for a dense model
+    assert compact_blocker(sfa, None, streams_history=True, owner_only_hazard="hazard H") == "hazard H"
+    assert compact_blocker(dense, None, streams_history=True, owner_only_hazard="hazard H") is None
     assert "the model is SFA" in config_blocker(sfa)  # what an explicit kvpp_scratch_blocks is refused with

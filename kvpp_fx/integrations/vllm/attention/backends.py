@@ -64,6 +64,9 @@ class OwnerSupport:
     fp8_cache: str = "quantized queries"  # with an fp8 cache: "quantized queries", "unquantized queries", "none"
     calls_per_rank: bool = False  # the owner runs one kernel call per rank's heads, not one over all of them
     sparse: bool = False  # a sparse MLA backend (SFA): its calls read the layer's top-k buffer
+    # its metadata routes every token, prefill too, through forward_mqa as a decode row (vLLM's XPU sparse
+    # builder does): a step's rows can all go to the owners, so an SFA model may take owner-only slots
+    routes_every_token: bool = False
 
 
 BACKENDS: dict[str, OwnerSupport] = {

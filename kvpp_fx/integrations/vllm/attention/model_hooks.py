@@ -46,7 +46,7 @@ def prepare_model(runner: Any, state: EngineState) -> None:
     choices = state.attention
     choices.compact_blocker = (scratch.compact_blocker(state.vllm_config, choices.owner_blocker,
                                                        choices.streams_history, choices.mode,
-                                                       choices.own_cache_writers)
+                                                       choices.owner_only_hazard)
                                if state.config.size > 1 else "KVPP is off")
     if state.config.scratch_blocks is not None and choices.compact_blocker is not None:
         raise scratch.ScratchLayoutError(scratch.refusal(choices.compact_blocker))
@@ -162,6 +162,27 @@ def own_cache_writers(classes: set[type]) -> tuple[str, ...]:
     return tuple(sorted(cls.__qualname__ for cls in classes if cls.forward is not MLAAttention.forward))
 
 
+def owner_only_hazard(backends: set[str], classes: set[type], breakable: bool) -> str | None:
+    """Why an SFA model's steps could not run on owner-only slots (`scratch.owner_only`), which hold no layer: a
+    backend not declared to route every token as a decode row (a prefill step could not go to the owners), or
+    a cache write a non-owner would make that KVPP cannot skip (an attention's own forward; an indexer replayed
+    by a breakable CUDA-graph capture with vLLM's slot mapping). None where they can."""
+    from kvpp_fx.integrations.vllm.attention.backends import BACKENDS
+
+    splitting = sorted(name for name in backends if not BACKENDS[name].routes_every_token)
+    if splitting:
+        return (f"attention backends {splitting} are not declared to route every token as a decode row "
+                "(OwnerSupport.routes_every_token), so a prefill step's rows may not all go to the owners")
+    own = own_cache_writers(classes)
+    if own:
+        return (f"{list(own)} write their MLA cache in their own forward with vLLM's slot mapping, which KVPP "
+                "cannot skip on a rank that does not hold the layer")
+    if breakable:
+        return ("under breakable CUDA graphs a non-owner's indexer runs inside the capture and writes its keys with "
+                "vLLM's slot mapping")
+    return None
+
+
 def own_cache_writes_under_capture(classes: set[type], breakable: bool) -> str | None:
     """Why decode rows cannot go to their owners (and so slots stay whole layers) under breakable CUDA
     graphs, or None. KVPP's eager cache write (`replayed_cache_write`) serves vLLM's ``MLAAttention.forward``,
@@ -197,11 +218,12 @@ def hook_attention(runner: Any, state: EngineState) -> int:
                    if index in targets and vplan.component[name] == INDEXER_COMPONENT}
         if indexed:
             choices.owner_blocker = owner_rows.shared_topk_blocker(layers, indexed)
-    choices.own_cache_writers = own_cache_writers({type(layer) for layer in mla})
     if choices.owner_blocker is None:
         from kvpp_fx.integrations.vllm.plugin import breakable_cudagraphs
 
-        choices.owner_blocker = own_cache_writes_under_capture({type(layer) for layer in mla}, breakable_cudagraphs())
+        classes, breakable = {type(layer) for layer in mla}, breakable_cudagraphs()
+        choices.owner_blocker = own_cache_writes_under_capture(classes, breakable)
+        choices.owner_only_hazard = owner_only_hazard(backends, classes, breakable)
     if choices.mode == Mode.OWNER and choices.owner_blocker is not None:
         raise owner_rows.OwnerRowsUnsupportedError(owner_refusal(choices.owner_blocker))
     hooked, streaming = 0, []

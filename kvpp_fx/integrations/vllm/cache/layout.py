@@ -71,7 +71,8 @@ def budget(runner: Any, state: EngineState, available: int) -> int:
 def exchange_reserve(vllm_config: Any, state: EngineState, device: Any) -> int:
     """The device memory one layer's owner-mode exchange holds at its peak on the owner
     (`AttentionShape.owner_exchange_peak_bytes`) for the most decode rows a step can have (``max_num_seqs``
-    requests, each with its speculative tokens, within the token budget); vLLM's profile run does not
+    requests, each with its speculative tokens, within the token budget; for an SFA model, whose steps send
+    every row to the owners, prefill rows included, the whole token budget); vLLM's profile run does not
     exchange, so its measurement of the memory left never saw these bytes. 0 where decode rows never go to
     the owner, and on CPU, where vLLM's KV budget is a fixed space (``VLLM_CPU_KVCACHE_SPACE``) that the
     exchanges do not draw from."""
@@ -84,6 +85,8 @@ def exchange_reserve(vllm_config: Any, state: EngineState, device: Any) -> int:
     speculative = getattr(vllm_config, "speculative_config", None)
     rows = max_decode_rows(int(scheduler.max_num_seqs), int(getattr(speculative, "num_speculative_tokens", 0) or 0),
                            int(scheduler.max_num_batched_tokens))
+    if scratch.owner_only(vllm_config):
+        rows = int(scheduler.max_num_batched_tokens)
     return attention_shape(vllm_config.model_config).owner_exchange_peak_bytes(rows, state.config.size)
 
 
@@ -112,7 +115,7 @@ def choose_layout(runner: Any, state: EngineState, available: int) -> VllmPlan:
     specs, layout, blocker = runner.get_kv_cache_spec(), state.layout, state.attention.compact_blocker
     whole = plan_for(runner, state, specs)
     if blocker is not None:
-        layout.vplan, layout.scratch_blocks = whole, None
+        layout.vplan, layout.scratch_blocks, layout.owner_only = whole, None, False
         layout.scratch_choice = f"whole-layer slots: {blocker}"
         return whole
     slots = scratch.slot_blocks(runner.vllm_config, state.config, whole.plan.spec.block_size)

@@ -22,10 +22,11 @@ however many requests share it, and a step's packed list is its broadcast decode
 
 An SFA model's compact slots are owner-only (`owner_only`): its sparse and indexer metadata are not
 remapped to packed slots, so no step reads a slot, and every row of every step, first prefills included,
-goes to its layer's owner (`step.whole_layer_rows`; the sparse backend routes every token as a decode row).
-A slot of `OWNER_ONLY_SLOT_BLOCKS` then stands in for the layers a rank does not hold. It keeps whole-layer
-slots where the engine starts in broadcast mode, where a non-owner would write a cache that KVPP cannot skip
-(compiled pieces, an attention with a forward of its own), and with a KV connector or micro-batching.
+goes to its layer's owner (`step.whole_layer_rows`; the sparse backend is declared to route every token as
+a decode row). A slot of `OWNER_ONLY_SLOT_BLOCKS` then stands in for the layers a rank does not hold. It
+keeps whole-layer slots where the engine starts in broadcast mode, where a non-owner would write a cache
+that KVPP cannot skip (compiled pieces, breakable CUDA graphs, an attention with a forward of its own:
+`model_hooks.owner_only_hazard`), and with a KV connector or micro-batching.
 
 Elsewhere vLLM keeps whole-layer slots, and an explicit ``kvpp_scratch_blocks`` is refused naming
 the reason. Where compact slots can run, the worker takes whichever layout holds more blocks in its
@@ -93,15 +94,16 @@ def _prefill_history(vllm_config: Any, scheduler: Any, cache: Any) -> str | None
 
 
 def compact_blocker(vllm_config: Any, owner_blocker: str | None, streams_history: bool,
-                    mode: str = AUTO, own_cache_writers: tuple[str, ...] = ()) -> str | None:
+                    mode: str = AUTO, owner_only_hazard: str | None = None) -> str | None:
     """Why compact slots cannot run on this engine (`owner_blocker`: why its decode rows cannot go to
     the owner; `streams_history`: whether its prefill history streams from the owners; `mode`: the engine's
-    mode at start; `own_cache_writers`: MLA classes that write their cache in a forward of their own), or
-    None. An SFA model's slots are owner-only (`owner_only`) where they are compact."""
+    mode at start; `owner_only_hazard`: why the loaded model's attention could not run on owner-only slots,
+    `model_hooks.owner_only_hazard`), or None. An SFA model's slots are owner-only (`owner_only`) where they
+    are compact."""
     if owner_blocker is not None:
         return f"decode rows cannot go to their owners ({owner_blocker})"
     if owner_only(vllm_config):
-        return owner_only_blocker(vllm_config, mode, own_cache_writers)
+        return owner_only_blocker(vllm_config, mode, owner_only_hazard)
     return config_blocker(vllm_config, streams_history)
 
 
@@ -111,16 +113,16 @@ def owner_only(vllm_config: Any) -> bool:
     return model_kind_of(getattr(vllm_config, "model_config", None)) == "sfa"
 
 
-def owner_only_blocker(vllm_config: Any, mode: str, own_cache_writers: tuple[str, ...] = ()) -> str | None:
-    """Why an SFA model keeps whole-layer slots: broadcast mode asked at start, a cache write KVPP cannot skip
-    on a non-owner (an attention's own forward, an indexer inside a compiled piece), whose bytes would land in a
-    slot that holds no layer, or a setting under which a step's rows cannot all go to the owners."""
+def owner_only_blocker(vllm_config: Any, mode: str, hazard: str | None = None) -> str | None:
+    """Why an SFA model keeps whole-layer slots: broadcast mode asked at start, what its attention does
+    (`hazard`: a backend that may split prefill rows, a cache write KVPP cannot skip on a non-owner), an indexer
+    inside a compiled piece (whose key write would land in a slot that holds no layer), or a setting under
+    which a step's rows cannot all go to the owners."""
     if mode == BROADCAST:
         return ("kvpp_mode is 'broadcast' at start: an SFA model's steps then broadcast whole layers (its sparse "
                 "and indexer metadata are not remapped to packed slots)")
-    if own_cache_writers:
-        return (f"{list(own_cache_writers)} write their MLA cache in their own forward with vLLM's slot mapping, "
-                "which KVPP cannot skip on a rank that does not hold the layer")
+    if hazard is not None:
+        return hazard
     compile_mode = int(getattr(getattr(vllm_config, "compilation_config", None), "mode", 0) or 0)
     if compile_mode != 0:
         return (f"compile mode {compile_mode}: the indexer runs inside compiled pieces on every rank, and its key "

@@ -129,7 +129,7 @@ class AttentionChoices:
     owner_blocker: str | None = None  # why decode rows cannot go to the owner here, or None
     compact_blocker: str | None = None  # why scratch slots here must hold whole layers, or None
     streams_history: bool = False  # every target MLA impl streams its prefill context from the owner
-    own_cache_writers: tuple[str, ...] = ()  # target MLA classes writing their cache in a forward of their own
+    owner_only_hazard: str | None = None  # why an SFA model's steps could not run on owner-only slots, or None
     metadata_layer: str | None = None  # a target MLA layer whose metadata names the step's decode rows
 
 
