@@ -213,3 +213,22 @@ def test_an_sfa_models_owner_only_slots_need_every_token_routed_and_no_unskippab
     finally:
         for name in ("ROUTES_EVERY_TOKEN", "SPLITS_PREFILLS"):
             BACKENDS.pop(name, None)
+
+
+def test_breakable_graphs_are_a_hazard_only_where_vllm_captures_graphs():
+    """vLLM sets VLLM_USE_BREAKABLE_CUDAGRAPH for DeepSeek-V3.2 on every platform, but captures only where it has
+    capture sizes and a CUDA-graph mode: not on vLLM CPU (which clears the sizes) nor in eager engines."""
+    import types
+
+    from vllm.config import CUDAGraphMode
+
+    from kvpp_fx.integrations.vllm.attention.model_hooks import captures_graphs
+
+    def runner(sizes, mode):
+        compilation = types.SimpleNamespace(cudagraph_capture_sizes=sizes, cudagraph_mode=mode)
+        return types.SimpleNamespace(vllm_config=types.SimpleNamespace(compilation_config=compilation))
+
+    assert captures_graphs(runner([1, 2, 4], CUDAGraphMode.FULL_AND_PIECEWISE))
+    assert captures_graphs(runner([1, 2, 4], CUDAGraphMode.PIECEWISE))
+    assert not captures_graphs(runner([], CUDAGraphMode.PIECEWISE))  # vLLM CPU
+    assert not captures_graphs(runner([1, 2, 4], CUDAGraphMode.NONE))  # enforce_eager

@@ -162,6 +162,13 @@ def own_cache_writers(classes: set[type]) -> tuple[str, ...]:
     return tuple(sorted(cls.__qualname__ for cls in classes if cls.forward is not MLAAttention.forward))
 
 
+def captures_graphs(runner: Any) -> bool:
+    """Whether vLLM captures CUDA graphs of this runner's model (vLLM CPU clears its capture sizes)."""
+    compilation = runner.vllm_config.compilation_config
+    mode = getattr(compilation, "cudagraph_mode", None)
+    return bool(getattr(compilation, "cudagraph_capture_sizes", None)) and getattr(mode, "name", "NONE") != "NONE"
+
+
 def owner_only_hazard(backends: set[str], classes: set[type], breakable: bool) -> str | None:
     """Why an SFA model's steps could not run on owner-only slots (`scratch.owner_only`), which hold no layer: a
     backend not declared to route every token as a decode row (a prefill step could not go to the owners), or
@@ -223,7 +230,7 @@ def hook_attention(runner: Any, state: EngineState) -> int:
 
         classes, breakable = {type(layer) for layer in mla}, breakable_cudagraphs()
         choices.owner_blocker = own_cache_writes_under_capture(classes, breakable)
-        choices.owner_only_hazard = owner_only_hazard(backends, classes, breakable)
+        choices.owner_only_hazard = owner_only_hazard(backends, classes, breakable and captures_graphs(runner))
     if choices.mode == Mode.OWNER and choices.owner_blocker is not None:
         raise owner_rows.OwnerRowsUnsupportedError(owner_refusal(choices.owner_blocker))
     hooked, streaming = 0, []
