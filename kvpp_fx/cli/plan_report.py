@@ -207,8 +207,8 @@ def vllm_owner_only(plan: KVPPPlan, available_bytes: int, shape: AttentionShape)
     from kvpp_fx.integrations.vllm.cache.scratch import OWNER_ONLY_SLOT_BLOCKS
 
     owner_only = plan.with_(scratch_blocks=OWNER_ONLY_SLOT_BLOCKS, request_blocks=None)
-    return {"needs": "a sparse MLA backend that runs owner calls: none of vLLM's GPU ones yet (a plugin's, "
-                     "declared with register_owner_backend)",
+    return {"needs": "a sparse MLA backend that runs owner calls on every token: none of vLLM's GPU ones yet (a "
+                     "plugin's, declared with register_owner_backend and routes_every_token)",
             "slot_blocks": OWNER_ONLY_SLOT_BLOCKS, "engine_blocks": owner_only.num_blocks(available_bytes),
             "capacity_ratio": owner_only.capacity_ratio(available_bytes),
             "owner_bytes_per_layer_and_token": shape.owner_bytes_per_layer(1, plan.group_size)}
