@@ -21,11 +21,6 @@ def blocks_filled(item: ScheduledChunk, block_size: int) -> list[int]:
     return item.request.blocks[-(-item.start // block_size): -(-(item.start + item.count) // block_size)]
 
 
-def chunk_pairs(item: ScheduledChunk, index_topk: int | None) -> int:
-    """The (query, context token) pairs the chunk's attention scores (`cost.scored_pairs`)."""
-    return scored_pairs(item.count, item.start, index_topk)
-
-
 def active_blocks(batch: list[ScheduledChunk], block_size: int) -> list[int]:
     """The blocks this step reads that hold tokens computed before it: for every scheduled request,
     the block-table entries covering its computed tokens (prefix-cache hits included)."""
@@ -42,12 +37,14 @@ def written_blocks(batch: list[ScheduledChunk], block_size: int) -> list[int]:
 
 def step_load(batch: list[ScheduledChunk], index_topk: int | None) -> StepLoad:
     """The step's query tokens and the (query, context token) pairs its attention scores."""
-    return StepLoad(sum(item.count for item in batch), sum(chunk_pairs(item, index_topk) for item in batch))
+    return StepLoad(sum(item.count for item in batch),
+                    sum(scored_pairs(item.count, item.start, index_topk) for item in batch))
 
 
 def request_rows(batch: list[ScheduledChunk], block_size: int, index_topk: int | None) -> tuple[RequestRows, ...]:
     """Each scheduled request's rows, the blocks with history it reads and the blocks it fills, in
     batch order (the order of the rows of the step's block table): the runtime gives each its path."""
-    return tuple(RequestRows(item.count, chunk_pairs(item, index_topk), tuple(blocks_with_history(item, block_size)),
+    return tuple(RequestRows(item.count, scored_pairs(item.count, item.start, index_topk),
+                             tuple(blocks_with_history(item, block_size)),
                              written=tuple(blocks_filled(item, block_size)))
                  for item in batch)
