@@ -137,6 +137,32 @@ class OrderingReport:
 
 def check_happens_before(log: list[tuple]) -> OrderingReport:
     """Every two accesses to one buffer, one of them a write, must be ordered by happens-before."""
+    ops, report = _replay(log)
+    by_buffer: dict[int, list[_Op]] = {}
+    for op in ops:
+        by_buffer.setdefault(op.buffer, []).append(op)
+    for buffer_ops in by_buffer.values():
+        for i, first in enumerate(buffer_ops):
+            for second in buffer_ops[i + 1:]:
+                if first.mode == "read" and second.mode == "read":
+                    continue
+                if first.clock[first.stream] > second.clock.get(first.stream, 0):
+                    report.races.append(f"{second.what} (log #{second.index}, {second.stream}) is not ordered "
+                                        f"after {first.what} (log #{first.index}, {first.stream})")
+    return report
+
+
+def collectives_not_before(log: list[tuple], what: str) -> list[int]:
+    """For each access whose description starts with `what`, in log order: how many collectives logged
+    before it are not ordered before it (still in flight as far as its stream is concerned)."""
+    ops, _ = _replay(log)
+    collectives = [op for op in ops if op.what == "broadcast"]
+    return [sum(1 for c in collectives if c.index < op.index and op.clock.get(c.stream, 0) < c.clock[c.stream])
+            for op in ops if op.what.startswith(what)]
+
+
+def _replay(log: list[tuple]) -> tuple[list[_Op], OrderingReport]:
+    """Each access and collective of `log` with its vector clock."""
     clocks: dict[str, dict[str, int]] = {}
     host: dict[str, int] = {}
     events: dict[int, dict[str, int]] = {}
@@ -185,16 +211,4 @@ def check_happens_before(log: list[tuple]) -> OrderingReport:
             report.accesses += 1
         else:
             raise ValueError(f"unknown log entry {entry!r}")
-
-    by_buffer: dict[int, list[_Op]] = {}
-    for op in ops:
-        by_buffer.setdefault(op.buffer, []).append(op)
-    for buffer_ops in by_buffer.values():
-        for i, first in enumerate(buffer_ops):
-            for second in buffer_ops[i + 1:]:
-                if first.mode == "read" and second.mode == "read":
-                    continue
-                if first.clock[first.stream] > second.clock.get(first.stream, 0):
-                    report.races.append(f"{second.what} (log #{second.index}, {second.stream}) is not ordered "
-                                        f"after {first.what} (log #{first.index}, {first.stream})")
-    return report
+    return ops, report

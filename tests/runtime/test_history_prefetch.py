@@ -10,7 +10,7 @@ import torch
 
 from kvpp_fx.runtime import errors as E
 from kvpp_fx.runtime.context_rows import AheadChunk
-from tests.runtime.ordering import RecordingDeviceAPI, check_happens_before
+from tests.runtime.ordering import RecordingDeviceAPI, check_happens_before, collectives_not_before
 from tests.support.launch import kvpp_group, launch
 from tests.support.toy_runtime import pattern, run_layers, toy_runtime, write_owned
 
@@ -75,6 +75,8 @@ def prefetch_ranks(rank: int, world: int, ahead: bool, drop: tuple[str, ...], sk
     write_owned(rt, 1)
     workspace = torch.full(pattern(1, 0)[:WORKSPACE_BLOCKS].shape, -1.0)
     received: dict[tuple[int, int], torch.Tensor] = {}
+    context_rows = rt.parts.context_rows
+    calls, in_flight, storages = [], [], set()  # per call: its chunk, the chunk then in flight; buffers seen
 
     def attend(layer, view):
         chunks = ToyChunks(rt, layer, workspace, api, skew, adopts)
@@ -85,6 +87,10 @@ def prefetch_ranks(rank: int, world: int, ahead: bool, drop: tuple[str, ...], sk
             if api is not None:
                 api.access(rows, "read", f"attention reads L{layer} chunk {chunk}")
             received[layer, chunk] = rows.clone()
+            calls.append((layer, chunk))
+            flight = context_rows.in_flight
+            in_flight.append(flight.chunk.key if flight is not None else None)  # (layer, block range)
+            storages.update([workspace.data_ptr(), context_rows.buffer.data_ptr()])
 
     out = {"owned": list(rt.plan.owned_layers(rt.rank))}
     try:
@@ -95,9 +101,11 @@ def prefetch_ranks(rank: int, world: int, ahead: bool, drop: tuple[str, ...], sk
     wrong = sorted(key for key, rows in received.items() if not torch.equal(rows, owners_chunk(*key)))
     stats = rt.stats()
     out.update(received=sorted(received), wrong=wrong, prefetched=stats["context_ahead"], broken=rt.broken is not None,
-               chunks=stats["context_chunks"], bytes=stats["context_bytes"])
+               chunks=stats["context_chunks"], bytes=stats["context_bytes"], calls=calls, in_flight=in_flight,
+               storages=len(storages))
     if api is not None:
         out["races"] = check_happens_before(api.log).races[:20]
+        out["unordered"] = collectives_not_before(api.log, "attention reads")
     rt.close()
     return out
 
@@ -118,6 +126,14 @@ def test_every_chunk_but_the_first_is_in_flight_before_its_call_and_reads_the_ow
         assert result["prefetched"] == (4 * 3 - 1 if ahead else 4 * 2)
         assert result["chunks"] == 4 * 3
         assert result["bytes"] == 4 * sum(owners_chunk(0, c).numel() * 4 for c in range(3))
+        # after each call the next call's chunk is in flight (with history_ahead across layers, else within
+        # the layer), and the workspace and one buffer shaped like it take turns
+        calls = [tuple(call) for call in result["calls"]]
+        assert calls == [(layer, chunk) for layer in range(4) for chunk in range(3)]
+        expected = [(calls[k + 1][0], CHUNKS[calls[k + 1][1]]) if k + 1 < len(calls) and
+                    (ahead or calls[k + 1][0] == calls[k][0]) else None for k in range(len(calls))]
+        assert [(key[0], tuple(key[1])) if key else None for key in result["in_flight"]] == expected
+        assert result["storages"] == 2
 
 
 @pytest.mark.parametrize("drop,adopts", [((), True), ((), False), (("history",), True), (("history",), False),
@@ -133,6 +149,8 @@ def test_a_prefetched_chunk_is_ordered_on_the_device(drop, adopts):
         assert "error" not in result and result["prefetched"] == 11, result.get("error")
         if not drop:
             assert result["races"] == [], result["races"][:5]
+            # each chunk's wait orders attention after its own broadcast only: the next chunk stays in flight
+            assert result["unordered"] == [1] * (4 * 3 - 1) + [0], result["unordered"]
         else:  # every rank receives into the buffer the copy reads (rank 1) or the gather writes (rank 0)
             assert result["races"], rank
     if drop == ("history",):  # the broadcast into the buffer does not wait for the reads of what it was
