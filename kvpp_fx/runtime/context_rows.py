@@ -16,8 +16,11 @@ the step, which that layer's owner has not yet written when the current layer co
 call for that chunk then finds it in flight and completes it: the workspace reads the buffer's bytes from
 then on and its former bytes, whose chunk was read before this call, become the buffer
 (`ChunkPlan.adopt`: two workspaces in turn, nothing copied); where the plan cannot adopt, the chunk is
-copied into its ``rows``. (Issuing the next chunk before this one completed, into the freed bytes, was
-measured slower on gloo: two broadcasts in flight share the links.)
+copied into its ``rows``. One chunk in flight, not two: two (a third workspace) cut the calls' waits on two
+gloo ranks by 1-2 ms a forward of 64 chunks, but the launches then competed with a transfer for the host's
+cores and the forward was no faster (`benchmarks/history_overlap.py`); and vLLM packs a step's histories
+into chunks of its workspace (64K tokens for a long-context model), so histories up to that total are one
+chunk per layer, whose next is the next layer's first.
 
 Invariants:
 - Every rank streams the same chunks in the same order: the chunks come from the step's metadata, which
