@@ -156,7 +156,7 @@ def collectives_not_before(log: list[tuple], what: str) -> list[int]:
     """For each access whose description starts with `what`, in log order: how many collectives logged
     before it are not ordered before it (still in flight as far as its stream is concerned)."""
     ops, _ = _replay(log)
-    collectives = [op for op in ops if op.what == "broadcast"]
+    collectives = [op for op in ops if op.stream.startswith("collective#")]
     return [sum(1 for c in collectives if c.index < op.index and op.clock.get(c.stream, 0) < c.clock[c.stream])
             for op in ops if op.what.startswith(what)]
 
