@@ -18,8 +18,10 @@ import contextlib
 
 
 @contextlib.contextmanager
-def keep_mode_3():
-    """While open, configs built in this process that ask for mode 3 keep it."""
+def keep_mode_3(backend: str = "inductor"):
+    """While open, configs built in this process that ask for mode 3 keep it, its pieces compiled by
+    ``backend``: inductor, as on CUDA, or vLLM's ``"eager"`` (the same split and kvpp ops inline, pieces run
+    as traced, without inductor's compile time)."""
     from vllm.config import CompilationMode
     from vllm.platforms.cpu import CpuPlatform
 
@@ -31,7 +33,7 @@ def keep_mode_3():
         compilation = vllm_config.compilation_config
         if asked == CompilationMode.VLLM_COMPILE:
             compilation.mode = CompilationMode.VLLM_COMPILE
-            compilation.backend = "inductor"
+            compilation.backend = backend
             compilation.compile_sizes = []
             compilation.inductor_compile_config["enable_auto_functionalized_v2"] = True
 

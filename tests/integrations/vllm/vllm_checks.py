@@ -195,12 +195,13 @@ def generate(model_dir: str, variant: dict) -> dict:
     down before this returns.
 
     ``variant``: ``kvpp`` (on/off), ``args`` (more LLM arguments), ``env`` (environment variables for
-    this engine, e.g. ``VLLM_USE_V2_MODEL_RUNNER``; its workers are spawned with them), ``mode3`` (the CPU stand-in for
-    vLLM's mode 3, `cpu_mode3`), ``workload`` (a key of WORKLOADS: prompt waves, each one ``generate``
-    call), ``fault`` (a ``"module:callable"`` device API installed through the workers' test seam after
-    the first run, which then runs again: the negative control, on the same engine), ``zero_blocks``
-    (`zero_blocks_probe`), ``v2_warm_up`` (`v2_warm_up`), ``phases`` (more runs on the same engine, each
-    with its own mode, fault and workload).
+    this engine, e.g. ``VLLM_USE_V2_MODEL_RUNNER``; its workers are spawned with them), ``mode3`` (the CPU
+    stand-in for vLLM's mode 3, `cpu_mode3`: ``True`` for inductor pieces, or the name of vLLM's backend for
+    the pieces), ``workload`` (a key of WORKLOADS: prompt waves, each one ``generate`` call), ``fault`` (a
+    ``"module:callable"`` device API installed through the workers' test seam after the first run, which
+    then runs again: the negative control, on the same engine), ``zero_blocks`` (`zero_blocks_probe`),
+    ``v2_warm_up`` (`v2_warm_up`), ``phases`` (more runs on the same engine, each with its own mode, fault
+    and workload).
     """
     from vllm import LLM, SamplingParams
 
@@ -219,7 +220,8 @@ def generate(model_dir: str, variant: dict) -> dict:
             deepseek_v4_on_cpu.apply()
         if os.environ.get(deepseek_v32_on_cpu.ENV):
             deepseek_v32_on_cpu.apply()
-        with keep_mode_3() if variant.get("mode3") else contextlib.nullcontext():
+        mode3 = variant.get("mode3")
+        with keep_mode_3("inductor" if mode3 is True else mode3) if mode3 else contextlib.nullcontext():
             llm = LLM(**args)
         try:
             return _drive(llm, variant, worker_stats, SamplingParams)
