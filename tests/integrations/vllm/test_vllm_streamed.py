@@ -38,10 +38,10 @@ def streamed_runs(tiny_deepseek):
     mtp = {**HISTORY_ROWS, **EAGER, "attention_backend": "CPU_MLA", "speculative_config": MTP_CPU_MLA}
     plain = {**HISTORY_ROWS, "attention_backend": "CPU_MLA"}
     shared = {"env": CHUNKED_ENV, "workload": "shared_prefixes"}
-    eight = {"sampling": {"max_tokens": 8}}  # CPU_MLA runs each verification row as a prefill row: slow steps
+    eight = {"max_tokens": 8}  # CPU_MLA runs each verification row as a prefill row: slow steps
     variants = {
-        "mtp-off": {"args": mtp, **shared, **eight},
-        "mtp-on": {"kvpp": True, "args": mtp, **shared, **eight, "fault": WRONG_RANK_HISTORY,
+        "mtp-off": {"args": mtp, **shared, "sampling": eight},
+        "mtp-on": {"kvpp": True, "args": mtp, **shared, "sampling": eight, "fault": WRONG_RANK_HISTORY,
                    "phases": [{"name": "skipped", "workload": "shared_prefixes", "fault": SKIPPED_HISTORY}]},
         "off": {"args": plain, "mode3": "eager", **shared},
         "on": {"kvpp": True, "args": plain, "mode3": "eager", **shared},
