@@ -5,17 +5,25 @@ Two gloo ranks own 4 of 8 layers each. A prefill row with a 16K-token history re
 prefill does: in 2K-token chunks landing in one workspace (576 bfloat16 values a token, 2.25 MiB a
 chunk), each followed by the chunk's attention, here a compute stand-in that releases the CPU (a sleep,
 as a device kernel lets the host wait; `overlap_model.py` does the same), sized to 1.2x one chunk's
-broadcast. The forward runs twice: serial (each chunk gathered and broadcast when its call comes) and
-prefetched (the next chunk, and the next layer's first, issued while the current one computes, the
-workspace and the prefetch buffer taking turns). Transfer
-time is the sum of the serial run's chunk spans.
+broadcast. The forward runs three ways:
+
+- prefetched: the next chunk, and the next layer's first, issued while the current one computes, the
+  workspace and the prefetch buffer taking turns;
+- serial: the same calls with ``overlap=False``, each chunk completing inside the call that issues it
+  (`overlap_model.py`'s baseline: the same work, nothing moving behind compute);
+- without a plan: each chunk gathered and broadcast when its own call comes (what a caller without a chunk
+  plan gets).
+
+Transfer time is the sum of the serial run's chunk spans, each from its broadcast's issue to its completion.
 
     hidden = (serial - prefetched) / transfer
+    gained = (without a plan - prefetched) / its transfer
 
-Beside it, what the prefetched forward's stream calls took on the host besides their waits and the owner's
-gathers (which the serial forward runs too): gloo's launches and the runtime's own work. The serial run
-counts its launches in the transfer; prefetched, they stay on the host thread, so their share of the
-transfer is a floor under what stays unhidden here. On a GPU a launch takes µs.
+``gained`` is the forward's time saved against the path without a plan, in its own transfers: it is lower
+than ``hidden`` by the host work that keeping a chunk in flight adds per chunk (the plan's next chunk, its
+hand-over between workspace and buffer, the wait for it), which a sleep stand-in keeps on the host thread
+and a device's kernels run behind. Beside them, what the prefetched forward's stream calls took on the host
+besides their waits and the owner's gathers: gloo's launches and the runtime's own work.
 
 A first forward of each run (not timed) checks every chunk each rank received against the owner's rows.
 
@@ -145,14 +153,22 @@ def worker(rank, world, layers, history, chunk_tokens, repeats):
     spans = [e["dur"] for e in probe.timeline.events if e["cat"] == "history"]
     seconds = 1.2 * statistics.median(spans) / 1e6
     probe.close()
-    serial_rt = KVPPRuntime.create(plan, storage, group, timeline=Timeline(rank))
+    planless_rt = KVPPRuntime.create(plan, storage, group, timeline=Timeline(rank))
+    serial_rt = KVPPRuntime.create(plan, storage, group, timeline=Timeline(rank), overlap=False)
     prefetch_rt = KVPPRuntime.create(plan, storage, group, timeline=Timeline(rank))
-    forward_time(serial_rt, seconds, False, check=True), forward_time(prefetch_rt, seconds, True, check=True)
+    for runtime, prefetch in ((planless_rt, False), (serial_rt, True), (prefetch_rt, True)):
+        forward_time(runtime, seconds, prefetch, check=True)
     serial, prefetched, transfer, waited, in_prefetched_calls, gathering = [], [], [], [], [], []
+    planless, planless_transfer = [], []
+
+    def timed(runtime, prefetch, times, transfers):
+        before = len(runtime.timeline.events)
+        times.append(forward_time(runtime, seconds, prefetch))
+        transfers.append(sum(e["dur"] for e in runtime.timeline.events[before:] if e["cat"] == "history") / 1e6)
+
     for _ in range(repeats):
-        before = len(serial_rt.timeline.events)
-        serial.append(forward_time(serial_rt, seconds, False))
-        transfer.append(sum(e["dur"] for e in serial_rt.timeline.events[before:] if e["cat"] == "history") / 1e6)
+        timed(planless_rt, False, planless, planless_transfer)
+        timed(serial_rt, True, serial, transfer)
         before = len(prefetch_rt.timeline.events)
         prefetched.append(forward_time(prefetch_rt, seconds, True))
         in_prefetched_calls.append(in_calls[0])
@@ -162,9 +178,10 @@ def worker(rank, world, layers, history, chunk_tokens, repeats):
         first = next(e["dur"] for e in events if e["cat"] == "history")
         waited.append((first + sum(e["dur"] for e in events if e["cat"] == "history wait")) / 1e6)
     found_in_flight = prefetch_rt.stats()["context_ahead"]
-    serial_rt.close(), prefetch_rt.close()
+    planless_rt.close(), serial_rt.close(), prefetch_rt.close()
     return {"serial": serial, "prefetched": prefetched, "transfer": transfer, "waited": waited,
             "in_prefetched_calls": in_prefetched_calls, "gathering": gathering,
+            "without_plan": planless, "without_plan_transfer": planless_transfer,
             "compute_per_chunk_s": seconds,
             "chunk_bytes": chunk_tokens * WIDTH * 2, "chunks_per_forward": layers * count,
             "found_in_flight": found_in_flight, "forwards": repeats + 1}
@@ -179,10 +196,12 @@ def main(argv=None):
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     res = run_ranks(worker, 2, args.layers, args.history, args.chunk, args.repeats, timeout_s=600)[0]
-    timed = ("serial", "prefetched", "transfer", "waited", "in_prefetched_calls", "gathering")
+    timed = ("serial", "prefetched", "transfer", "waited", "in_prefetched_calls", "gathering", "without_plan",
+             "without_plan_transfer")
     med = {k: statistics.median(res[k]) for k in timed}
     launches = med["in_prefetched_calls"] - med["waited"] - med["gathering"]
     hidden = (med["serial"] - med["prefetched"]) / med["transfer"]
+    gained = (med["without_plan"] - med["prefetched"]) / med["without_plan_transfer"]
     not_waited = 1 - med["waited"] / med["transfer"]
     per_forward = res["found_in_flight"] / res["forwards"]
     print(f"{args.layers} layers, {args.history}-token history in {args.chunk}-token chunks "
@@ -190,6 +209,8 @@ def main(argv=None):
           f"{per_forward:.0f} of {res['chunks_per_forward']} chunks found in flight per forward")
     print(f"serial {med['serial'] * 1e3:.1f} ms  prefetched {med['prefetched'] * 1e3:.1f} ms  "
           f"transfer {med['transfer'] * 1e3:.1f} ms  -> hidden fraction {hidden:.3f}")
+    print(f"without a plan {med['without_plan'] * 1e3:.1f} ms, transfer {med['without_plan_transfer'] * 1e3:.1f} ms "
+          f"-> prefetched gains {gained:.3f} of it")
     print(f"the calls waited {med['waited'] * 1e3:.1f} ms for chunks (the first included) -> {not_waited:.3f} of the "
           "transfer not waited for")
     print(f"the stream calls took {med['in_prefetched_calls'] * 1e3:.1f} ms: the waits, "
@@ -199,7 +220,7 @@ def main(argv=None):
         "layers": args.layers, "history_tokens": args.history, "chunk_tokens": args.chunk,
         "chunk_bytes": res["chunk_bytes"], "compute_per_chunk_ms": res["compute_per_chunk_s"] * 1e3,
         "chunks_per_forward": res["chunks_per_forward"], "found_in_flight_per_forward": per_forward,
-        "seconds": {k: summary(res[k]) for k in timed}, "hidden_fraction": hidden,
+        "seconds": {k: summary(res[k]) for k in timed}, "hidden_fraction": hidden, "gained_against_no_plan": gained,
         "transfer_not_waited_for": not_waited, "launches_of_transfer": launches / med["transfer"], "goal": 0.9},
         args.out)
     return 0

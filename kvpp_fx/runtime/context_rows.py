@@ -40,6 +40,8 @@ Invariants:
   after them, and ``done`` orders the copy after the broadcast. Without prefetch the broadcast runs on the
   current stream. Every broadcast is on the exchange group, bounded by the runtime's timeout; a forward
   that ends with a chunk in flight completes it (`finish`).
+- Without overlap (the runtime's ``overlap=False``, a baseline for benchmarks) a chunk issued ahead completes
+  inside its issue: the same calls, bytes and order, nothing moving while a chunk computes.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class InFlight:
     chunk: AheadChunk
     work: Any
     issued_ns: int
+    completed_ns: int = 0  # when it completed inside its issue (no overlap), else 0
 
 
 class ContextRows:
@@ -106,13 +109,14 @@ class ContextRows:
     the side stream and buffer of the chunk in flight."""
 
     def __init__(self, api: DeviceAPI, collectives: Collectives | None, group: Any, group_size: int,
-                 stats: TransferStats, timeline: Timeline | None) -> None:
+                 stats: TransferStats, timeline: Timeline | None, overlap: bool = True) -> None:
         self.api = api
         self.collectives = collectives  # None for a group of one: the owner is this rank
         self.group = group
         self.group_size = group_size
         self.stats = stats
         self.timeline = timeline
+        self.overlap = overlap
         self.orders_streams = api.orders_streams
         self.side_stream = api.new_stream() if collectives is not None and api.orders_streams else None
         self._ready = api.new_event() if self.side_stream is not None else None
@@ -142,10 +146,11 @@ class ContextRows:
             self._record(place, rows, start)
         else:
             self._check(flight, place, rows, plan)
-            self._complete(flight)
+            if not flight.completed_ns:
+                self._complete(flight)
             if not self._adopted(flight, rows, plan):
                 self.api.copy(rows, flight.chunk.rows)
-            self._record(place, rows, flight.issued_ns, ahead=True)
+            self._record(place, rows, flight.issued_ns, ahead=True, end=flight.completed_ns)
         if plan is not None:
             self._issue_ahead(place, plan, next_place)
 
@@ -154,7 +159,8 @@ class ContextRows:
         chunk = flight.chunk
         if (chunk.layer != place.layer or plan is None or chunk.key != plan.key()
                 or chunk.rows.shape != rows.shape or chunk.rows.dtype != rows.dtype):
-            self._complete(flight)
+            if not flight.completed_ns:
+                self._complete(flight)
             what = "a call without its chunk plan" if plan is None else f"rows {tuple(rows.shape)}"
             raise self.collectives.health.broken_by(ContextStreamError(
                 f"layer {place.layer}: the history chunk issued ahead (layer {chunk.layer}, rows "
@@ -199,7 +205,11 @@ class ContextRows:
                     work = api.broadcast(rows, target.src, self.group)
         except Exception as exc:
             raise self.collectives.not_issued(exc, STREAMED, target.layer) from exc
-        self.in_flight = InFlight(target, chunk, work, start)
+        flight = InFlight(target, chunk, work, start)
+        if not self.overlap:
+            self._complete(flight)
+            flight.completed_ns = time.perf_counter_ns()
+        self.in_flight = flight
 
     def _complete(self, flight: InFlight) -> None:
         """The compute stream waits for the chunk in flight (on CPU, the host, bounded)."""
@@ -227,16 +237,16 @@ class ContextRows:
                 self.collectives.health.broken_by(failure)
             raise failure from exc
 
-    def _record(self, place: LayerPlace, rows: torch.Tensor, start: int, ahead: bool = False) -> None:
+    def _record(self, place: LayerPlace, rows: torch.Tensor, start: int, ahead: bool = False, end: int = 0) -> None:
         nbytes = rows.numel() * rows.element_size()
         self.stats.record_context(place.position, nbytes, ahead)  # as a slot's broadcast: its payload, on every rank
         if self.timeline is not None:
-            self.timeline.add(f"history L{place.layer}", "history", start, time.perf_counter_ns(),
+            self.timeline.add(f"history L{place.layer}", "history", start, end or time.perf_counter_ns(),
                               track="kvpp history stream", layer=place.layer, bytes=nbytes, owner=place.src)
 
     def finish(self) -> None:
         """A forward ends: a chunk still in flight (its call never came) completes on the host, bounded;
         its failure has broken the runtime."""
         flight, self.in_flight = self.in_flight, None
-        if flight is not None:
+        if flight is not None and not flight.completed_ns:
             self.collectives.complete_on_host(flight.work, STREAMED, flight.place.layer)

@@ -67,7 +67,7 @@ class ForwardParts:
         stats = TransferStats(plan.target_layers)
         exchange_group = exchange_group if exchange_group is not None else group
         context_rows = ContextRows(api, transport.collectives if transport is not None else None, exchange_group,
-                                   plan.group_size, stats, timeline)
+                                   plan.group_size, stats, timeline, overlap)
         turns = tuple(LayerTurn(place, places[k + 1] if k + 1 < len(places) else None, context_rows)
                       for k, place in enumerate(places))
         return cls(plan.schedule(), places, storage, api, transport, agreement, health, stats, timeline, overlap,

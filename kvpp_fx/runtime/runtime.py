@@ -91,8 +91,9 @@ class KVPPRuntime:
         """`group` is this rank's KVPP process group (None only for a group of one).
 
         ``timeout`` bounds every collective (seconds or a timedelta); by default the group's own
-        timeout. ``overlap=False`` completes each broadcast inside its prefetch: the same bytes move,
-        nothing hides behind compute (a baseline for benchmarks).
+        timeout. ``overlap=False`` completes each broadcast inside its prefetch, a layer's and a prefill
+        history chunk's issued ahead alike: the same bytes move, nothing hides behind compute (a baseline
+        for benchmarks).
         ``device_api`` replaces the device API: the seam through which tests record device ordering and
         inject faults (`DeviceAPI`; ``kvpp_fx.runtime.device.resolve_device_api`` builds one from a name).
         ``crossover``: the fraction of the pool above which an active-block set is sent whole-layer.

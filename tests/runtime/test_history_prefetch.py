@@ -67,9 +67,10 @@ class ToyChunks:
         return AheadChunk(layer, key, self.rows(buffer, chunk), self.gather(buffer, layer, chunk))
 
 
-def prefetch_ranks(rank: int, world: int, ahead: bool, drop: tuple[str, ...], skew: int = 0, adopts: bool = True):
+def prefetch_ranks(rank: int, world: int, ahead: bool, drop: tuple[str, ...], skew: int = 0, adopts: bool = True,
+                   overlap: bool = True):
     api = RecordingDeviceAPI() if drop is not None else None
-    rt = toy_runtime(kvpp_group(world), 4, **({"device_api": api} if api is not None else {}))
+    rt = toy_runtime(kvpp_group(world), 4, overlap=overlap, **({"device_api": api} if api is not None else {}))
     if api is not None:
         api.drop_waits_on = {rt.parts.context_rows.side_stream.name if name == "history" else name for name in drop}
     write_owned(rt, 1)
@@ -156,6 +157,18 @@ def test_a_prefetched_chunk_is_ordered_on_the_device(drop, adopts):
     if drop == ("history",):  # the broadcast into the buffer does not wait for the reads of what it was
         read = "copy reads" if not adopts else "attention reads"
         assert any(read in race for race in results[1]["races"]), results[1]["races"][:3]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "negative-control-overlap"])
+def test_without_overlap_each_chunk_issued_ahead_completes_inside_its_issue(overlap):
+    """``overlap=False`` (the benchmarks' baseline) makes the same calls with the same bytes, every chunk but the
+    first issued ahead as with overlap, but each completes before its issuing call returns: attention never
+    reads while a chunk moves. With overlap (the control) the next chunk is in flight at every read but the last."""
+    results = launch(prefetch_ranks, 2, True, (), 0, True, overlap, timeout_s=60)
+    for rank, result in enumerate(results):
+        assert "error" not in result, result.get("error")
+        assert result["wrong"] == [] and result["races"] == [] and result["prefetched"] == 4 * 3 - 1, (rank, result)
+        assert result["unordered"] == ([1] * (4 * 3 - 1) + [0] if overlap else [0] * (4 * 3)), result["unordered"]
 
 
 def test_a_chunk_in_flight_that_is_not_the_calls_is_refused_and_breaks_the_runtime():
