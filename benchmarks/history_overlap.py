@@ -23,7 +23,13 @@ Transfer time is the sum of the serial run's chunk spans, each from its broadcas
 than ``hidden`` by the host work that keeping a chunk in flight adds per chunk (the plan's next chunk, its
 hand-over between workspace and buffer, the wait for it), which a sleep stand-in keeps on the host thread
 and a device's kernels run behind. Beside them, what the prefetched forward's stream calls took on the host
-besides their waits and the owner's gathers: gloo's launches and the runtime's own work.
+besides their waits and the owner's gathers: gloo's launches, each timed through the device API (serial
+counts a launch in its chunk's transfer, a prefetched forward cannot hide it), and the runtime's own work
+(the same calls in both runs). Launches over 0.2 ms are counted apart: a launch is a few tens of
+microseconds, unless the host thread waits for a core that the sends' threads hold (gloo's workers of both
+ranks on 2 cores). For comparison the benchmark also launches broadcasts alone, a chunk's and one of 16
+values, each completed before the next, and reports the 90th percentile of each. A device's launch is
+microseconds.
 
 A first forward of each run (not timed) checks every chunk each rank received against the owner's rows.
 
@@ -47,12 +53,29 @@ from kvpp_fx.cache.placement import KVPPPlan
 from kvpp_fx.cache.spec import ComponentSpec, LayerCacheSpec, ModelCacheSpec
 from kvpp_fx.launch import run_ranks
 from kvpp_fx.runtime.context_rows import AheadChunk
+from kvpp_fx.runtime.device import DeviceAPI
 from kvpp_fx.runtime.runtime import KVPPRuntime
 from kvpp_fx.runtime.timeline import Timeline
 from kvpp_fx.topology import create_kvpp_process_groups, kvpp_groups
 
 WIDTH, BLOCK = 576, 16  # DeepSeek's latent row (bfloat16), vLLM's block on CUDA
 GATHERING = [0.0]  # the owner's time in its gathers, this forward
+STALL = 200e-6  # a launch longer than this waited for a core
+
+
+class TimedLaunches(DeviceAPI):
+    """The CPU device API, timing each broadcast's launch on the host thread (every run has one)."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.launches: list[float] = []
+
+    def broadcast(self, tensor, src, group):
+        start = time.perf_counter()
+        try:
+            return super().broadcast(tensor, src, group)
+        finally:
+            self.launches.append(time.perf_counter() - start)
 
 
 class Chunks:
@@ -117,6 +140,7 @@ def worker(rank, world, layers, history, chunk_tokens, repeats):
     def forward_time(runtime, seconds, prefetch, check=False):
         wrong = []
         in_calls[0] = GATHERING[0] = 0.0
+        runtime.api.launches.clear()
 
         def attend(layer):
             chunks = Chunks(runtime, layer, workspace, count)
@@ -147,18 +171,30 @@ def worker(rank, world, layers, history, chunk_tokens, repeats):
             raise AssertionError(f"rank {rank} read other rows than the owner's for chunks {wrong[:5]}")
         return elapsed
 
-    probe = KVPPRuntime.create(plan, storage, group, timeline=Timeline(rank))
+    def create(**options):
+        return KVPPRuntime.create(plan, storage, group, timeline=Timeline(rank), device_api=TimedLaunches(), **options)
+
+    def launched_alone(values, times=40):
+        api, payload, took = TimedLaunches(), torch.zeros(values, dtype=torch.bfloat16), []
+        for _ in range(times):
+            dist.barrier(group)
+            work = api.broadcast(payload, dist.get_global_rank(group, 0), group)
+            took.append(api.launches[-1])
+            work.wait()
+        return sorted(took)[int(0.9 * times)]
+
+    alone_p90 = {"chunk": launched_alone(chunk_tokens * WIDTH), "16 values": launched_alone(16)}
+    probe = create()
     for _ in range(3):
         forward_time(probe, 0.0, False)
     spans = [e["dur"] for e in probe.timeline.events if e["cat"] == "history"]
     seconds = 1.2 * statistics.median(spans) / 1e6
     probe.close()
-    planless_rt = KVPPRuntime.create(plan, storage, group, timeline=Timeline(rank))
-    serial_rt = KVPPRuntime.create(plan, storage, group, timeline=Timeline(rank), overlap=False)
-    prefetch_rt = KVPPRuntime.create(plan, storage, group, timeline=Timeline(rank))
+    planless_rt, serial_rt, prefetch_rt = create(), create(overlap=False), create()
     for runtime, prefetch in ((planless_rt, False), (serial_rt, True), (prefetch_rt, True)):
         forward_time(runtime, seconds, prefetch, check=True)
     serial, prefetched, transfer, waited, in_prefetched_calls, gathering = [], [], [], [], [], []
+    launching, stalled, launch_us = [], [], []
     planless, planless_transfer = [], []
 
     def timed(runtime, prefetch, times, transfers):
@@ -173,6 +209,10 @@ def worker(rank, world, layers, history, chunk_tokens, repeats):
         prefetched.append(forward_time(prefetch_rt, seconds, True))
         in_prefetched_calls.append(in_calls[0])
         gathering.append(GATHERING[0])
+        launches = prefetch_rt.api.launches
+        launching.append(sum(launches))
+        stalled.append(sum(t for t in launches if t > STALL))
+        launch_us.append(statistics.median(launches) * 1e6)
         # the calls' waits for chunks in flight, and the first chunk, which nothing precedes
         events = prefetch_rt.timeline.events[before:]
         first = next(e["dur"] for e in events if e["cat"] == "history")
@@ -180,7 +220,9 @@ def worker(rank, world, layers, history, chunk_tokens, repeats):
     found_in_flight = prefetch_rt.stats()["context_ahead"]
     planless_rt.close(), serial_rt.close(), prefetch_rt.close()
     return {"serial": serial, "prefetched": prefetched, "transfer": transfer, "waited": waited,
-            "in_prefetched_calls": in_prefetched_calls, "gathering": gathering,
+            "in_prefetched_calls": in_prefetched_calls, "gathering": gathering, "launching": launching,
+            "stalled_launches": stalled, "median_launch_us": launch_us,
+            "launched_alone_p90_us": {k: v * 1e6 for k, v in alone_p90.items()},
             "without_plan": planless, "without_plan_transfer": planless_transfer,
             "compute_per_chunk_s": seconds,
             "chunk_bytes": chunk_tokens * WIDTH * 2, "chunks_per_forward": layers * count,
@@ -196,10 +238,11 @@ def main(argv=None):
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     res = run_ranks(worker, 2, args.layers, args.history, args.chunk, args.repeats, timeout_s=600)[0]
-    timed = ("serial", "prefetched", "transfer", "waited", "in_prefetched_calls", "gathering", "without_plan",
-             "without_plan_transfer")
+    timed = ("serial", "prefetched", "transfer", "waited", "in_prefetched_calls", "gathering", "launching",
+             "stalled_launches", "without_plan", "without_plan_transfer")
     med = {k: statistics.median(res[k]) for k in timed}
-    launches = med["in_prefetched_calls"] - med["waited"] - med["gathering"]
+    own_work = med["in_prefetched_calls"] - med["waited"] - med["gathering"] - med["launching"]
+    median_launch_us = statistics.median(res["median_launch_us"])
     hidden = (med["serial"] - med["prefetched"]) / med["transfer"]
     gained = (med["without_plan"] - med["prefetched"]) / med["without_plan_transfer"]
     not_waited = 1 - med["waited"] / med["transfer"]
@@ -214,14 +257,22 @@ def main(argv=None):
     print(f"the calls waited {med['waited'] * 1e3:.1f} ms for chunks (the first included) -> {not_waited:.3f} of the "
           "transfer not waited for")
     print(f"the stream calls took {med['in_prefetched_calls'] * 1e3:.1f} ms: the waits, "
-          f"{med['gathering'] * 1e3:.1f} ms of the owner's gathers (as serial) and {launches * 1e3:.1f} ms of gloo's "
-          f"launches and the runtime's own work ({launches / med['transfer']:.3f} of the transfer)")
+          f"{med['gathering'] * 1e3:.1f} ms of the owner's gathers (as serial), {med['launching'] * 1e3:.1f} ms of "
+          f"gloo's launches ({med['launching'] / med['transfer']:.3f} of the transfer; median launch "
+          f"{median_launch_us:.0f} us, {med['stalled_launches'] * 1e3:.1f} ms in launches over {STALL * 1e6:.0f} us) "
+          f"and {own_work * 1e3:.1f} ms of the runtime's own work ({own_work / med['transfer']:.3f})")
+    alone = res["launched_alone_p90_us"]
+    print(f"launched alone, 9 of 10 launches took under {alone['chunk']:.0f} us for a chunk, "
+          f"{alone['16 values']:.0f} us for 16 values")
     write_result("history_overlap", {
         "layers": args.layers, "history_tokens": args.history, "chunk_tokens": args.chunk,
         "chunk_bytes": res["chunk_bytes"], "compute_per_chunk_ms": res["compute_per_chunk_s"] * 1e3,
         "chunks_per_forward": res["chunks_per_forward"], "found_in_flight_per_forward": per_forward,
         "seconds": {k: summary(res[k]) for k in timed}, "hidden_fraction": hidden, "gained_against_no_plan": gained,
-        "transfer_not_waited_for": not_waited, "launches_of_transfer": launches / med["transfer"], "goal": 0.9},
+        "transfer_not_waited_for": not_waited, "launches_of_transfer": med["launching"] / med["transfer"],
+        "stalled_launches_of_transfer": med["stalled_launches"] / med["transfer"], "median_launch_us": median_launch_us,
+        "stall_us": STALL * 1e6, "launched_alone_p90_us": alone, "runtime_work_of_transfer": own_work / med["transfer"],
+        "goal": 0.9},
         args.out)
     return 0
 

@@ -133,9 +133,10 @@ def rows() -> list[tuple[str, str, str]]:
                 f"{ho['hidden_fraction']:.3f} as (serial - prefetched) / transfer, serial being the same calls with "
                 f"overlap=False (goal >= {ho['goal']}); against the path without a chunk plan the forward gains "
                 f"{ho['gained_against_no_plan']:.3f} of its transfer; "
-                f"{ho['transfer_not_waited_for']:.3f} of the transfer not waited for; gloo's launches and the "
-                f"runtime's own work, µs on a GPU, stay on the host thread: {ho['launches_of_transfer']:.3f} of the "
-                f"transfer on these 2 CPU cores; "
+                f"{ho['transfer_not_waited_for']:.3f} of the transfer not waited for; gloo's launches, µs on a GPU, "
+                f"stay on the host thread: {ho['launches_of_transfer']:.3f} of the transfer on these 2 CPU cores "
+                f"(median launch {ho['median_launch_us']:.0f} µs; {ho['stalled_launches_of_transfer']:.3f} in launches "
+                f"over {ho['stall_us']:.0f} µs, the host thread waiting for a core the sends hold); "
                 f"{ho['found_in_flight_per_forward']:.0f} of {ho['chunks_per_forward']} chunks in flight before "
                 f"their call",
                 "`python benchmarks/history_overlap.py`"))
