@@ -60,3 +60,36 @@ def test_the_owner_call_over_all_heads_gives_each_rank_the_bits_of_its_own_call(
     # the control: an owner call with one rank's sinks for every head is not what the ranks compute
     wrong = attend(all_heads, torch.cat([sinks[:H // 2], sinks[:H // 2]]))
     assert not torch.equal(wrong[:, H // 2:], ranks[1])
+
+
+def test_the_block_zeroer_on_cpu_stores_what_vllms_kernel_stores():
+    """`deepseek_v4_on_cpu.zero_block_ids`, which the V4 engines zero their new blocks with, against vLLM's
+    ``_zero_kv_blocks_kernel`` (interpreted) on the same segments: a page shorter than its block stride, and
+    two segments of one cache (a block's two rows) whose pages span two of the kernel's chunks of 1,024. The
+    control: the same segments with the first page one value short leave that value."""
+    from vllm.v1.worker.utils import KVBlockZeroer
+
+    from tests.integrations.vllm.deepseek_v4_on_cpu import zero_block_ids
+
+    kernel = KVBlockZeroer.zero_block_ids
+    assert kernel is not zero_block_ids  # vLLM's own: this process never applied the engine's changes
+    blocks, pages = [1, 4], [250, 1500, 1500]
+
+    def zeroed(zero, page_sizes):
+        caches = [torch.full((6, 300), 7, dtype=torch.int32), torch.full((6, 2, 1500), 7, dtype=torch.int32)]
+        zeroer = object.__new__(KVBlockZeroer)
+        zeroer.device = torch.device("cpu")
+        addresses = [caches[0].data_ptr(), caches[1].data_ptr(), caches[1][0, 1].data_ptr()]
+        zeroer._meta = (torch.tensor(addresses, dtype=torch.uint64), torch.tensor([300, 3000, 3000]),
+                        torch.tensor(page_sizes), 2, 1024, 3)
+        zero(zeroer, blocks)
+        return caches
+
+    expected = [torch.full((6, 300), 7, dtype=torch.int32), torch.full((6, 2, 1500), 7, dtype=torch.int32)]
+    expected[0][blocks, :250] = 0
+    expected[1][blocks] = 0
+    by_kernel = zeroed(kernel, pages)
+    assert all(torch.equal(a, b) for a, b in zip(by_kernel, expected))
+    assert all(torch.equal(a, b) for a, b in zip(zeroed(zero_block_ids, pages), by_kernel))
+    short = zeroed(zero_block_ids, [249, 1500, 1500])
+    assert int((short[0] != by_kernel[0]).sum()) == len(blocks) and torch.equal(short[1], by_kernel[1])

@@ -1,6 +1,6 @@
 """Test-only: vLLM 0.32's DeepSeek-V4 on vLLM CPU, with random weights that move the logits.
 
-Two changes, applied in every process of an engine whose environment sets `ENV` (the TP workers are spawned
+Three changes, applied in every process of an engine whose environment sets `ENV` (the TP workers are spawned
 and re-run the entry module, which imports this one):
 
 - vLLM 0.32's CPU window-cache metadata builder (``DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler``)
@@ -12,7 +12,13 @@ and re-run the entry module, which imports this one):
   by the module's place in the model, plus the TP rank for what TP splits by head (column- and row-parallel
   linear layers, the attention sinks); replicated weights stay equal on every rank, and norm weights are
   about 1. Engines with KVPP on and off
-  load the same weights.
+  load the same weights;
+- vLLM's block zeroer (``KVBlockZeroer``, which V2's runner builds for V4's caches of mixed precision) zeroes
+  a step's new blocks with the stores its Triton kernel's programs make, each a ``memset`` of one segment's
+  page (`zero_block_ids`): the same addresses and bytes, which vLLM computes from the caches as it binds
+  them. Interpreted, the kernel runs a Python program per block, segment and 1,024 values: a 2,100-token
+  prompt's blocks took most of a V4 engine's run (about 45 s a worker). The equivalence, against the kernel
+  interpreted: `cases_deepseek_v4.py`.
 
 The engine also needs Triton's interpreter (`triton_interpreter`): V4's metadata builders launch Triton
 kernels.
@@ -20,6 +26,7 @@ kernels.
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 ENV = "KVPP_TESTS_DEEPSEEK_V4"
@@ -31,6 +38,7 @@ def apply() -> None:
     import vllm.model_executor.model_loader.dummy_loader as dummy_loader
     from vllm.models.deepseek_v4.cpu import cpu_mla
     from vllm.v1.attention.backends.mla import sparse_swa
+    from vllm.v1.worker.utils import KVBlockZeroer
 
     builder = cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder
     if getattr(builder, _APPLIED, False):
@@ -45,7 +53,19 @@ def apply() -> None:
 
     builder.build_tile_scheduler = build_tile_scheduler
     dummy_loader.DummyModelLoader.load_weights = load_weights
+    KVBlockZeroer.zero_block_ids = zero_block_ids
     setattr(builder, _APPLIED, True)
+
+
+def zero_block_ids(self, block_ids: list[int]) -> None:
+    """``KVBlockZeroer.zero_block_ids`` on CPU: what ``_zero_kv_blocks_kernel`` stores, for each block and
+    segment the segment's page of int32 zeros at its address plus the block times its block stride."""
+    if not block_ids or self._meta is None:
+        return
+    addresses, block_strides, page_sizes = (values.tolist() for values in self._meta[:3])
+    for block in block_ids:
+        for address, block_stride, page_size in zip(addresses, block_strides, page_sizes):
+            ctypes.memset(address + 4 * block * block_stride, 0, 4 * page_size)
 
 
 def load_weights(self, model, model_config) -> None:
