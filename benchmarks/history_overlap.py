@@ -31,6 +31,11 @@ ranks on 2 cores). For comparison the benchmark also launches broadcasts alone, 
 values, each completed before the next, and reports the 90th percentile of each. A device's launch is
 microseconds.
 
+The whole measurement runs twice, on new rank processes: as is, then with the threads that gloo starts for
+the exchange group (its TCP loop and its workers) at idle priority (``SCHED_IDLE``): they run when a core
+is free and never keep the host thread from one, as a device's transfer never takes the host's core. Both
+runs launch from the host thread; the second shows how much of the first's loss is the contention.
+
 A first forward of each run (not timed) checks every chunk each rank received against the owner's rows.
 
     python benchmarks/history_overlap.py [--layers 8] [--history 16384] [--chunk 2048] [--repeats 15]
@@ -39,6 +44,7 @@ A first forward of each run (not timed) checks every chunk each rank received ag
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -121,12 +127,31 @@ def expected(layer: int, chunk: int, tokens: int) -> torch.Tensor:
     return torch.full((tokens, WIDTH), float(layer * 100 + chunk), dtype=torch.bfloat16)
 
 
-def worker(rank, world, layers, history, chunk_tokens, repeats):
+def threads() -> set[int]:
+    return {int(tid) for tid in os.listdir("/proc/self/task")}
+
+
+def at_idle_priority(tids: set[int]) -> None:
+    if not tids:
+        raise RuntimeError("no thread started with the exchange group: nothing to run at idle priority")
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except OSError as exc:
+            raise RuntimeError(f"this host refuses SCHED_IDLE for gloo's thread {tid} ({exc}); run with "
+                               "--as-is-only") from exc
+
+
+def worker(rank, world, layers, history, chunk_tokens, repeats, idle_transfer_threads):
     blocks = history // BLOCK + 1
     spec = ModelCacheSpec("bench", BLOCK, tuple(LayerCacheSpec(i, (ComponentSpec("kv", "bfloat16", (WIDTH,)),))
                                                for i in range(layers)))
     plan = KVPPPlan(spec, group_size=world, scratch_blocks=8)  # compact slots: history streams, slots stay small
+    before = threads()
     group = create_kvpp_process_groups(kvpp_groups(world, tp=world))
+    gloo_threads = threads() - before  # the exchange group's: gloo's TCP loop and its workers
+    if idle_transfer_threads:
+        at_idle_priority(gloo_threads)
     storage = allocate_cache(plan, dist.get_rank(group), blocks)
     count = history // chunk_tokens
     for layer in plan.owned_layers(rank):  # each chunk of the owner's history holds layer * 100 + chunk
@@ -226,7 +251,50 @@ def worker(rank, world, layers, history, chunk_tokens, repeats):
             "without_plan": planless, "without_plan_transfer": planless_transfer,
             "compute_per_chunk_s": seconds,
             "chunk_bytes": chunk_tokens * WIDTH * 2, "chunks_per_forward": layers * count,
-            "found_in_flight": found_in_flight, "forwards": repeats + 1}
+            "found_in_flight": found_in_flight, "forwards": repeats + 1, "gloo_threads": len(gloo_threads)}
+
+
+TIMED = ("serial", "prefetched", "transfer", "waited", "in_prefetched_calls", "gathering", "launching",
+         "stalled_launches", "without_plan", "without_plan_transfer")
+
+
+def figures(res: dict) -> dict:
+    """One run's figures, from the medians over its forwards."""
+    med = {k: statistics.median(res[k]) for k in TIMED}
+    own_work = med["in_prefetched_calls"] - med["waited"] - med["gathering"] - med["launching"]
+    return {"seconds": {k: summary(res[k]) for k in TIMED}, "medians": med,
+            "compute_per_chunk_ms": res["compute_per_chunk_s"] * 1e3,
+            "found_in_flight_per_forward": res["found_in_flight"] / res["forwards"],
+            "hidden_fraction": (med["serial"] - med["prefetched"]) / med["transfer"],
+            "gained_against_no_plan": (med["without_plan"] - med["prefetched"]) / med["without_plan_transfer"],
+            "transfer_not_waited_for": 1 - med["waited"] / med["transfer"],
+            "launches_of_transfer": med["launching"] / med["transfer"],
+            "stalled_launches_of_transfer": med["stalled_launches"] / med["transfer"],
+            "median_launch_us": statistics.median(res["median_launch_us"]),
+            "launched_alone_p90_us": res["launched_alone_p90_us"],
+            "runtime_work_of_transfer": own_work / med["transfer"], "own_work": own_work,
+            "gloo_threads": res["gloo_threads"]}
+
+
+def show(title: str, f: dict, res: dict) -> None:
+    med, own_work = f["medians"], f["own_work"]
+    print(f"{title}: compute {f['compute_per_chunk_ms']:.2f} ms/chunk; {f['found_in_flight_per_forward']:.0f} of "
+          f"{res['chunks_per_forward']} chunks found in flight per forward")
+    print(f"serial {med['serial'] * 1e3:.1f} ms  prefetched {med['prefetched'] * 1e3:.1f} ms  "
+          f"transfer {med['transfer'] * 1e3:.1f} ms  -> hidden fraction {f['hidden_fraction']:.3f}")
+    print(f"without a plan {med['without_plan'] * 1e3:.1f} ms, transfer {med['without_plan_transfer'] * 1e3:.1f} ms "
+          f"-> prefetched gains {f['gained_against_no_plan']:.3f} of it")
+    print(f"the calls waited {med['waited'] * 1e3:.1f} ms for chunks (the first included) -> "
+          f"{f['transfer_not_waited_for']:.3f} of the transfer not waited for")
+    print(f"the stream calls took {med['in_prefetched_calls'] * 1e3:.1f} ms: the waits, "
+          f"{med['gathering'] * 1e3:.1f} ms of the owner's gathers (as serial), {med['launching'] * 1e3:.1f} ms of "
+          f"gloo's launches ({f['launches_of_transfer']:.3f} of the transfer; median launch "
+          f"{f['median_launch_us']:.0f} us, {med['stalled_launches'] * 1e3:.1f} ms in launches over "
+          f"{STALL * 1e6:.0f} us) and {own_work * 1e3:.1f} ms of the runtime's own work "
+          f"({f['runtime_work_of_transfer']:.3f})")
+    alone = f["launched_alone_p90_us"]
+    print(f"launched alone, 9 of 10 launches took under {alone['chunk']:.0f} us for a chunk, "
+          f"{alone['16 values']:.0f} us for 16 values")
 
 
 def main(argv=None):
@@ -236,44 +304,27 @@ def main(argv=None):
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--as-is-only", action="store_true",
+                        help="skip the run with gloo's threads at idle priority")
     args = parser.parse_args(argv)
-    res = run_ranks(worker, 2, args.layers, args.history, args.chunk, args.repeats, timeout_s=600)[0]
-    timed = ("serial", "prefetched", "transfer", "waited", "in_prefetched_calls", "gathering", "launching",
-             "stalled_launches", "without_plan", "without_plan_transfer")
-    med = {k: statistics.median(res[k]) for k in timed}
-    own_work = med["in_prefetched_calls"] - med["waited"] - med["gathering"] - med["launching"]
-    median_launch_us = statistics.median(res["median_launch_us"])
-    hidden = (med["serial"] - med["prefetched"]) / med["transfer"]
-    gained = (med["without_plan"] - med["prefetched"]) / med["without_plan_transfer"]
-    not_waited = 1 - med["waited"] / med["transfer"]
-    per_forward = res["found_in_flight"] / res["forwards"]
-    print(f"{args.layers} layers, {args.history}-token history in {args.chunk}-token chunks "
-          f"({res['chunk_bytes'] / 2**20:.2f} MiB), compute {res['compute_per_chunk_s'] * 1e3:.2f} ms/chunk; "
-          f"{per_forward:.0f} of {res['chunks_per_forward']} chunks found in flight per forward")
-    print(f"serial {med['serial'] * 1e3:.1f} ms  prefetched {med['prefetched'] * 1e3:.1f} ms  "
-          f"transfer {med['transfer'] * 1e3:.1f} ms  -> hidden fraction {hidden:.3f}")
-    print(f"without a plan {med['without_plan'] * 1e3:.1f} ms, transfer {med['without_plan_transfer'] * 1e3:.1f} ms "
-          f"-> prefetched gains {gained:.3f} of it")
-    print(f"the calls waited {med['waited'] * 1e3:.1f} ms for chunks (the first included) -> {not_waited:.3f} of the "
-          "transfer not waited for")
-    print(f"the stream calls took {med['in_prefetched_calls'] * 1e3:.1f} ms: the waits, "
-          f"{med['gathering'] * 1e3:.1f} ms of the owner's gathers (as serial), {med['launching'] * 1e3:.1f} ms of "
-          f"gloo's launches ({med['launching'] / med['transfer']:.3f} of the transfer; median launch "
-          f"{median_launch_us:.0f} us, {med['stalled_launches'] * 1e3:.1f} ms in launches over {STALL * 1e6:.0f} us) "
-          f"and {own_work * 1e3:.1f} ms of the runtime's own work ({own_work / med['transfer']:.3f})")
-    alone = res["launched_alone_p90_us"]
-    print(f"launched alone, 9 of 10 launches took under {alone['chunk']:.0f} us for a chunk, "
-          f"{alone['16 values']:.0f} us for 16 values")
-    write_result("history_overlap", {
-        "layers": args.layers, "history_tokens": args.history, "chunk_tokens": args.chunk,
-        "chunk_bytes": res["chunk_bytes"], "compute_per_chunk_ms": res["compute_per_chunk_s"] * 1e3,
-        "chunks_per_forward": res["chunks_per_forward"], "found_in_flight_per_forward": per_forward,
-        "seconds": {k: summary(res[k]) for k in timed}, "hidden_fraction": hidden, "gained_against_no_plan": gained,
-        "transfer_not_waited_for": not_waited, "launches_of_transfer": med["launching"] / med["transfer"],
-        "stalled_launches_of_transfer": med["stalled_launches"] / med["transfer"], "median_launch_us": median_launch_us,
-        "stall_us": STALL * 1e6, "launched_alone_p90_us": alone, "runtime_work_of_transfer": own_work / med["transfer"],
-        "goal": 0.9},
-        args.out)
+    runs = {}
+    for idle in (False,) if args.as_is_only else (False, True):
+        res = run_ranks(worker, 2, args.layers, args.history, args.chunk, args.repeats, idle, timeout_s=600)[0]
+        runs[idle] = (res, figures(res))
+        show(f"{args.layers} layers, {args.history}-token history in {args.chunk}-token chunks "
+             f"({res['chunk_bytes'] / 2**20:.2f} MiB), gloo's {res['gloo_threads']} threads "
+             + ("at idle priority" if idle else "as is"), runs[idle][1], res)
+    res, as_is = runs[False]
+    keep = ("hidden_fraction", "gained_against_no_plan", "transfer_not_waited_for", "launches_of_transfer",
+            "stalled_launches_of_transfer", "median_launch_us", "launched_alone_p90_us", "runtime_work_of_transfer",
+            "compute_per_chunk_ms", "found_in_flight_per_forward")
+    result = {"layers": args.layers, "history_tokens": args.history, "chunk_tokens": args.chunk,
+              "chunk_bytes": res["chunk_bytes"], "chunks_per_forward": res["chunks_per_forward"],
+              "seconds": as_is["seconds"], **{k: as_is[k] for k in keep}, "stall_us": STALL * 1e6, "goal": 0.9}
+    if True in runs:
+        idle = runs[True][1]
+        result["idle_transfer_threads"] = {"seconds": idle["seconds"], **{k: idle[k] for k in keep}}
+    write_result("history_overlap", result, args.out)
     return 0
 
 

@@ -138,7 +138,13 @@ def rows() -> list[tuple[str, str, str]]:
                 f"(median launch {ho['median_launch_us']:.0f} µs; {ho['stalled_launches_of_transfer']:.3f} in launches "
                 f"over {ho['stall_us']:.0f} µs, the host thread waiting for a core the sends hold); "
                 f"{ho['found_in_flight_per_forward']:.0f} of {ho['chunks_per_forward']} chunks in flight before "
-                f"their call",
+                f"their call"
+                + (f"; run again with gloo's threads at idle priority, so that a transfer never keeps the host thread "
+                   f"from a core (as a device's cannot): {ho['idle_transfer_threads']['hidden_fraction']:.3f} hidden, "
+                   f"{ho['idle_transfer_threads']['transfer_not_waited_for']:.3f} not waited for, launches "
+                   f"{ho['idle_transfer_threads']['launches_of_transfer']:.3f} of the transfer "
+                   f"({ho['idle_transfer_threads']['stalled_launches_of_transfer']:.3f} over "
+                   f"{ho['stall_us']:.0f} µs)" if "idle_transfer_threads" in ho else ""),
                 "`python benchmarks/history_overlap.py`"))
     ro = _load("runtime_overhead")
     out.append((f"runtime cost per layer, no-op transport, {ro['layers']} layers",
