@@ -128,6 +128,7 @@ def rows() -> list[tuple[str, str, str]]:
     out.append(("transfer hidden, through the PIECEWISE-compiled model", f"{om['hidden_fraction']:.3f} "
                 f"(goal >= {om['goal']})", "`python benchmarks/overlap_model.py`"))
     ho = _load("history_overlap")
+    idle = ho.get("idle_transfer_threads")
     out.append((f"streamed prefill history hidden, a {ho['history_tokens'] // 1024}K-token prefix hit in "
                 f"{ho['chunk_tokens'] // 1024}K-token chunks, {ho['layers']} layers",
                 f"{ho['hidden_fraction']:.3f} as (serial - prefetched) / transfer, serial being the same calls with "
@@ -140,11 +141,10 @@ def rows() -> list[tuple[str, str, str]]:
                 f"{ho['found_in_flight_per_forward']:.0f} of {ho['chunks_per_forward']} chunks in flight before "
                 f"their call"
                 + (f"; run again with gloo's threads at idle priority, so that a transfer never keeps the host thread "
-                   f"from a core (as a device's cannot): {ho['idle_transfer_threads']['hidden_fraction']:.3f} hidden, "
-                   f"{ho['idle_transfer_threads']['transfer_not_waited_for']:.3f} not waited for, launches "
-                   f"{ho['idle_transfer_threads']['launches_of_transfer']:.3f} of the transfer "
-                   f"({ho['idle_transfer_threads']['stalled_launches_of_transfer']:.3f} over "
-                   f"{ho['stall_us']:.0f} µs)" if "idle_transfer_threads" in ho else ""),
+                   f"from a core (as a device's cannot): {idle['hidden_fraction']:.3f} hidden, "
+                   f"{idle['transfer_not_waited_for']:.3f} not waited for, launches {idle['launches_of_transfer']:.3f} "
+                   f"of the transfer ({idle['stalled_launches_of_transfer']:.3f} over {ho['stall_us']:.0f} µs)"
+                   if idle else ""),
                 "`python benchmarks/history_overlap.py`"))
     ro = _load("runtime_overhead")
     out.append((f"runtime cost per layer, no-op transport, {ro['layers']} layers",
