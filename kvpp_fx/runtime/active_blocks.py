@@ -149,7 +149,7 @@ class PackedBlocks:
             if unlisted_in_range:
                 out = out.masked_fill(out == self.slot_blocks, 0)
             if owner_rows and table.dim() == 2:
-                out[torch.tensor(owner_rows, dtype=torch.long, device=out.device)] = 0
+                out.index_fill_(0, api.upload(np.asarray(owner_rows, dtype=np.int64)), 0)
         elif kind == SLOT_MAPPING:
             out = api.remap_slot_mapping(table, self.positions, self.block_size, self.slot_blocks)
         else:

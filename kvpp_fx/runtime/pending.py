@@ -60,8 +60,13 @@ def check_flag(device: torch.device, not_arrived: torch.Tensor | None, owners_fa
 
 
 def folded(checks: torch.Tensor) -> torch.Tensor:
-    """`check_flag`'s entries (after their maximum over the group) as one int32 flag of bits, on the device."""
-    return (checks * torch.tensor(BITS, dtype=torch.int32, device=checks.device)).sum(dtype=torch.int32)
+    """`check_flag`'s entries (after their maximum over the group) as one int32 flag of bits, on the device.
+    Each bit multiplies as a Python scalar: a tensor of the bits built from host values each forward would
+    be a blocking upload, which waits for the device."""
+    flag = checks[0] * BITS[0]
+    for entry, bit in enumerate(BITS[1:], start=1):
+        flag = flag + checks[entry] * bit
+    return flag
 
 
 FAILURES = (

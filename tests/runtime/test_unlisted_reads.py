@@ -111,3 +111,33 @@ def test_on_cpu_the_error_is_raised_before_attention_runs():
     assert reader["step"].startswith("UnlistedBlockError: layer 0: row 0 reads block-table entry 1 (block 7), "
                                      "which the forward's packed list does not hold"), reader["step"]
     assert owner["step"].split(":")[0] in ("UnlistedBlockError", "TransferFailedError"), owner["step"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_hybrid_forwards_owner_rows_point_at_position_0_without_a_blocking_upload(device):
+    """A hybrid forward's packed block table: the owner requests' rows point at position 0, which every slot
+    holds (on CPU, the values); on a device (``meta``) nothing of the remap copies host values to the device
+    in a way that waits for it, nor reads the device. The control: the detector sees such an upload."""
+    from kvpp_fx.cache.allocate import allocate_cache
+    from kvpp_fx.cache.cost import BROADCAST, OWNER
+    from kvpp_fx.cache.placement import KVPPPlan
+    from kvpp_fx.runtime.active_blocks import PackedBlocks
+    from kvpp_fx.runtime.device import DeviceAPI
+    from kvpp_fx.runtime.packed_tables import PackedTables
+    from tests.support.host_sync import MetaDeviceAPI
+    from tests.support.specs import toy_spec
+
+    plan = KVPPPlan(toy_spec(4), group_size=2, scratch_blocks=6)
+    api = MetaDeviceAPI() if device == "meta" else DeviceAPI("cpu")
+    storage = allocate_cache(plan, 1, 16, device=device)
+    rows = [[9, 2], [2, 5], [5, -1]]  # request 1 goes to the owner: its row reads nothing here
+    table = torch.tensor(rows, dtype=torch.int32).to(device)
+    detector = HostSyncDetector()
+    with detector:
+        packed = PackedBlocks.prepare(LISTED, (), storage, api)
+        (remapped,) = PackedTables(packed, api, (BROADCAST, OWNER, BROADCAST)).remap([table], ["block_table"])
+    assert detector.reads == [] and detector.uploads == []
+    if device == "cpu":  # blocks 2, 5, 9 at positions 0, 1, 2; padding stays
+        assert remapped.tolist() == [[2, 0], [0, 0], [1, -1]]
+    with pytest.raises(AssertionError, match="uploaded host values to meta with a blocking copy"), detector:
+        torch.tensor([1], device="meta")

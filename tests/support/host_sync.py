@@ -38,22 +38,65 @@ class HostSyncError(AssertionError):
 
 
 class HostSyncDetector(TorchFunctionMode):
-    """Counts host reads of non-CPU tensors; ``strict`` raises `HostSyncError` at the first."""
+    """Counts host reads of non-CPU tensors (``reads``) and blocking uploads of host values to a non-CPU
+    device (``uploads``: a copy from pageable host memory waits for the device's stream, as
+    ``torch.tensor(values, device=...)``, ``.to(device)`` or ``.copy_`` without ``non_blocking``, or a host
+    list or CPU tensor indexing a device tensor do); ``strict`` raises `HostSyncError` at the first.
+    ``torch.tensor`` is not a torch function, so the detector wraps it while it is active."""
 
     def __init__(self, strict: bool = True) -> None:
         super().__init__()
         self.strict = strict
         self.reads: list[str] = []
+        self.uploads: list[str] = []
+        self._tensor = torch.tensor
+
+    def __enter__(self):
+        factory = self._tensor
+
+        def tensor(data, *args, **kwargs):
+            if not _on_host(kwargs.get("device")):
+                self._found(self.uploads, "tensor", f"uploaded host values to {kwargs['device']} with a blocking copy")
+            return factory(data, *args, **kwargs)
+
+        torch.tensor = tensor
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.tensor = self._tensor
+        return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", repr(func))
         if args and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu" and self._reads_host(func, args,
                                                                                                        kwargs):
-            name = getattr(func, "__name__", repr(func))
-            self.reads.append(name)
-            if self.strict:
-                raise HostSyncError(f"the step read a {args[0].device.type} tensor on the host ({name}).")
+            self._found(self.reads, name, f"read a {args[0].device.type} tensor on the host")
+        elif self._uploads_blocking(func, args, kwargs):
+            self._found(self.uploads, name, "uploaded host values to the device with a blocking copy")
         return func(*args, **kwargs)
+
+    def _found(self, into: list[str], name: str, what: str) -> None:
+        into.append(name)
+        if self.strict:
+            raise HostSyncError(f"the step {what} ({name}).")
+
+    @staticmethod
+    def _uploads_blocking(func, args, kwargs) -> bool:
+        if func is torch.as_tensor:
+            return not isinstance(args[0], torch.Tensor) and not _on_host(kwargs.get("device"))
+        if not args or not isinstance(args[0], torch.Tensor):
+            return False
+        if func is torch.Tensor.to and args[0].device.type == "cpu":
+            target = kwargs.get("device", args[1] if len(args) > 1 else None)
+            return isinstance(target, (str, torch.device)) and not _on_host(target) and not kwargs.get("non_blocking")
+        if func is torch.Tensor.copy_:
+            return (args[0].device.type != "cpu" and isinstance(args[1], torch.Tensor) and args[1].device.type == "cpu"
+                    and not kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and args[0].device.type != "cpu":
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            return any(isinstance(i, list) or (isinstance(i, torch.Tensor) and i.device.type == "cpu") for i in index)
+        return False
 
     @staticmethod
     def _reads_host(func, args, kwargs) -> bool:
@@ -63,6 +106,10 @@ class HostSyncDetector(TorchFunctionMode):
             target = kwargs.get("device", args[1] if len(args) > 1 else None)
             return isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
         return False
+
+
+def _on_host(device: Any) -> bool:
+    return device is None or torch.device(device).type == "cpu"
 
 
 class _NoOpStream:
