@@ -1,6 +1,6 @@
 """The per-forward agreement: every rank of the group moves the same thing in a forward, or none does.
 
-Ranks that pass different has_history, blocks, mode or load to ``runtime.forward`` would pair
+Ranks that pass different has_history, blocks, mode, load or history_ahead to ``runtime.forward`` would pair
 collectives of different sizes or ids: gloo then accepts a short send silently or aborts the process.
 So every forward of an enabled group starts with one all-reduce of its `AgreementKey`, bounded by the
 timeout, issued when the forward begins (`Agreement.issue`) and checked (`PendingAgreement.check`) later:
@@ -27,7 +27,7 @@ import array
 import enum
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -57,14 +57,21 @@ class AgreementKey:
     block_digest: int = 0  # of the sorted active-block ids
     query_tokens: int = -1  # of the forward's load, when given (owner mode gathers that many per rank)
     row_paths: int = 0  # which requests' rows go to the owner, when the forward names its requests
+    history_ahead: int = 0  # 1: a layer's first streamed history chunk may be issued before its turn
 
-    def values(self) -> tuple[int, int, int, int, int]:
-        return int(self.path), self.block_count, self.block_digest, self.query_tokens, self.row_paths
+    def values(self) -> tuple[int, int, int, int, int, int]:
+        return (int(self.path), self.block_count, self.block_digest, self.query_tokens, self.row_paths,
+                self.history_ahead)
 
     @classmethod
-    def of(cls, path: Any, active: Any) -> AgreementKey:
-        """The key of a forward's chosen path (`path.ChosenPath`) and its packed blocks (None: whole layers
-        or nothing)."""
+    def of(cls, path: Any, active: Any, history_ahead: bool = False) -> AgreementKey:
+        """The key of a forward's chosen path (`path.ChosenPath`), its packed blocks (None: whole layers or
+        nothing) and whether its history chunks stream ahead (a peer that differs would pair an owner's early
+        chunk with another broadcast of the same size)."""
+        return replace(cls._of_path(path, active), history_ahead=int(history_ahead))
+
+    @classmethod
+    def _of_path(cls, path: Any, active: Any) -> AgreementKey:
         query_tokens = path.load.query_tokens if path.load is not None else -1
         rows = _paths_digest(path.rows.modes) if path.rows is not None else 0
         if path.owner:
@@ -87,7 +94,7 @@ def _paths_digest(modes: tuple[str, ...]) -> int:
 
 _FIELD_NAMES = ("history and path (0 none, 1 whole layers, 2 active blocks, 3 owner mode, 4 hybrid)",
                 "active-block count", "active-block set", "query tokens (the load)",
-                "requests' paths (owner or broadcast)")
+                "requests' paths (owner or broadcast)", "history ahead")
 _WIDTH = len(_FIELD_NAMES)
 
 
@@ -154,7 +161,7 @@ class PendingAgreement:
         if differing:
             raise BlockSetMismatchError(
                 f"the ranks disagree on this forward's {', '.join(differing)}; every rank must pass the same "
-                f"has_history, blocks, mode, load and requests to runtime.forward() (this rank: path {int(key.path)}, "
-                f"{key.block_count} blocks). "
+                f"has_history, blocks, mode, load, requests and history_ahead to runtime.forward() (this rank: path "
+                f"{int(key.path)}, {key.block_count} blocks). "
                 + ("Checked when the forward ended (a device): its collectives may not have paired, and the "
                    "runtime is broken." if late else "Nothing was moved."))

@@ -77,6 +77,7 @@ class Forward:
         self._broadcasts = False  # each prefetch issues a broadcast (`begin`)
         self._checks_exchanges = False  # each layer's owner rows must have been exchanged (`begin`)
         self.issued, self._chunks_before = 0, parts.context_rows.issued  # broadcasts; history chunks before it
+        self._agreement_issued = False
         self._flight: BroadcastInFlight | None = None  # the broadcast in flight (at most one)
 
     # --- begin: choose the path, prepare, agree ----------------------------------------------------
@@ -96,7 +97,8 @@ class Forward:
                                                parts.api)
             self._tables = PackedTables(self.active, parts.api, path.request_paths)
         if parts.agreement is not None:
-            self._agreement = parts.agreement.issue(AgreementKey.of(path, self.active))
+            self._agreement = parts.agreement.issue(AgreementKey.of(path, self.active, self.arguments.history_ahead))
+            self._agreement_issued = True
         rows = None
         if path.rows is not None:
             rows = {mode: path.rows.rows(mode, self.arguments.requests) for mode in (BROADCAST, OWNER)}
@@ -206,9 +208,9 @@ class Forward:
         """Complete what is in flight, then check, in order, what only the end of the forward can tell.
 
         `error` is what the forward raised, if anything: it propagates unmasked, and breaks the runtime
-        when this rank issued any collective before it. On a device, what the device computed (the ids
-        that arrived, the owners' status) is left to be read later, without the host waiting
-        (`PendingChecks`)."""
+        when this rank issued any collective before it (on a device, its agreement: `issued_any`). On a
+        device, what the device computed (the ids that arrived, the owners' status) is left to be read
+        later, without the host waiting (`PendingChecks`)."""
         try:
             if self._agreement is not None:
                 late = not self.immediate_checks
@@ -273,8 +275,12 @@ class Forward:
 
     @property
     def issued_any(self) -> bool:
+        """Whether a peer's collectives may now pair with other ones of this rank: this forward issued one, or,
+        checked late (a device), it issued its agreement, past which the peers issue the forward's collectives
+        without the host waiting for this rank's; its next forward's would pair with them."""
         return bool(self.issued or (self.exchange is not None and self.exchange.issued)
-                    or self.parts.context_rows.issued != self._chunks_before)
+                    or self.parts.context_rows.issued != self._chunks_before
+                    or (self._agreement_issued and not self.immediate_checks))
 
     def _complete_on_host(self) -> None:
         flight, self._flight = self._flight, None

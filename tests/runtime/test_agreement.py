@@ -58,13 +58,14 @@ def test_equal_keys_agree_and_the_tensor_is_reused():
     (AgreementKey(ForwardPath.ACTIVE_BLOCKS, 4, (1 << 61) + 12345, -1), ["active-block count"]),
     (AgreementKey(ForwardPath.ACTIVE_BLOCKS, 3, (1 << 61) + 12345, 7), ["query tokens"]),
     (AgreementKey(ForwardPath.OWNER, 3, (1 << 61) + 12345, -1), ["history and path"]),
+    (AgreementKey(ForwardPath.ACTIVE_BLOCKS, 3, (1 << 61) + 12345, -1, history_ahead=1), ["history ahead"]),
 ])
 def test_a_peer_that_differs_is_named_field_by_field(peer, named):
     agree, health = agreement(PeerAPI(peer))
     with pytest.raises(BlockSetMismatchError) as error:
         agree.agree(KEY)
     message = str(error.value)
-    fields = ("history and path", "active-block count", "active-block set", "query tokens")
+    fields = ("history and path", "active-block count", "active-block set", "query tokens", "history ahead")
     assert [f for f in fields if f in message.split("; every rank")[0]] == named
     assert "this rank: path 2, 3 blocks" in message and "Nothing was moved" in message
     assert health.cause is None  # the agreement kept the group in step: the runtime stays usable

@@ -95,7 +95,7 @@ def prefetch_ranks(rank: int, world: int, ahead: bool, drop: tuple[str, ...], sk
 
     out = {"owned": list(rt.plan.owned_layers(rt.rank))}
     try:
-        with rt.forward(has_history=False, history_ahead=ahead):
+        with rt.forward(has_history=False, history_ahead=rank == 0 if ahead == "rank 0 only" else ahead):
             run_layers(rt, attend)
     except E.KVPPRuntimeError as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -209,3 +209,12 @@ def test_a_forward_that_raises_with_a_chunk_in_flight_completes_it_and_breaks():
     for result in launch(raised_with_a_chunk_in_flight_ranks, 2, timeout_s=60):
         assert result["raised"] == "the layer's attention failed" and not result["in_flight"], result
         assert result["broken"] == "RuntimeError: the layer's attention failed", result
+
+
+def test_ranks_that_disagree_on_history_ahead_refuse_the_forward_before_anything_moves():
+    """Rank 0 would issue each layer's first chunk ahead, rank 1 at its call: a broadcast of the same size
+    and source, which would pair with the wrong one. The agreement names the field on both ranks."""
+    for out in launch(prefetch_ranks, 2, "rank 0 only", None, timeout_s=60):
+        assert out["error"].startswith("BlockSetMismatchError: the ranks disagree on this forward's history "
+                                       "ahead;"), out
+        assert out["received"] == [] and out["chunks"] == 0 and not out["broken"], out

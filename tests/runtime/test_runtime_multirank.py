@@ -25,7 +25,8 @@ from kvpp_fx.runtime.device import DeviceAPI
 from kvpp_fx.runtime.runtime import KVPPRuntime
 from kvpp_fx.topology import create_kvpp_process_groups
 from tests.runtime.ordering import RecordingDeviceAPI, check_happens_before
-from tests.support.faults import DroppedBlock, FailingWait, SkewedBroadcasts, UnwaitedBroadcasts
+from tests.runtime.test_owner_runtime import LateChecks
+from tests.support.faults import DroppedBlock, DroppedBroadcast, FailingWait, SkewedBroadcasts, UnwaitedBroadcasts
 from tests.support.launch import fresh_group, kvpp_group, launch
 from tests.support.specs import TOY_BLOCK, TOY_WIDTH, toy_spec
 from tests.support.toy_runtime import TOY_BLOCKS, pattern, run_layers, toy_runtime, write_owned
@@ -44,8 +45,11 @@ def stage_runtime(world: int, tp: int, pp: int, num_layers: int, *, pg_timeout_s
 
 # --- every rank reads the owner's bytes -----------------------------------------------------------------
 
-def correctness_ranks(rank: int, world: int, tp: int, pp: int, num_layers: int, forwards: int):
-    rt = stage_runtime(world, tp, pp, num_layers)
+def correctness_ranks(rank: int, world: int, tp: int, pp: int, num_layers: int, forwards: int,
+                      zeros_at: int | None = None):
+    """``zeros_at``: the owner of that target layer position sends zeros instead of its bytes (`DroppedBroadcast`)."""
+    fault = {} if zeros_at is None else {"device_api": DroppedBroadcast(torch.device("cpu"), zeros_at)}
+    rt = stage_runtime(world, tp, pp, num_layers, **fault)
     me = rt.rank
     mismatches, records = [], []
     for f in range(forwards):
@@ -94,6 +98,15 @@ def test_every_rank_reads_the_owners_bytes(world, tp, pp):
         assert res["stats"]["scratch_buffers"] == 2
     owned = sorted(layer for res in results for layer in res["owned"])
     assert owned == list(range(8))
+
+
+def test_negative_control_a_layer_sent_as_zeros_is_read_wrong_exactly_where_it_is_received():
+    results = launch(correctness_ranks, 2, 2, 1, 8, 6, 2)
+    layer = results[0]["layers"][2]
+    for res in results:
+        received = layer not in res["owned"]
+        assert res["mismatches"] == ([(f, layer) for f in range(6) if f % 3] if received else []), res["mismatches"]
+    assert sum(layer in res["owned"] for res in results) == 1
 
 
 # --- races under random skews -----------------------------------------------------------------------------
@@ -260,11 +273,15 @@ class Abort(Exception):
     """The stand-in for any exception a model raises mid-forward."""
 
 
-def abort_ranks(rank: int, world: int, trials: int, later_forwards: int, mode: str, recovery: str):
+def abort_ranks(rank: int, world: int, trials: int, later_forwards: int, mode: str, recovery: str,
+                checks: str = "immediate"):
     """Each trial: a fresh group; forward 0 runs clean, forward 1 aborts, then `later_forwards` forwards.
 
     ``mode="after-first"``: every rank raises right after ``prefetch(first)``, with a random 0-20 ms skew.
     ``mode="mixed"``: rank 0 raises before its first prefetch, the others right after it.
+    ``mode="one-rank"``: rank 0 raises before its first prefetch, the others run the forward to its end.
+    ``checks="late"``: a device's order of checks (`LateChecks`, the agreement on a host group of its own):
+    the peers issue the forward's collectives without the host waiting for rank 0's agreement.
     ``recovery="none"`` keeps the runtime; ``"new-runtime"`` (the negative control) replaces it before
     each later forward by a new runtime over the same group and cache: that forgets the group may be
     out of step, as a runtime that never broke would (recovery needs a new group too).
@@ -274,7 +291,12 @@ def abort_ranks(rank: int, world: int, trials: int, later_forwards: int, mode: s
     outcomes, wrong = [], []
     for trial in range(trials):
         group = fresh_group(world, timeout_s=4.0)
-        rt = toy_runtime(group, 4, timeout=3.0)
+        late = {}
+        if checks == "late":
+            api = LateChecks("cpu")
+            api.completed = True  # each forward's checks are read when the next begins, as a device's that finished
+            late = {"device_api": api, "agreement_group": fresh_group(world, timeout_s=4.0)}
+        rt = toy_runtime(group, 4, timeout=3.0, **late)
         forward = 0
         write_owned(rt, forward)
         with rt.forward(has_history=True):
@@ -284,17 +306,20 @@ def abort_ranks(rank: int, world: int, trials: int, later_forwards: int, mode: s
         first = rt.plan.target_layers[0]
         try:
             with rt.forward(has_history=True):
-                if mode == "mixed" and rank == 0:
+                if mode in ("mixed", "one-rank") and rank == 0:
                     raise Abort("before the first prefetch")
-                rt.prefetch(first, rt.plan.slot(first))
-                time.sleep(skew.uniform(0.0, 0.020))
-                raise Abort("after the first prefetch")
-        except Abort:
+                if mode == "one-rank":
+                    run_layers(rt)
+                else:
+                    rt.prefetch(first, rt.plan.slot(first))
+                    time.sleep(skew.uniform(0.0, 0.020))
+                    raise Abort("after the first prefetch")
+        except (Abort, E.KVPPRuntimeError):  # one-rank: the peers wait in vain for rank 0's broadcasts
             pass
         trial_outcomes = []
         for _ in range(later_forwards):
             if recovery == "new-runtime":
-                rt = KVPPRuntime.create(rt.plan, rt.storage, group, timeout=3.0)
+                rt = KVPPRuntime.create(rt.plan, rt.storage, group, timeout=3.0, **late)
             forward += 1
             write_owned(rt, forward)
             f = forward
@@ -318,9 +343,10 @@ def abort_ranks(rank: int, world: int, trials: int, later_forwards: int, mode: s
     return {"outcomes": outcomes, "wrong": wrong}
 
 
-@pytest.mark.parametrize("mode", ["after-first", "mixed"])
-def test_an_aborted_forward_never_yields_wrong_bytes_later(mode):
-    results = launch(abort_ranks, 2, 4, 3, mode, "none", timeout_s=150)
+@pytest.mark.parametrize("mode,checks,trials", [("after-first", "immediate", 4), ("mixed", "immediate", 4),
+                                                ("one-rank", "late", 2)])
+def test_an_aborted_forward_never_yields_wrong_bytes_later(mode, checks, trials):
+    results = launch(abort_ranks, 2, trials, 3, mode, "none", checks, timeout_s=150)
     for rank, res in enumerate(results):
         assert res["wrong"] == [], res
         for outcomes in res["outcomes"]:
@@ -329,6 +355,8 @@ def test_an_aborted_forward_never_yields_wrong_bytes_later(mode):
             assert outcomes[-1] == "broken"  # every rank ends up refusing: the group is out of step
     if mode == "after-first":  # every rank issued a broadcast and raised: all broken at once
         assert all(o == ["broken"] * 3 for res in results for o in res["outcomes"])
+    if mode == "one-rank":  # rank 0 broke as it raised (its peer went on), rank 1 once its wait expired
+        assert all(o == ["broken"] * 3 for res in results for o in res["outcomes"]), results
 
 
 def test_negative_control_without_breaking_an_abort_yields_wrong_bytes():

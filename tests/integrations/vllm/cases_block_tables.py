@@ -173,9 +173,31 @@ def test_amx_mlas_token_table_follows_the_remapped_block_table():
     original.extend_start_loc = torch.tensor([0, 3])
     remapped = dataclasses.replace(original, block_table=torch.tensor([[0, 1], [2, 0]], dtype=torch.int32))
     out = _with_backend_attributes(original, remapped, 16, 3)
-    assert torch.equal(out.req_to_token, _expand_block_table(remapped.block_table, 16).to(torch.int64))
+    # a token's row is its block * 16 + its offset: blocks 0, 1 / 2, 0 after the remap, 5, 9 / 7, 0 before
+    assert torch.equal(out.req_to_token, torch.tensor([[*range(0, 32)], [*range(32, 48), *range(16)]]))
     assert out.req_to_token.dtype == torch.int64 and out.extend_start_loc is original.extend_start_loc
-    assert torch.equal(original.req_to_token, _expand_block_table(original.block_table, 16).to(torch.int64))
+    assert torch.equal(original.req_to_token, torch.tensor([[*range(80, 96), *range(144, 160)],
+                                                            [*range(112, 128), *range(16)]]))
     original.block_ids_of_its_own = torch.tensor([9])  # an attribute KVPP does not know: refused by name
     with pytest.raises(PackedMetadataError, match="block_ids_of_its_own"):
         _with_backend_attributes(original, dataclasses.replace(original), 16, 3)
+
+
+def test_a_decode_field_of_block_ids_besides_the_block_table_is_refused():
+    """ROCm AITER's decode metadata carries its own page table (``paged_kv_indices``, block ids times the block
+    size plus offsets), which its kernels read instead of ``block_table``: left as vLLM built it, a non-owner
+    would read its packed slot at pool positions. The control: the same metadata without it passes."""
+    import dataclasses
+
+    from vllm.v1.attention.backends.mla.rocm_aiter_mla import AiterMLADecodeMetadata
+
+    from kvpp_fx.integrations.vllm.attention.packed_metadata import PackedMetadataError, _with_backend_attributes
+
+    table, seq_lens = torch.tensor([[5, 9]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    decode = AiterMLADecodeMetadata(table, seq_lens, None, paged_kv_indices=torch.tensor([5, 9], dtype=torch.int32))
+    with pytest.raises(PackedMetadataError, match=r"layer 3: AiterMLADecodeMetadata holds block ids in "
+                                                  r"\['paged_kv_indices'\] besides its block_table"):
+        _with_backend_attributes(decode, dataclasses.replace(decode, block_table=table - 5), 16, 3)
+    plain = dataclasses.replace(decode, paged_kv_indices=None)
+    out = _with_backend_attributes(plain, dataclasses.replace(plain, block_table=table - 5), 16, 3)
+    assert out.block_table.tolist() == [[0, 4]] and out.paged_kv_indices is None

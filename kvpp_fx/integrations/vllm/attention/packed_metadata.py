@@ -143,7 +143,16 @@ def remap_metadata(metadata: Any, remap: Remap, index: int) -> Any:
 
 
 def _with_backend_attributes(original: Any, copy: Any, block_size: int, index: int) -> Any:
-    """`copy` (remapped fields) with the attributes a backend's builder set on `original` outside its fields."""
+    """`copy` (remapped fields) with the attributes a backend's builder set on `original` outside its fields.
+    A field besides the block table that holds block ids (a backend's own page table, as ROCm AITER's
+    ``paged_kv_indices``) is refused: its kernel would read the slot at pool positions."""
+    own_tables = [f.name for f in dataclasses.fields(original)
+                  if f.name != "block_table" and ("block" in f.name or "kv_indices" in f.name)
+                  and isinstance(getattr(original, f.name), torch.Tensor)]
+    if own_tables:
+        raise PackedMetadataError(
+            f"layer {index}: {type(original).__name__} holds block ids in {own_tables} besides its block_table, "
+            "which KVPP does not remap to a packed scratch slot.")
     fields = {f.name for f in dataclasses.fields(original)}
     for name, value in vars(original).items():
         if name in fields:
