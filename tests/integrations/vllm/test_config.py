@@ -125,13 +125,19 @@ def test_rules_apply_in_order():
     dict(kv_connector="NixlConnector", kv_role="kv_producer", kv_connector_module_path="my_pkg.connectors"),
 ])
 def test_supported_deployments_pass(ok):
-    ON.validate(Deployment(tp=4, **ok))
+    assert ON.validate(Deployment(tp=4, **ok)) is None
+    with pytest.raises(ValueError) as info:  # control: the same deployment with DCP is checked, and refused
+        ON.validate(Deployment(tp=4, dcp=2, **ok))
+    assert str(info.value) == C.MSG_DCP
 
 
-@pytest.mark.parametrize("overrides,_message", RULES)
-def test_disabled_config_accepts_everything(overrides, _message):
-    KVPPConfig(enable_kvpp=False, tp=4).validate(Deployment(tp=4, **overrides))
-    KVPPConfig(enable_kvpp=True, tp=1).validate(Deployment(**overrides))
+@pytest.mark.parametrize("overrides,message", RULES)
+def test_disabled_config_accepts_everything(overrides, message):
+    assert KVPPConfig(enable_kvpp=False, tp=4).validate(Deployment(tp=4, **overrides)) is None
+    assert KVPPConfig(enable_kvpp=True, tp=1).validate(Deployment(**overrides)) is None
+    with pytest.raises(ValueError) as info:  # control: enabled on 4 ranks, the same deployment is refused
+        ON.validate(Deployment(tp=4, **overrides))
+    assert str(info.value) == message
 
 
 def test_validate_accepts_a_plain_dict():

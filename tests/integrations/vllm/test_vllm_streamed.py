@@ -185,9 +185,16 @@ def test_the_platforms_own_mla_backend_gives_the_tokens_of_kvpp_off(platform_bac
     assert on["config"]["block_size"] == (128 if HOST_HAS_AMX else 16)
     assert on["tokens"] == off["tokens"] and len(on["tokens"]) == 3
     assert all(len(t) == 8 for t in on["tokens"]) and len(set(on["tokens"][1])) > 1
-    # The negative control on this backend.
+    # The negative control on this backend: the faulty run ran its fault, on the path the fault breaks
     assert on["faulty"] != on["tokens"]
-    assert all(s["broadcasts"] + s["context_chunks"] > 0 for s in on["stats"])
+    fault = FAULT if HOST_HAS_AMX else WRONG_RANK_HISTORY
+    for stats, counts in zip(on["faulty_stats"], on["faulty_counts"], strict=True):
+        assert stats["device_api"] == fault, stats
+        if HOST_HAS_AMX:  # tables as given, where the history is broadcast
+            assert stats["broadcasts"] > 0, stats
+        else:  # every history chunk broadcast from the rank after its owner
+            chunks = stats["context_chunks"]
+            assert chunks > 0 and counts["WrongRankHistory"] == {"history_chunks": chunks, "wrong_rank": chunks}, counts
 
 
 def test_chunked_prefill_and_prefix_hits_read_history_from_the_owners(platform_backend_runs):

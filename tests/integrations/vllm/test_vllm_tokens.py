@@ -11,6 +11,8 @@ from kvpp_fx.integrations.vllm.setup.compile_modes import KVPP_BACKEND, compile_
 from tests.integrations.vllm.engine_runs import EAGER, FAULT, FP32, MTP_CPU_MLA, run_engines
 from tests.integrations.vllm.tiny_model import NUM_LAYERS
 
+DROPPED_LAYER_2 = "tests.support.faults:dropped_broadcast_of_layer_2"
+
 pytestmark = pytest.mark.vllm
 
 
@@ -139,7 +141,7 @@ def runner_runs(tiny_deepseek):
     variants = {"v1-off": {"args": common, "env": v1},
                 "v1-on": {"kvpp": True, "args": common, "env": v1, "fault": FAULT},
                 "pcp-off": {"args": pcp},
-                "pcp-on": {"kvpp": True, "args": pcp, "fault": "tests.support.faults:dropped_broadcast_of_layer_2"}}
+                "pcp-on": {"kvpp": True, "args": pcp, "fault": DROPPED_LAYER_2}}
     return run_engines(tiny_deepseek, variants)
 
 
@@ -167,4 +169,7 @@ def test_pcp_groups_give_the_tokens_of_kvpp_off(runner_runs):
         assert "prefill context parallelism" in stats["owner_blocker"] and stats["packed_layers"] == 0
         assert stats["broadcasts"] == NUM_LAYERS * (stats["forwards"] - 1) > 0 and stats["exchanges"] == 0
         assert stats["bytes"] == stats["broadcasts"] * stats["num_blocks"] * page, stats  # whole layers
-    assert on["faulty"] != on["tokens"]
+    assert on["faulty"] != on["tokens"]  # layer 2's owner (rank 0) sent zeros for it, as whole layers
+    for stats in on["faulty_stats"]:  # the faulty run's runtime: it broadcast every layer whole in every step
+        assert stats["device_api"] == DROPPED_LAYER_2 and stats["packed_layers"] == 0, stats
+        assert stats["broadcasts"] == NUM_LAYERS * (stats["forwards"] - 1) > 0, stats
