@@ -31,10 +31,16 @@ ranks on 2 cores). For comparison the benchmark also launches broadcasts alone, 
 values, each completed before the next, and reports the 90th percentile of each. A device's launch is
 microseconds.
 
-The whole measurement runs twice, on new rank processes: as is, then with the threads that gloo starts for
-the exchange group (its TCP loop and its workers) at idle priority (``SCHED_IDLE``): they run when a core
-is free and never keep the host thread from one, as a device's transfer never takes the host's core. Both
-runs launch from the host thread; the second shows how much of the first's loss is the contention.
+The whole measurement runs three times, each on new rank processes: as is; then with the threads that gloo
+starts for the exchange group (its TCP loop and its workers) at idle priority (``SCHED_IDLE``): they run when
+a core is free and never keep the host thread from one, as a device's transfer never takes the host's core;
+then, gloo's threads still idle, with the side stream modeled by a thread (`SideStreamThread`, a device API
+of this benchmark; the runtime is the same): every broadcast is handed to one worker thread, which launches
+it on a twin group of the same ranks, so the host thread pays the hand-over instead of gloo's launch, as it
+pays a kernel launch on a device. Its transfer includes the hand-over and the thread's wake-up (each run
+reports its transfer per chunk, and sizes its compute stand-in by its own). The first two runs launch from
+the host thread; the second shows how much of the first's loss is the contention, the third how much of the
+rest is gloo's launch on the host thread.
 
 A first forward of each run (not timed) checks every chunk each rank received against the owner's rows.
 
@@ -45,9 +51,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import statistics
 import sys
+import threading
 import time
+from concurrent.futures import Future
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -82,6 +92,42 @@ class TimedLaunches(DeviceAPI):
             return super().broadcast(tensor, src, group)
         finally:
             self.launches.append(time.perf_counter() - start)
+
+
+class SideStreamThread(TimedLaunches):
+    """A device's side stream, modeled on CPU: one worker thread launches every broadcast, in the order the
+    host thread hands them over (so the ranks pair them as before), on a twin of the exchange group that
+    nothing else uses. The host thread pays the hand-over, timed as the launch; waiting for a broadcast
+    waits for the thread's launch of it, then for gloo's completion, bounded by the runtime's timeout."""
+
+    def __init__(self, twins: dict) -> None:
+        super().__init__()
+        self.twins = twins
+        self.handed: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._launch_in_order, daemon=True).start()
+
+    def _launch_in_order(self) -> None:
+        while True:
+            launched, tensor, src, group = self.handed.get()
+            try:
+                launched.set_result(dist.broadcast(tensor, src=src, group=group, async_op=True))
+            except Exception as exc:  # the wait raises it
+                launched.set_exception(exc)
+
+    def broadcast(self, tensor, src, group):
+        start = time.perf_counter()
+        launched: Future = Future()
+        self.handed.put((launched, tensor, src, self.twins[group]))
+        self.launches.append(time.perf_counter() - start)
+        return launched
+
+    def wait_work(self, work, timeout: timedelta) -> None:
+        if isinstance(work, Future):  # a broadcast (the runtime's other collectives stay on the host thread)
+            work = work.result(timeout.total_seconds())
+        work.wait(timeout)
+
+    def host_wait_work(self, work, timeout: timedelta) -> None:
+        self.wait_work(work, timeout)
 
 
 class Chunks:
@@ -142,14 +188,16 @@ def at_idle_priority(tids: set[int]) -> None:
                                "--as-is-only") from exc
 
 
-def worker(rank, world, layers, history, chunk_tokens, repeats, idle_transfer_threads):
+def worker(rank, world, layers, history, chunk_tokens, repeats, idle_transfer_threads, side_stream_thread):
     blocks = history // BLOCK + 1
     spec = ModelCacheSpec("bench", BLOCK, tuple(LayerCacheSpec(i, (ComponentSpec("kv", "bfloat16", (WIDTH,)),))
                                                for i in range(layers)))
     plan = KVPPPlan(spec, group_size=world, scratch_blocks=8)  # compact slots: history streams, slots stay small
     before = threads()
     group = create_kvpp_process_groups(kvpp_groups(world, tp=world))
-    gloo_threads = threads() - before  # the exchange group's: gloo's TCP loop and its workers
+    twin = dist.new_group(dist.get_process_group_ranks(group), timeout=timedelta(seconds=60)) \
+        if side_stream_thread else None
+    gloo_threads = threads() - before  # the exchange group's (and its twin's): gloo's TCP loop and its workers
     if idle_transfer_threads:
         at_idle_priority(gloo_threads)
     storage = allocate_cache(plan, dist.get_rank(group), blocks)
@@ -196,16 +244,19 @@ def worker(rank, world, layers, history, chunk_tokens, repeats, idle_transfer_th
             raise AssertionError(f"rank {rank} read other rows than the owner's for chunks {wrong[:5]}")
         return elapsed
 
+    def device_api():
+        return SideStreamThread({group: twin}) if side_stream_thread else TimedLaunches()
+
     def create(**options):
-        return KVPPRuntime.create(plan, storage, group, timeline=Timeline(rank), device_api=TimedLaunches(), **options)
+        return KVPPRuntime.create(plan, storage, group, timeline=Timeline(rank), device_api=device_api(), **options)
 
     def launched_alone(values, times=40):
-        api, payload, took = TimedLaunches(), torch.zeros(values, dtype=torch.bfloat16), []
+        api, payload, took = device_api(), torch.zeros(values, dtype=torch.bfloat16), []
         for _ in range(times):
             dist.barrier(group)
             work = api.broadcast(payload, dist.get_global_rank(group, 0), group)
             took.append(api.launches[-1])
-            work.wait()
+            api.host_wait_work(work, timedelta(seconds=60))
         return sorted(took)[int(0.9 * times)]
 
     alone_p90 = {"chunk": launched_alone(chunk_tokens * WIDTH), "16 values": launched_alone(16)}
@@ -264,6 +315,7 @@ def figures(res: dict) -> dict:
     own_work = med["in_prefetched_calls"] - med["waited"] - med["gathering"] - med["launching"]
     return {"seconds": {k: summary(res[k]) for k in TIMED}, "medians": med,
             "compute_per_chunk_ms": res["compute_per_chunk_s"] * 1e3,
+            "transfer_per_chunk_ms": med["transfer"] / res["chunks_per_forward"] * 1e3,
             "found_in_flight_per_forward": res["found_in_flight"] / res["forwards"],
             "hidden_fraction": (med["serial"] - med["prefetched"]) / med["transfer"],
             "gained_against_no_plan": (med["without_plan"] - med["prefetched"]) / med["without_plan_transfer"],
@@ -278,7 +330,8 @@ def figures(res: dict) -> dict:
 
 def show(title: str, f: dict, res: dict) -> None:
     med, own_work = f["medians"], f["own_work"]
-    print(f"{title}: compute {f['compute_per_chunk_ms']:.2f} ms/chunk; {f['found_in_flight_per_forward']:.0f} of "
+    print(f"{title}: transfer {f['transfer_per_chunk_ms']:.2f} ms/chunk, compute {f['compute_per_chunk_ms']:.2f} "
+          f"ms/chunk; {f['found_in_flight_per_forward']:.0f} of "
           f"{res['chunks_per_forward']} chunks found in flight per forward")
     print(f"serial {med['serial'] * 1e3:.1f} ms  prefetched {med['prefetched'] * 1e3:.1f} ms  "
           f"transfer {med['transfer'] * 1e3:.1f} ms  -> hidden fraction {f['hidden_fraction']:.3f}")
@@ -297,6 +350,9 @@ def show(title: str, f: dict, res: dict) -> None:
           f"{alone['16 values']:.0f} us for 16 values")
 
 
+RUNS = {"as is": (False, False), "idle": (True, False), "side stream thread": (True, True)}  # idle, side thread
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
@@ -305,25 +361,27 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", default=None)
     parser.add_argument("--as-is-only", action="store_true",
-                        help="skip the run with gloo's threads at idle priority")
+                        help="skip the runs with gloo's threads at idle priority and with a side stream thread")
     args = parser.parse_args(argv)
     runs = {}
-    for idle in (False,) if args.as_is_only else (False, True):
-        res = run_ranks(worker, 2, args.layers, args.history, args.chunk, args.repeats, idle, timeout_s=600)[0]
-        runs[idle] = (res, figures(res))
+    for name in ("as is",) if args.as_is_only else RUNS:
+        idle, side_thread = RUNS[name]
+        res = run_ranks(worker, 2, args.layers, args.history, args.chunk, args.repeats, idle, side_thread,
+                        timeout_s=600)[0]
+        runs[name] = (res, figures(res))
         show(f"{args.layers} layers, {args.history}-token history in {args.chunk}-token chunks "
-             f"({res['chunk_bytes'] / 2**20:.2f} MiB), gloo's {res['gloo_threads']} threads "
-             + ("at idle priority" if idle else "as is"), runs[idle][1], res)
-    res, as_is = runs[False]
+             f"({res['chunk_bytes'] / 2**20:.2f} MiB), {name} (gloo's {res['gloo_threads']} threads"
+             + (" at idle priority)" if idle else ")"), runs[name][1], res)
+    res, as_is = runs["as is"]
     keep = ("hidden_fraction", "gained_against_no_plan", "transfer_not_waited_for", "launches_of_transfer",
             "stalled_launches_of_transfer", "median_launch_us", "launched_alone_p90_us", "runtime_work_of_transfer",
-            "compute_per_chunk_ms", "found_in_flight_per_forward")
+            "compute_per_chunk_ms", "transfer_per_chunk_ms", "found_in_flight_per_forward")
     result = {"layers": args.layers, "history_tokens": args.history, "chunk_tokens": args.chunk,
               "chunk_bytes": res["chunk_bytes"], "chunks_per_forward": res["chunks_per_forward"],
               "seconds": as_is["seconds"], **{k: as_is[k] for k in keep}, "stall_us": STALL * 1e6, "goal": 0.9}
-    if True in runs:
-        idle = runs[True][1]
-        result["idle_transfer_threads"] = {"seconds": idle["seconds"], **{k: idle[k] for k in keep}}
+    for name, key in (("idle", "idle_transfer_threads"), ("side stream thread", "side_stream_thread")):
+        if name in runs:
+            result[key] = {"seconds": runs[name][1]["seconds"], **{k: runs[name][1][k] for k in keep}}
     write_result("history_overlap", result, args.out)
     return 0
 
