@@ -290,6 +290,7 @@ def abort_ranks(rank: int, world: int, trials: int, later_forwards: int, mode: s
     skew = random.Random(rank * 7919 + 17)
     outcomes, wrong = [], []
     for trial in range(trials):
+        dist.barrier()  # every rank is done with the last trial: a peer may still be waiting out its timeout
         group = fresh_group(world, timeout_s=4.0)
         late = {}
         if checks == "late":

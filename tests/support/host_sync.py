@@ -1,10 +1,11 @@
 """A host-sync detector, and one vLLM step of a KVPP engine driven on the `meta` device.
 
 On a GPU, a step that reads a device value on the host (``.item()``, ``.tolist()``, ``bool()``, a copy to
-the host) waits for the device. On a CPU host nothing waits, so the detector puts the step's device
-values on the ``meta`` device, where such a read cannot return a value: `HostSyncDetector` (a torch
-function mode) counts every host read of a non-CPU tensor and raises `HostSyncError` naming it, before
-torch's own meta error.
+the host) waits for the device, and so does a blocking copy of host values to it (from pageable memory,
+as ``torch.tensor(values, device=...)`` makes). On a CPU host nothing waits, so the detector puts the
+step's device values on the ``meta`` device, where such a read cannot return a value: `HostSyncDetector`
+(a torch function mode) counts every host read of a non-CPU tensor and every blocking upload to one, and
+raises `HostSyncError` naming it, before torch's own meta error.
 
 `MetaDeviceAPI` is a `DeviceAPI` on ``meta`` with a no-op transport: streams and events that do
 nothing, collectives that complete at once and move nothing, and deferred reads that never touch the
@@ -34,7 +35,7 @@ HOST_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, tor
 
 
 class HostSyncError(AssertionError):
-    """A step read a device value on the host."""
+    """A step read a device value on the host, or copied host values to the device with a blocking copy."""
 
 
 class HostSyncDetector(TorchFunctionMode):
@@ -49,10 +50,10 @@ class HostSyncDetector(TorchFunctionMode):
         self.strict = strict
         self.reads: list[str] = []
         self.uploads: list[str] = []
-        self._tensor = torch.tensor
+        self._tensor = None  # torch.tensor as found on entry, restored on exit
 
     def __enter__(self):
-        factory = self._tensor
+        factory = self._tensor = torch.tensor
 
         def tensor(data, *args, **kwargs):
             if not _on_host(kwargs.get("device")):
@@ -84,18 +85,27 @@ class HostSyncDetector(TorchFunctionMode):
     @staticmethod
     def _uploads_blocking(func, args, kwargs) -> bool:
         if func is torch.as_tensor:
-            return not isinstance(args[0], torch.Tensor) and not _on_host(kwargs.get("device"))
+            on_device = isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu"
+            return not on_device and not _on_host(kwargs.get("device"))
         if not args or not isinstance(args[0], torch.Tensor):
             return False
-        if func is torch.Tensor.to and args[0].device.type == "cpu":
+        if func is torch.Tensor.new_tensor:  # host values onto self's device
+            return args[0].device.type != "cpu" and not (isinstance(args[1], torch.Tensor)
+                                                          and args[1].device.type != "cpu")
+        if func in (torch.Tensor.to, torch.Tensor.cuda) and args[0].device.type == "cpu":
             target = kwargs.get("device", args[1] if len(args) > 1 else None)
+            target = target.device if isinstance(target, torch.Tensor) else target
+            if func is torch.Tensor.cuda:
+                target = "cuda"
             return isinstance(target, (str, torch.device)) and not _on_host(target) and not kwargs.get("non_blocking")
         if func is torch.Tensor.copy_:
             return (args[0].device.type != "cpu" and isinstance(args[1], torch.Tensor) and args[1].device.type == "cpu"
                     and not kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
         if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__) and args[0].device.type != "cpu":
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
-            return any(isinstance(i, list) or (isinstance(i, torch.Tensor) and i.device.type == "cpu") for i in index)
+            value = (args[2],) if func is torch.Tensor.__setitem__ else ()
+            return any(isinstance(i, list) or (isinstance(i, torch.Tensor) and i.device.type == "cpu" and i.dim() > 0)
+                       for i in (*index, *value))
         return False
 
     @staticmethod

@@ -126,9 +126,9 @@ def test_rules_apply_in_order():
 ])
 def test_supported_deployments_pass(ok):
     assert ON.validate(Deployment(tp=4, **ok)) is None
-    with pytest.raises(ValueError) as info:  # control: the same deployment with DCP is checked, and refused
-        ON.validate(Deployment(tp=4, dcp=2, **ok))
-    assert str(info.value) == C.MSG_DCP
+    with pytest.raises(ValueError) as info:  # control: past the rules before it, full graphs are refused
+        ON.validate(Deployment(tp=4, **{**ok, "graph_mode": "full"}))
+    assert str(info.value) == C.MSG_GRAPH_MODE
 
 
 @pytest.mark.parametrize("overrides,message", RULES)
