@@ -5,7 +5,7 @@ Two gloo ranks own 4 of 8 layers each. A prefill row with a 16K-token history re
 prefill does: in 2K-token chunks landing in one workspace (576 bfloat16 values a token, 2.25 MiB a
 chunk), each followed by the chunk's attention, here a compute stand-in that releases the CPU (a sleep,
 as a device kernel lets the host wait; `overlap_model.py` does the same), sized to 1.2x one chunk's
-broadcast. The forward runs three ways:
+broadcast as the serial forward times it. The forward runs three ways:
 
 - prefetched: the next chunk, and the next layer's first, issued while the current one computes, the
   workspace and the prefetch buffer taking turns;
@@ -15,6 +15,9 @@ broadcast. The forward runs three ways:
   plan gets).
 
 Transfer time is the sum of the serial run's chunk spans, each from its broadcast's issue to its completion.
+Each repeat runs the three forwards with one compute stand-in, 1.2x a chunk's transfer in the repeat before
+(a probe's for the first), so that the stand-in follows the host's pace; the figures are the medians of the
+repeats':
 
     hidden = (serial - prefetched) / transfer
     gained = (without a plan - prefetched) / its transfer
@@ -37,10 +40,10 @@ a core is free and never keep the host thread from one, as a device's transfer n
 then, gloo's threads still idle, with the side stream modeled by a thread (`SideStreamThread`, a device API
 of this benchmark; the runtime is the same): every broadcast is handed to one worker thread, which launches
 it on a twin group of the same ranks, so the host thread pays the hand-over instead of gloo's launch, as it
-pays a kernel launch on a device. Its transfer includes the hand-over and the thread's wake-up (each run
-reports its transfer per chunk, and sizes its compute stand-in by its own). The first two runs launch from
-the host thread; the second shows how much of the first's loss is the contention, the third how much of the
-rest is gloo's launch on the host thread.
+pays a kernel launch on a device. Its transfer includes the hand-over and the thread's wake-up. Each run
+reports its transfer and its stand-in per chunk, and the stand-in against the transfer it was timed with.
+The first two runs launch from the host thread; the second shows how much of the first's loss is the
+contention, the third how much of the rest is gloo's launch on the host thread.
 
 A first forward of each run (not timed) checks every chunk each rank received against the owner's rows.
 
@@ -260,29 +263,37 @@ def worker(rank, world, layers, history, chunk_tokens, repeats, idle_transfer_th
         return sorted(took)[int(0.9 * times)]
 
     alone_p90 = {"chunk": launched_alone(chunk_tokens * WIDTH), "16 values": launched_alone(16)}
-    probe = create()
+    # the stand-in: 1.2x a chunk's transfer as the serial run measures it (the mean of its spans, chunks spaced
+    # by compute), from a probe of this run's processes, its last forward sized by the one before
+    probe, seconds = create(overlap=False), 1e-3
     for _ in range(3):
-        forward_time(probe, 0.0, False)
-    spans = [e["dur"] for e in probe.timeline.events if e["cat"] == "history"]
-    seconds = 1.2 * statistics.median(spans) / 1e6
+        before = len(probe.timeline.events)
+        forward_time(probe, seconds, True)
+        seconds = 1.2 * statistics.fmean(e["dur"] for e in probe.timeline.events[before:]
+                                         if e["cat"] == "history") / 1e6
     probe.close()
     planless_rt, serial_rt, prefetch_rt = create(), create(overlap=False), create()
     for runtime, prefetch in ((planless_rt, False), (serial_rt, True), (prefetch_rt, True)):
         forward_time(runtime, seconds, prefetch, check=True)
     serial, prefetched, transfer, waited, in_prefetched_calls, gathering = [], [], [], [], [], []
     launching, stalled, launch_us = [], [], []
-    planless, planless_transfer = [], []
+    planless, planless_transfer, compute, hidden, gained = [], [], [], [], []
+    chunks = layers * count
 
     def timed(runtime, prefetch, times, transfers):
         before = len(runtime.timeline.events)
         times.append(forward_time(runtime, seconds, prefetch))
         transfers.append(sum(e["dur"] for e in runtime.timeline.events[before:] if e["cat"] == "history") / 1e6)
 
-    for _ in range(repeats):
+    for _ in range(repeats):  # each repeat's three forwards take one stand-in: 1.2x the last serial transfer
+        compute.append(seconds)
         timed(planless_rt, False, planless, planless_transfer)
         timed(serial_rt, True, serial, transfer)
         before = len(prefetch_rt.timeline.events)
         prefetched.append(forward_time(prefetch_rt, seconds, True))
+        hidden.append((serial[-1] - prefetched[-1]) / transfer[-1])
+        gained.append((planless[-1] - prefetched[-1]) / planless_transfer[-1])
+        seconds = 1.2 * transfer[-1] / chunks
         in_prefetched_calls.append(in_calls[0])
         gathering.append(GATHERING[0])
         launches = prefetch_rt.api.launches
@@ -300,8 +311,8 @@ def worker(rank, world, layers, history, chunk_tokens, repeats, idle_transfer_th
             "stalled_launches": stalled, "median_launch_us": launch_us,
             "launched_alone_p90_us": {k: v * 1e6 for k, v in alone_p90.items()},
             "without_plan": planless, "without_plan_transfer": planless_transfer,
-            "compute_per_chunk_s": seconds,
-            "chunk_bytes": chunk_tokens * WIDTH * 2, "chunks_per_forward": layers * count,
+            "compute_per_chunk_s": compute, "hidden": hidden, "gained": gained,
+            "chunk_bytes": chunk_tokens * WIDTH * 2, "chunks_per_forward": chunks,
             "found_in_flight": found_in_flight, "forwards": repeats + 1, "gloo_threads": len(gloo_threads)}
 
 
@@ -310,15 +321,18 @@ TIMED = ("serial", "prefetched", "transfer", "waited", "in_prefetched_calls", "g
 
 
 def figures(res: dict) -> dict:
-    """One run's figures, from the medians over its forwards."""
+    """One run's figures: the fractions the median of each repeat's, the times the medians over the forwards."""
     med = {k: statistics.median(res[k]) for k in TIMED}
     own_work = med["in_prefetched_calls"] - med["waited"] - med["gathering"] - med["launching"]
+    chunks = res["chunks_per_forward"]
     return {"seconds": {k: summary(res[k]) for k in TIMED}, "medians": med,
-            "compute_per_chunk_ms": res["compute_per_chunk_s"] * 1e3,
-            "transfer_per_chunk_ms": med["transfer"] / res["chunks_per_forward"] * 1e3,
+            "compute_per_chunk_ms": statistics.median(res["compute_per_chunk_s"]) * 1e3,
+            "transfer_per_chunk_ms": med["transfer"] / chunks * 1e3,
+            "compute_of_transfer": statistics.median(c / (t / chunks) for c, t in zip(res["compute_per_chunk_s"],
+                                                                                      res["transfer"])),
             "found_in_flight_per_forward": res["found_in_flight"] / res["forwards"],
-            "hidden_fraction": (med["serial"] - med["prefetched"]) / med["transfer"],
-            "gained_against_no_plan": (med["without_plan"] - med["prefetched"]) / med["without_plan_transfer"],
+            "hidden_fraction": statistics.median(res["hidden"]),
+            "gained_against_no_plan": statistics.median(res["gained"]),
             "transfer_not_waited_for": 1 - med["waited"] / med["transfer"],
             "launches_of_transfer": med["launching"] / med["transfer"],
             "stalled_launches_of_transfer": med["stalled_launches"] / med["transfer"],
@@ -331,7 +345,7 @@ def figures(res: dict) -> dict:
 def show(title: str, f: dict, res: dict) -> None:
     med, own_work = f["medians"], f["own_work"]
     print(f"{title}: transfer {f['transfer_per_chunk_ms']:.2f} ms/chunk, compute {f['compute_per_chunk_ms']:.2f} "
-          f"ms/chunk; {f['found_in_flight_per_forward']:.0f} of "
+          f"ms/chunk ({f['compute_of_transfer']:.2f}x); {f['found_in_flight_per_forward']:.0f} of "
           f"{res['chunks_per_forward']} chunks found in flight per forward")
     print(f"serial {med['serial'] * 1e3:.1f} ms  prefetched {med['prefetched'] * 1e3:.1f} ms  "
           f"transfer {med['transfer'] * 1e3:.1f} ms  -> hidden fraction {f['hidden_fraction']:.3f}")
@@ -375,7 +389,7 @@ def main(argv=None):
     res, as_is = runs["as is"]
     keep = ("hidden_fraction", "gained_against_no_plan", "transfer_not_waited_for", "launches_of_transfer",
             "stalled_launches_of_transfer", "median_launch_us", "launched_alone_p90_us", "runtime_work_of_transfer",
-            "compute_per_chunk_ms", "transfer_per_chunk_ms", "found_in_flight_per_forward")
+            "compute_per_chunk_ms", "transfer_per_chunk_ms", "compute_of_transfer", "found_in_flight_per_forward")
     result = {"layers": args.layers, "history_tokens": args.history, "chunk_tokens": args.chunk,
               "chunk_bytes": res["chunk_bytes"], "chunks_per_forward": res["chunks_per_forward"],
               "seconds": as_is["seconds"], **{k: as_is[k] for k in keep}, "stall_us": STALL * 1e6, "goal": 0.9}
